@@ -1,0 +1,5 @@
+"""msgpack wire codec for the rd2h control channel."""
+
+from rd2h.adapters.msgpack.codec import DEFAULT_MAX_FRAME_BYTES, MsgpackCodec
+
+__all__ = ["DEFAULT_MAX_FRAME_BYTES", "MsgpackCodec"]

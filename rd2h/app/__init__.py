@@ -1,0 +1,1 @@
+"""Use cases, settings, the composition root and the command line."""

@@ -1,0 +1,68 @@
+"""Error types raised by the pure core. The app decides whom to tell."""
+
+from __future__ import annotations
+
+
+class Rd2hError(Exception):
+    """Base of every error rd2h raises on purpose."""
+
+
+class TopologyError(Rd2hError, ValueError):
+    """An unsupported P/D parallel layout or port plan (spec sections 8 and 9)."""
+
+
+class ChunkError(Rd2hError, ValueError):
+    """A chunked-prefill block range that does not fit the request (spec 3.2)."""
+
+
+class LayoutMismatch(Rd2hError):
+    """A Prefill layer layout that does not match the Decode destination (spec 6).
+
+    ``component`` is one of ``main``, ``indexer``, ``scale`` or ``destination``.
+    """
+
+    def __init__(self, layer: str, component: str, detail: str) -> None:
+        self.layer = layer
+        self.component = component
+        self.detail = detail
+        super().__init__(f"layer {layer!r}: {component} layout mismatch: {detail}")
+
+
+class PlanningError(Rd2hError):
+    """A READ_READY_BATCH that cannot be planned on this Decode rank (spec 5)."""
+
+    def __init__(self, layer: str, detail: str, ext_req_id: str | None = None) -> None:
+        self.layer = layer
+        self.ext_req_id = ext_req_id
+        self.detail = detail
+        who = f" request {ext_req_id!r}:" if ext_req_id is not None else ""
+        super().__init__(f"layer {layer!r}:{who} {detail}")
+
+
+class ProtocolError(Rd2hError):
+    """A control message that does not follow the wire contract (spec 4).
+
+    ``layer_idx`` is set when the message got far enough to name its layer, so
+    the receiver can still answer READ_FAILED for exactly that layer.
+    """
+
+    def __init__(self, detail: str, layer_idx: int | None = None) -> None:
+        self.detail = detail
+        self.layer_idx = layer_idx
+        super().__init__(detail)
+
+
+class UnknownMessageType(ProtocolError):
+    """A well-formed tuple whose tag this build does not know; logged and ignored."""
+
+    def __init__(self, tag: bytes) -> None:
+        self.tag = tag
+        super().__init__(f"unknown message type {tag!r}")
+
+
+class CompletionError(Rd2hError):
+    """A completion-rule violation (unknown layer slot, failed layer, ...) (spec 7)."""
+
+
+class TransferError(Rd2hError):
+    """A one-sided read (or memory registration) failed; becomes READ_FAILED."""

@@ -1,0 +1,293 @@
+"""The control-channel messages and their decoding rules (spec 4), codec-agnostic.
+
+A codec (``rd2h.adapters.msgpack``) turns frames into plain Python values
+(lists, ints, str, bytes, dicts); this module turns those values into typed,
+validated messages and back, with every legacy length guard in one place.
+Protocol extensions only ever append fields.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from rd2h.domain.errors import ProtocolError, UnknownMessageType
+
+# Type tags are msgpack bin (bytes), never str.
+MF_META = b"mf_meta"
+READ_READY_BATCH = b"read_ready_batch"
+READ_DONE = b"read_done"
+READ_FAILED = b"read_failed"
+# The MF_META acknowledgement is these raw bytes, not a msgpack value.
+ACK = b"ACK"
+
+LAYER_METADATA_KEYS = (
+    "base_addrs",
+    "block_len",
+    "block_size_scale",
+    "tensor_group_idx",
+    "main_tensor_count",
+    "has_indexer",
+)
+
+
+@dataclass(frozen=True)
+class LayerMetadata:
+    """One layer's source tensors as Prefill advertises them (spec 4.1).
+
+    Tensors are ordered main first, then indexer, then LIC8 scale.
+    """
+
+    base_addrs: tuple[int, ...]
+    block_len: tuple[int, ...]
+    block_size_scale: tuple[int, ...]
+    tensor_group_idx: tuple[int, ...]
+    main_tensor_count: int
+    has_indexer: bool
+
+    def to_map(self) -> dict[str, Any]:
+        return {
+            "base_addrs": list(self.base_addrs),
+            "block_len": list(self.block_len),
+            "block_size_scale": list(self.block_size_scale),
+            "tensor_group_idx": list(self.tensor_group_idx),
+            "main_tensor_count": self.main_tensor_count,
+            "has_indexer": self.has_indexer,
+        }
+
+
+@dataclass(frozen=True)
+class MfMeta:
+    p_session: str
+    layers: Mapping[str, LayerMetadata]
+
+
+@dataclass(frozen=True)
+class ReadRequest:
+    """One request's ready blocks in a READ_READY_BATCH (spec 4.2)."""
+
+    ext_req_id: str
+    p_main_block_ids: tuple[int, ...]
+    p_indexer_block_ids: tuple[int, ...]
+    main_start_block: int = 0
+    indexer_start_block: int = 0
+
+
+@dataclass(frozen=True)
+class ReadReadyBatch:
+    layer_idx: int
+    layer_name: str
+    read_reqs: tuple[ReadRequest, ...]
+    done_ext_ids: tuple[str, ...] = ()
+    group_member_idx: int = 0
+    tp_ratio: int = 1
+
+    @property
+    def named_ext_ids(self) -> tuple[str, ...]:
+        """Every request this message names (read entries, then done ids), no repeats."""
+        seen: dict[str, None] = {}
+        for req in self.read_reqs:
+            seen.setdefault(req.ext_req_id, None)
+        for ext in self.done_ext_ids:
+            seen.setdefault(ext, None)
+        return tuple(seen)
+
+
+@dataclass(frozen=True)
+class ReadDone:
+    layer_idx: int
+
+
+@dataclass(frozen=True)
+class ReadFailed:
+    layer_idx: int
+    error: str = field(default="")
+
+
+Message = MfMeta | ReadReadyBatch | ReadDone | ReadFailed
+
+
+# ---------------------------------------------------------------- helpers
+
+
+def _int(value: Any, what: str, layer_idx: int | None = None, *, minimum: int | None = None) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ProtocolError(f"{what} must be an int, got {type(value).__name__}", layer_idx)
+    if minimum is not None and value < minimum:
+        raise ProtocolError(f"{what} must be >= {minimum}, got {value}", layer_idx)
+    return value
+
+
+def _str(value: Any, what: str, layer_idx: int | None = None) -> str:
+    if not isinstance(value, str):
+        raise ProtocolError(f"{what} must be a str, got {type(value).__name__}", layer_idx)
+    return value
+
+
+def _seq(value: Any, what: str, layer_idx: int | None = None) -> Sequence[Any]:
+    if not isinstance(value, (list, tuple)):
+        raise ProtocolError(f"{what} must be an array, got {type(value).__name__}", layer_idx)
+    return value
+
+
+def _block_ids(value: Any, what: str, layer_idx: int) -> tuple[int, ...]:
+    items = _seq(value, what, layer_idx)
+    for item in items:
+        if isinstance(item, bool) or not isinstance(item, int) or item < 0:
+            raise ProtocolError(f"{what} must hold ints >= 0, got {item!r}", layer_idx)
+    return tuple(items)
+
+
+# ---------------------------------------------------------------- decoding
+
+
+def decode_layer_metadata(name: Any, value: Any) -> LayerMetadata:
+    """Validate one entry of MF_META's layer map."""
+    layer = _str(name, "MF_META layer name")
+    if not isinstance(value, Mapping):
+        raise ProtocolError(f"MF_META layer {layer!r} must be a map, got {type(value).__name__}")
+    missing = [k for k in LAYER_METADATA_KEYS if k not in value]
+    if missing:
+        raise ProtocolError(f"MF_META layer {layer!r} lacks {', '.join(missing)}")
+    lists = {}
+    for key in ("base_addrs", "block_len", "block_size_scale", "tensor_group_idx"):
+        items = _seq(value[key], f"MF_META {layer!r} {key}")
+        lists[key] = tuple(_int(v, f"MF_META {layer!r} {key} item", minimum=0) for v in items)
+    sizes = {len(v) for v in lists.values()}
+    if len(sizes) != 1:
+        raise ProtocolError(f"MF_META layer {layer!r}: per-tensor lists differ in length")
+    main_count = _int(value["main_tensor_count"], f"MF_META {layer!r} main_tensor_count", minimum=0)
+    has_indexer = value["has_indexer"]
+    if not isinstance(has_indexer, bool):
+        raise ProtocolError(f"MF_META {layer!r} has_indexer must be a bool")
+    return LayerMetadata(
+        base_addrs=lists["base_addrs"],
+        block_len=lists["block_len"],
+        block_size_scale=lists["block_size_scale"],
+        tensor_group_idx=lists["tensor_group_idx"],
+        main_tensor_count=main_count,
+        has_indexer=has_indexer,
+    )
+
+
+def decode_layer_map(value: Any) -> dict[str, LayerMetadata]:
+    if not isinstance(value, Mapping):
+        raise ProtocolError(f"MF_META layer metadata must be a map, got {type(value).__name__}")
+    return {name: decode_layer_metadata(name, meta) for name, meta in value.items()}
+
+
+def decode_read_request(entry: Any, layer_idx: int) -> ReadRequest:
+    """One read entry; a 2-field entry shares its ids between main and indexer."""
+    fields = _seq(entry, "read request", layer_idx)
+    if len(fields) == 2:
+        ext = _str(fields[0], "read request id", layer_idx)
+        ids = _block_ids(fields[1], "read request block ids", layer_idx)
+        return ReadRequest(ext, ids, ids, 0, 0)
+    if len(fields) < 5:
+        raise ProtocolError(
+            f"read request must have 2 or 5 fields, got {len(fields)}", layer_idx
+        )
+    return ReadRequest(
+        ext_req_id=_str(fields[0], "read request id", layer_idx),
+        p_main_block_ids=_block_ids(fields[1], "main block ids", layer_idx),
+        p_indexer_block_ids=_block_ids(fields[2], "indexer block ids", layer_idx),
+        main_start_block=_int(fields[3], "main start block", layer_idx, minimum=0),
+        indexer_start_block=_int(fields[4], "indexer start block", layer_idx, minimum=0),
+    )
+
+
+def _decode_read_ready(fields: Sequence[Any]) -> ReadReadyBatch:
+    if len(fields) < 4:
+        raise ProtocolError(f"READ_READY_BATCH needs at least 4 fields, got {len(fields)}")
+    layer_idx = _int(fields[1], "layer index", minimum=0)
+    layer_name = _str(fields[2], "layer name", layer_idx)
+    reqs = tuple(
+        decode_read_request(e, layer_idx) for e in _seq(fields[3], "read requests", layer_idx)
+    )
+    done: tuple[str, ...] = ()
+    if len(fields) > 4:
+        done = tuple(
+            _str(e, "done request id", layer_idx) for e in _seq(fields[4], "done ids", layer_idx)
+        )
+    member, ratio = 0, 1
+    if len(fields) > 6:
+        member = _int(fields[5], "group member index", layer_idx, minimum=0)
+        ratio = max(1, _int(fields[6], "tp ratio", layer_idx))
+        if member >= ratio:
+            raise ProtocolError(
+                f"group member index {member} is outside its group of ratio {ratio}", layer_idx
+            )
+    elif len(fields) == 6:
+        raise ProtocolError("READ_READY_BATCH carries a member index without its ratio", layer_idx)
+    return ReadReadyBatch(layer_idx, layer_name, reqs, done, member, ratio)
+
+
+def message_from_fields(
+    fields: Any, decode_nested_metadata: Any = None
+) -> Message:
+    """Turn a decoded positional tuple into a typed message.
+
+    ``decode_nested_metadata(bytes) -> Any`` decodes MF_META's encoded layer map
+    (a codec concern); it may raise ``ProtocolError``.
+    """
+    if not isinstance(fields, (list, tuple)) or not fields:
+        raise ProtocolError("a control message must be a non-empty array")
+    tag = fields[0]
+    if not isinstance(tag, bytes):
+        raise ProtocolError(f"message tag must be bin, got {type(tag).__name__}")
+    if tag == READ_READY_BATCH:
+        return _decode_read_ready(fields)
+    if tag == MF_META:
+        if len(fields) < 3:
+            raise ProtocolError(f"MF_META needs 3 fields, got {len(fields)}")
+        session = _str(fields[1], "MF_META session")
+        raw = fields[2]
+        if isinstance(raw, bytes):
+            if decode_nested_metadata is None:
+                raise ProtocolError("MF_META carries encoded metadata but no decoder was given")
+            raw = decode_nested_metadata(raw)
+        return MfMeta(session, decode_layer_map(raw))
+    if tag == READ_DONE:
+        if len(fields) < 2:
+            raise ProtocolError("READ_DONE needs a layer index")
+        return ReadDone(_int(fields[1], "layer index", minimum=0))
+    if tag == READ_FAILED:
+        if len(fields) < 2:
+            raise ProtocolError("READ_FAILED needs a layer index")
+        layer_idx = _int(fields[1], "layer index", minimum=0)
+        error = "" if len(fields) < 3 else fields[2]
+        if isinstance(error, bytes):
+            error = error.decode("utf-8", "replace")
+        return ReadFailed(layer_idx, _str(error, "READ_FAILED error", layer_idx))
+    raise UnknownMessageType(tag)
+
+
+# ---------------------------------------------------------------- encoding
+
+
+def fields_of(message: Message, encode_nested_metadata: Any = None) -> list[Any]:
+    """The positional tuple of a message, ready for a codec."""
+    if isinstance(message, ReadReadyBatch):
+        return [
+            READ_READY_BATCH,
+            message.layer_idx,
+            message.layer_name,
+            [
+                [r.ext_req_id, list(r.p_main_block_ids), list(r.p_indexer_block_ids),
+                 r.main_start_block, r.indexer_start_block]
+                for r in message.read_reqs
+            ],
+            list(message.done_ext_ids),
+            message.group_member_idx,
+            message.tp_ratio,
+        ]
+    if isinstance(message, MfMeta):
+        layer_map = {name: meta.to_map() for name, meta in message.layers.items()}
+        payload = layer_map if encode_nested_metadata is None else encode_nested_metadata(layer_map)
+        return [MF_META, message.p_session, payload]
+    if isinstance(message, ReadDone):
+        return [READ_DONE, message.layer_idx]
+    if isinstance(message, ReadFailed):
+        return [READ_FAILED, message.layer_idx, message.error]
+    raise TypeError(f"not an rd2h message: {message!r}")

@@ -1,0 +1,1 @@
+"""Interfaces (typing.Protocol) the app needs from the outside world."""

@@ -1,0 +1,38 @@
+"""Ports for time, device completion and the Decode TP group."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+
+class Clock(Protocol):
+    def now(self) -> float:
+        """Monotonic seconds."""
+        ...
+
+
+class DeviceEvent(Protocol):
+    def wait(self, timeout: float) -> bool:
+        """Block until the recorded work is complete; False if ``timeout`` ran out."""
+        ...
+
+
+class DeviceEvents(Protocol):
+    def record(self) -> DeviceEvent:
+        """Record an event after the work queued so far (e.g. a layer's KV scatter)."""
+        ...
+
+
+class TpGroupExchange(Protocol):
+    """All-gather of small picklable objects among the Decode TP ranks."""
+
+    @property
+    def rank(self) -> int: ...
+
+    @property
+    def world_size(self) -> int: ...
+
+    def all_gather(self, obj: Any, timeout: float) -> Sequence[Any]:
+        """Every rank's ``obj`` in rank order; raises ``TimeoutError`` past ``timeout``."""
+        ...
