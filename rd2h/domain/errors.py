@@ -66,3 +66,12 @@ class CompletionError(Rd2hError):
 
 class TransferError(Rd2hError):
     """A one-sided read (or memory registration) failed; becomes READ_FAILED."""
+
+
+class LayerSendError(CompletionError):
+    """A Prefill layer announcement failed or was not acknowledged in time."""
+
+    def __init__(self, layer_idx: int, detail: str) -> None:
+        self.layer_idx = layer_idx
+        self.detail = detail
+        super().__init__(f"layer {layer_idx}: {detail}")

@@ -1,0 +1,1 @@
+"""torch adapters: device events and the Decode TP group exchange."""

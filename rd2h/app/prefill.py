@@ -1,0 +1,314 @@
+"""Prefill sender: announces ready layers to Decode endpoints and drives the
+storage-slot gates (spec 3.3, 4, 7.1).
+
+The compute path calls ``submit`` after a layer's KV scatter (gates close right
+there, in the caller's thread) and ``wait_for_layer_send`` before a layer's
+storage is written again. A background thread owns the sockets: it waits for
+the device event, sends MF_META once per connection (and waits for b"ACK"),
+sends one READ_READY_BATCH per endpoint, drains replies and expires deadlines.
+If the thread ends for any reason, every pending layer fails and its gates
+open, so the compute path raises instead of deadlocking. No wait is unbounded.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+
+from rd2h.domain.completion import StorageSlotGates
+from rd2h.domain.errors import CompletionError, LayerSendError, ProtocolError
+from rd2h.domain.layout import SourceLayout
+from rd2h.domain.protocol import ACK, MfMeta, ReadDone, ReadFailed, ReadReadyBatch, ReadRequest
+from rd2h.ports.codec import WireCodec
+from rd2h.ports.control import ControlClients
+from rd2h.ports.runtime import Clock, DeviceEvent, Logger
+
+
+@dataclass(frozen=True)
+class LayerTarget:
+    """One request's share of a layer for one Decode endpoint."""
+
+    endpoint: str
+    request: ReadRequest | None
+    done: bool = False
+    member: int = 0
+    ratio: int = 1
+    ext_req_id: str = ""
+
+
+@dataclass(frozen=True)
+class _Task:
+    layer_idx: int
+    event: DeviceEvent | None
+    batches: Mapping[str, ReadReadyBatch]
+
+
+@dataclass
+class SenderStats:
+    layers_sent: int = 0
+    layers_failed: int = 0
+    ack_latencies_ms: list[float] = field(default_factory=list)
+
+
+def group_batches(
+    layer_idx: int, layer_name: str, targets: Iterable[LayerTarget]
+) -> dict[str, ReadReadyBatch]:
+    """One READ_READY_BATCH per endpoint, with every request for that endpoint."""
+    reqs: dict[str, list[ReadRequest]] = {}
+    done: dict[str, list[str]] = {}
+    group: dict[str, tuple[int, int]] = {}
+    for t in targets:
+        prev = group.setdefault(t.endpoint, (t.member, t.ratio))
+        if prev != (t.member, t.ratio):
+            raise ValueError(f"endpoint {t.endpoint}: mixed contributor positions {prev}")
+        reqs.setdefault(t.endpoint, [])
+        done.setdefault(t.endpoint, [])
+        if t.request is not None:
+            reqs[t.endpoint].append(t.request)
+        if t.done:
+            ext = t.ext_req_id or (t.request.ext_req_id if t.request else "")
+            if not ext:
+                raise ValueError("a done target needs its external request id")
+            done[t.endpoint].append(ext)
+    return {
+        ep: ReadReadyBatch(layer_idx, layer_name, tuple(reqs[ep]), tuple(done[ep]), *group[ep])
+        for ep in reqs
+    }
+
+
+class PrefillSender:
+    def __init__(
+        self,
+        *,
+        clients_factory: Callable[[], ControlClients],
+        codec: WireCodec,
+        p_session: str,
+        layers: Mapping[int, SourceLayout],
+        clock: Clock,
+        log: Logger,
+        meta_ack_timeout_s: float = 10.0,
+        layer_ack_timeout_s: float = 30.0,
+        event_timeout_s: float = 30.0,
+        reconnect_after_s: float = 5.0,
+        poll_interval_s: float = 0.02,
+    ) -> None:
+        self._clients_factory = clients_factory
+        self._codec = codec
+        self._clock = clock
+        self._log = log
+        self._meta_timeout = meta_ack_timeout_s
+        self._ack_timeout = layer_ack_timeout_s
+        self._event_timeout = event_timeout_s
+        self._reconnect_after = reconnect_after_s
+        self._poll = poll_interval_s
+        self._layers = dict(layers)
+        self._names = {idx: lay.layer_name for idx, lay in self._layers.items()}
+        self._gates = StorageSlotGates()
+        for idx, lay in self._layers.items():
+            self._gates.register_layer(idx, *lay.storage_keys)
+        self._meta_frame = codec.encode(
+            MfMeta(p_session, {lay.layer_name: lay.to_metadata() for lay in self._layers.values()})
+        )
+        self._cond = threading.Condition()
+        self._queue: queue.Queue[_Task] = queue.Queue()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._dead: str | None = None
+        self._meta_ok: set[str] = set()
+        self._meta_failed: dict[str, tuple[float, str]] = {}
+        self._sent_at: dict[tuple[int, str], list[float]] = {}
+        self._clients: ControlClients | None = None
+        self.stats = SenderStats()
+
+    # ------------------------------------------------------------ lifecycle
+    def start(self) -> None:
+        if self._thread is not None:
+            raise RuntimeError("prefill sender already started")
+        self._clients = self._clients_factory()
+        self._thread = threading.Thread(target=self._run, name="rd2h-prefill-sender", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 5.0) -> bool:
+        self._stop.set()
+        if self._thread is None:
+            return True
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+    # ------------------------------------------------------------ compute path
+    def submit(
+        self,
+        layer_idx: int,
+        event: DeviceEvent | None,
+        targets: Iterable[LayerTarget],
+    ) -> int:
+        """Queue a layer's announcements; returns the number of endpoints targeted."""
+        name = self._names.get(layer_idx)
+        if name is None:
+            raise CompletionError(f"layer {layer_idx} has no storage slot mapping")
+        batches = group_batches(layer_idx, name, targets)
+        with self._cond:
+            if self._dead is not None or self._thread is None:
+                reason = self._dead or "prefill sender not started"
+                raise LayerSendError(layer_idx, reason)
+            budget = self._event_timeout + self._meta_timeout + self._ack_timeout
+            self._gates.announce(layer_idx, list(batches), deadline=self._clock.now() + budget)
+        if batches:
+            self._queue.put(_Task(layer_idx, event, batches))
+        return len(batches)
+
+    def wait_for_layer_send(self, layer_idx: int, timeout: float) -> None:
+        """Block until the layer's storage may be reused; raise ``LayerSendError`` if
+        the layer failed, the sender died, or ``timeout`` passed."""
+        deadline = self._clock.now() + timeout
+        with self._cond:
+            while True:
+                state = self._gates.state(layer_idx)
+                if state.error is not None:
+                    raise LayerSendError(layer_idx, state.error)
+                if state.open:
+                    return
+                remaining = deadline - self._clock.now()
+                if remaining <= 0:
+                    who = ", ".join(str(e) for e in state.waiting_on) or "?"
+                    raise LayerSendError(
+                        layer_idx, f"no acknowledgement from {who} within {timeout:g} s"
+                    )
+                self._cond.wait(min(remaining, 1.0))
+
+    def counters(self) -> dict[str, int]:
+        with self._cond:
+            return {
+                "pending_layers": len(self._gates.pending_layers),
+                "closed_slots": self._gates.closed_slots,
+                "queued_tasks": self._queue.qsize(),
+            }
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    # ------------------------------------------------------------ sender thread
+    def _run(self) -> None:
+        reason = "prefill sender stopped"
+        try:
+            while not self._stop.is_set():
+                self._drain(0 if not self._queue.empty() else self._poll)
+                self._expire()
+                try:
+                    task = self._queue.get_nowait()
+                except queue.Empty:
+                    continue
+                self._process(task)
+        except BaseException as exc:
+            reason = f"prefill sender crashed: {exc!r}"
+            self._log.error("prefill sender crashed", error=repr(exc))
+        finally:
+            with self._cond:
+                self._dead = reason
+                failed = self._gates.fail_all(reason)
+                self._cond.notify_all()
+            if failed:
+                self._log.warning("failed pending layers on sender exit", layers=failed)
+            if self._clients is not None:
+                self._clients.close()
+
+    def _ack(self, layer_idx: int, endpoint: str, error: str | None) -> None:
+        with self._cond:
+            completed = self._gates.acknowledge(layer_idx, endpoint, error)
+            if completed:
+                self._cond.notify_all()
+        sent = self._sent_at.get((layer_idx, endpoint))
+        if sent:
+            self.stats.ack_latencies_ms.append((self._clock.now() - sent.pop(0)) * 1e3)
+            if not sent:
+                del self._sent_at[(layer_idx, endpoint)]
+        if error is not None:
+            self.stats.layers_failed += 1
+            self._log.warning("layer not read by decode", layer=layer_idx, endpoint=endpoint,
+                              error=error)
+
+    def _expire(self) -> None:
+        with self._cond:
+            expired = self._gates.expire(self._clock.now())
+            if expired:
+                self._cond.notify_all()
+        for item in expired:
+            self._log.warning("layer acknowledgement deadline passed", layer=item.layer_idx,
+                              endpoints=[str(e) for e in item.endpoints])
+            for ep in item.endpoints:
+                self._sent_at.pop((item.layer_idx, str(ep)), None)
+
+    def _drain(self, timeout: float) -> list[tuple[str, bytes]]:
+        """Handle every reply that arrives within ``timeout``; return raw ACK frames."""
+        assert self._clients is not None
+        acks = []
+        for endpoint, payload in self._clients.poll(timeout):
+            if payload == ACK:
+                acks.append((endpoint, payload))
+                continue
+            try:
+                msg = self._codec.decode(payload)
+            except ProtocolError as exc:
+                self._log.warning("malformed reply", endpoint=endpoint, error=exc.detail)
+                continue
+            if isinstance(msg, ReadDone):
+                self._ack(msg.layer_idx, endpoint, None)
+            elif isinstance(msg, ReadFailed):
+                self._ack(msg.layer_idx, endpoint, msg.error or "decode reported READ_FAILED")
+            else:
+                self._log.warning("unexpected message from decode", endpoint=endpoint)
+        return acks
+
+    def _ensure_meta(self, endpoint: str) -> None:
+        """MF_META once per connection, acknowledged within the deadline."""
+        assert self._clients is not None
+        if endpoint in self._meta_ok:
+            return
+        failed = self._meta_failed.get(endpoint)
+        if failed is not None:
+            if self._clock.now() < failed[0]:
+                raise ConnectionError(failed[1])
+            del self._meta_failed[endpoint]
+        self._clients.connect(endpoint)
+        deadline = self._clock.now() + self._meta_timeout
+        try:
+            self._clients.send(endpoint, self._meta_frame, timeout=self._meta_timeout)
+            while True:
+                remaining = deadline - self._clock.now()
+                if remaining <= 0:
+                    raise ConnectionError(
+                        f"no MF_META acknowledgement from {endpoint} "
+                        f"within {self._meta_timeout:g} s"
+                    )
+                if any(ep == endpoint for ep, _ in self._drain(min(remaining, self._poll))):
+                    self._meta_ok.add(endpoint)
+                    self._log.info("decode endpoint acknowledged metadata", endpoint=endpoint)
+                    return
+        except ConnectionError as exc:
+            self._clients.disconnect(endpoint)
+            self._meta_failed[endpoint] = (self._clock.now() + self._reconnect_after, str(exc))
+            raise
+
+    def _process(self, task: _Task) -> None:
+        log = self._log.bind(layer=task.layer_idx)
+        if task.event is not None and not task.event.wait(self._event_timeout):
+            reason = f"device event not complete within {self._event_timeout:g} s"
+            for ep in task.batches:
+                self._ack(task.layer_idx, ep, reason)
+            return
+        for endpoint, batch in task.batches.items():
+            try:
+                self._ensure_meta(endpoint)
+                assert self._clients is not None
+                self._sent_at.setdefault((task.layer_idx, endpoint), []).append(self._clock.now())
+                self._clients.send(endpoint, self._codec.encode(batch), timeout=self._meta_timeout)
+            except ConnectionError as exc:
+                self._sent_at.pop((task.layer_idx, endpoint), None)
+                self._ack(task.layer_idx, endpoint, str(exc))
+                continue
+            self.stats.layers_sent += 1
+            log.debug("layer announced", endpoint=endpoint, requests=len(batch.read_reqs),
+                      done=len(batch.done_ext_ids))

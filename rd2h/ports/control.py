@@ -1,0 +1,43 @@
+"""Control channel ports (spec 4): Decode binds one ROUTER per rank; Prefill
+connects one DEALER per Decode endpoint. Payloads are already-encoded frames."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+
+class ControlServer(Protocol):
+    """Decode side: a bound socket that receives ``(identity, payload)`` pairs."""
+
+    @property
+    def endpoint(self) -> str: ...
+
+    def recv(self, timeout: float) -> tuple[bytes, bytes] | None:
+        """Next message (empty delimiter frames removed), or None after ``timeout``."""
+        ...
+
+    def send(self, identity: bytes, payload: bytes) -> bool:
+        """Reply; False when the reply cannot be delivered."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class ControlClients(Protocol):
+    """Prefill side: one connection per Decode endpoint, polled together."""
+
+    def connect(self, endpoint: str) -> None:
+        """Open a connection to ``endpoint`` (e.g. ``tcp://host:port``); idempotent."""
+        ...
+
+    def disconnect(self, endpoint: str) -> None: ...
+
+    def send(self, endpoint: str, payload: bytes, timeout: float = 5.0) -> None:
+        """Queue one frame; raises ``ConnectionError`` if the endpoint is unreachable."""
+        ...
+
+    def poll(self, timeout: float) -> list[tuple[str, bytes]]:
+        """Replies that arrived, as ``(endpoint, payload)``; waits at most ``timeout``."""
+        ...
+
+    def close(self) -> None: ...
