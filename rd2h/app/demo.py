@@ -33,6 +33,7 @@ from rd2h.domain.protocol import ReadRequest
 from rd2h.domain.topology import check_topology, compute_mapping, remote_port
 
 ENGINE_SUFFIX = "-e0000001"  # vLLM appends 9 characters to request ids
+SENTINEL = 0xEE  # destination bytes before any pull
 
 
 @dataclass(frozen=True)
@@ -274,12 +275,14 @@ def _decode_rank(cfg: DemoConfig, d_rank: int, base_port: int, dist_port: int, s
     transport = container.transport()
     shm = shared_memory.SharedMemory(name=shm_name)
     pool = np.ndarray((shm.size,), dtype=np.uint8, buffer=shm.buf)
+    pool[::4096] = SENTINEL  # map every page of the shared pool here before timing
     pool_addr = pool.ctypes.data
     transport.register_memory(pool_addr, shm.size)
     local: dict[tuple[int, str], np.ndarray] = {}
     for layer in range(cfg.layers):
         for c in shapes.components[2:]:
-            arr = np.zeros((alloc.d_pool_blocks, shapes.bytes_per_block(c)), dtype=np.uint8)
+            # Pinned-pool stand-in: fault every page in now, as a real pinned pool would be.
+            arr = np.full((alloc.d_pool_blocks, shapes.bytes_per_block(c)), SENTINEL, np.uint8)
             transport.register_memory(arr.ctypes.data, arr.nbytes)
             local[(layer, c)] = arr
     destinations = {}
@@ -450,6 +453,7 @@ def run_demo(cfg: DemoConfig, *, progress: bool = True) -> DemoResult:
     base_port = cfg.kv_port or free_ports(cfg.decode_tp, cfg.host)
     dist_port = free_ports(1)
     shm = shared_memory.SharedMemory(create=True, size=max(1, main_pool_bytes(cfg, alloc)))
+    np.ndarray((shm.size,), dtype=np.uint8, buffer=shm.buf).fill(SENTINEL)
     out: Any = ctx.Queue()
     go, release, replay_go = ctx.Event(), ctx.Event(), ctx.Event()
     procs: list[Any] = []

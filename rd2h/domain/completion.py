@@ -313,7 +313,11 @@ class DecodeRequestBook:
 
     # -- step
     def local_report(self) -> RankReport:
-        return RankReport(frozenset(self._terminal), frozenset(self._failed))
+        # Requests waiting only for their admission here (``_pending_finished``) were
+        # already finished on every rank: re-announcing their failure would make the
+        # ranks that forgot them fail them again, and they would never be cleaned.
+        failed = self._failed.keys() - self._pending_finished
+        return RankReport(frozenset(self._terminal), frozenset(failed))
 
     def finish_step(
         self, reports: Collection[RankReport], finished_by_vllm: Iterable[str] = ()
