@@ -4,13 +4,17 @@ The planner turns a message, the two layouts and this rank's destination block
 lists into one batch of read descriptors (three int64 arrays) covering every
 request of the message, plus per-request ownership facts. Any rule violation
 fails the whole layer with ``PlanningError``: the caller answers READ_FAILED.
+
+Work per message is a short Python pass over the requests (look-ups, slices)
+and array arithmetic over blocks: ownership ranges are computed for all
+requests at once, contiguous runs are found on block ids (shared by the
+tensors of a component) and addresses are computed only for run starts.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from itertools import chain
 
 import numpy as np
 
@@ -22,18 +26,32 @@ from rd2h.domain.layout import (
     TensorComponent,
     validate_layout,
 )
-from rd2h.domain.protocol import ReadReadyBatch
-from rd2h.domain.topology import owned_range
+from rd2h.domain.protocol import ReadReadyBatch, ReadRequest
+from rd2h.domain.topology import owned_ranges
 
 _EMPTY = np.zeros(0, dtype=np.int64)
+_EMPTY.setflags(write=False)
 
 
-@dataclass(frozen=True)
+def _as_ids(values: Sequence[int] | np.ndarray) -> np.ndarray:
+    arr = np.array(values, dtype=np.int64).reshape(-1)
+    arr.setflags(write=False)
+    return arr
+
+
+@dataclass(frozen=True, eq=False)
 class Destination:
-    """Decode's own destination block lists for one request (never leave Decode)."""
+    """Decode's own destination block lists for one request (never leave Decode).
 
-    main_block_ids: Sequence[int]
-    indexer_block_ids: Sequence[int]
+    Stored once as read-only int64 arrays: every layer's plan slices them.
+    """
+
+    main_block_ids: np.ndarray
+    indexer_block_ids: np.ndarray
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "main_block_ids", _as_ids(self.main_block_ids))
+        object.__setattr__(self, "indexer_block_ids", _as_ids(self.indexer_block_ids))
 
 
 @dataclass(frozen=True)
@@ -88,37 +106,123 @@ def coalesce(
     return local[starts], remote[starts], np.add.reduceat(lengths, starts)
 
 
-def _gather(parts: list[Sequence[int]], total: int) -> np.ndarray:
+@dataclass(frozen=True)
+class _Component:
+    """Owned block ids of one component (main, or indexer+scale) across requests."""
+
+    src: np.ndarray
+    dst: np.ndarray
+    counts: np.ndarray  # owned blocks per request
+
+
+def _own(
+    layer: str,
+    what: str,
+    reqs: Sequence[ReadRequest],
+    dests: Sequence[Destination],
+    src_lists: Sequence[Sequence[int]],
+    dst_lists: Sequence[np.ndarray],
+    starts: np.ndarray,
+    k: int,
+    r: int,
+) -> _Component:
+    n = len(reqs)
+    lens = np.fromiter((len(x) for x in src_lists), dtype=np.int64, count=n)
+    room = np.fromiter((len(x) for x in dst_lists), dtype=np.int64, count=n)
+    bad = np.flatnonzero((lens > 0) & (starts + lens > room))
+    if bad.size:
+        i = int(bad[0])
+        raise PlanningError(
+            layer,
+            f"{what} blocks [{int(starts[i])}, {int(starts[i] + lens[i])}) do not fit the "
+            f"{int(room[i])} destination blocks",
+            reqs[i].ext_req_id,
+        )
+    if k > 1:
+        lo, hi = owned_ranges(lens, k, r, starts)
+    else:
+        lo, hi = np.zeros(n, dtype=np.int64), lens
+    counts = hi - lo
+    total = int(counts.sum())
     if total == 0:
-        return _EMPTY
-    return np.fromiter(chain.from_iterable(parts), dtype=np.int64, count=total)
+        return _Component(_EMPTY, _EMPTY, counts)
+    lo_l, hi_l = lo.tolist(), hi.tolist()
+    flat: list[int] = []
+    for ids, a, b in zip(src_lists, lo_l, hi_l):
+        if b > a:
+            flat.extend(ids[a:b])
+    src = np.array(flat, dtype=np.int64)
+    dst = np.concatenate(
+        [d[s + a : s + b] for d, s, a, b in zip(dst_lists, starts.tolist(), lo_l, hi_l) if b > a]
+    )
+    return _Component(src, dst, counts)
+
+
+def _runs(src: np.ndarray, dst: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Starts (src, dst) and lengths, in blocks, of runs consecutive on both sides."""
+    n = src.shape[0]
+    brk = np.empty(n, dtype=bool)
+    brk[0] = True
+    np.not_equal(np.diff(src), 1, out=brk[1:])
+    brk[1:] |= np.diff(dst) != 1
+    first = np.flatnonzero(brk)
+    length = np.diff(first, append=n)
+    return src[first], dst[first], length
+
+
+def _check_range(comp: _Component, dst: DestTensor, layer: str, what: str) -> None:
+    hi, lo = int(comp.dst.max()), int(comp.dst.min())
+    if hi >= dst.num_blocks:
+        raise PlanningError(
+            layer,
+            f"{what} destination block {hi} is beyond the "
+            f"{dst.num_blocks} blocks of the destination",
+        )
+    if lo < 0:
+        raise PlanningError(layer, f"{what} destination block {lo} is negative")
 
 
 def _descriptors(
-    src_blocks: np.ndarray,
-    dst_blocks: np.ndarray,
-    pairs: Sequence[tuple[TensorComponent, DestTensor]],
+    groups: Sequence[tuple[_Component, Sequence[tuple[TensorComponent, DestTensor]], str]],
     layer: str,
-    component: str,
-    out: list[tuple[np.ndarray, np.ndarray, np.ndarray]],
-) -> None:
-    if src_blocks.size == 0:
-        return
-    for src, dst in pairs:
-        if int(dst_blocks.max()) >= dst.num_blocks:
-            raise PlanningError(
-                layer,
-                f"{component} destination block {int(dst_blocks.max())} is beyond the "
-                f"{dst.num_blocks} blocks of the destination",
-            )
-        size = src.bytes_per_block
-        out.append(
-            (
-                dst.base_addr + dst_blocks * size,
-                src.base_addr + src_blocks * size,
-                np.full(src_blocks.shape[0], size, dtype=np.int64),
-            )
-        )
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Descriptors of every tensor of every component, written straight into three
+    preallocated arrays (runs of consecutive blocks become one descriptor)."""
+    runs = []
+    total = 0
+    for comp, pairs, what in groups:
+        if comp.src.size == 0 or not pairs:
+            continue
+        for _, dst in pairs:
+            _check_range(comp, dst, layer, what)
+        r = _runs(comp.src, comp.dst)
+        runs.append((r, pairs))
+        total += r[0].shape[0] * len(pairs)
+    local = np.empty(total, dtype=np.int64)
+    remote = np.empty(total, dtype=np.int64)
+    lengths = np.empty(total, dtype=np.int64)
+    edges = []
+    at = 0
+    for (p_start, d_start, length), pairs in runs:
+        m = p_start.shape[0]
+        for src, dst in pairs:
+            size = src.bytes_per_block
+            sl = slice(at, at + m)
+            np.multiply(d_start, size, out=local[sl])
+            local[sl] += dst.base_addr
+            np.multiply(p_start, size, out=remote[sl])
+            remote[sl] += src.base_addr
+            np.multiply(length, size, out=lengths[sl])
+            at += m
+            edges.append(at)
+    # A tensor boundary contiguous on both sides (adjacent tensors) still merges.
+    cut = np.asarray(edges[:-1], dtype=np.int64)
+    if cut.size and (
+        (local[cut - 1] + lengths[cut - 1] == local[cut])
+        & (remote[cut - 1] + lengths[cut - 1] == remote[cut])
+    ).any():
+        return coalesce(local, remote, lengths)
+    return local, remote, lengths
 
 
 def plan_reads(
@@ -140,78 +244,52 @@ def plan_reads(
     validate_layout(src, dst)
     layer = batch.layer_name
     member, ratio = batch.group_member_idx, max(1, batch.tp_ratio)
-    read_main = member == 0 and bool(src.main)
-    read_indexer = src.indexer is not None
-
-    main_src: list[Sequence[int]] = []
-    main_dst: list[Sequence[int]] = []
-    idx_src: list[Sequence[int]] = []
-    idx_dst: list[Sequence[int]] = []
-    n_main = n_idx = 0
-    idx_tensors = 1 + (src.scale is not None)
-    facts: list[RequestOwnership] = []
-
-    for req in batch.read_reqs:
-        ext = req.ext_req_id
-        dest = destinations.get(ext)
+    reqs = batch.read_reqs
+    n = len(reqs)
+    dests: list[Destination] = []
+    for req in reqs:
+        dest = destinations.get(req.ext_req_id)
         if dest is None:
-            raise PlanningError(layer, "no destination blocks are known for it", ext)
-        p_main, p_idx = req.p_main_block_ids, req.p_indexer_block_ids
-        if not p_main and not p_idx:
-            raise PlanningError(layer, "the read request names no blocks", ext)
-        owned_main = owned_idx = 0
-        if read_main and p_main:
-            n, s = len(p_main), req.main_start_block
-            if s + n > len(dest.main_block_ids):
-                raise PlanningError(
-                    layer,
-                    f"main blocks [{s}, {s + n}) do not fit the "
-                    f"{len(dest.main_block_ids)} destination blocks",
-                    ext,
-                )
-            lo, hi = owned_range(n, d_tp, d_rank, s)
-            if hi > lo:
-                main_src.append(p_main[lo:hi])
-                main_dst.append(dest.main_block_ids[s + lo : s + hi])
-                owned_main = hi - lo
-                n_main += owned_main
-        if read_indexer and p_idx:
-            n, s = len(p_idx), req.indexer_start_block
-            if s + n > len(dest.indexer_block_ids):
-                raise PlanningError(
-                    layer,
-                    f"indexer blocks [{s}, {s + n}) do not fit the "
-                    f"{len(dest.indexer_block_ids)} destination blocks",
-                    ext,
-                )
-            lo, hi = owned_range(n, ratio, member, s) if ratio > 1 else (0, n)
-            if hi > lo:
-                idx_src.append(p_idx[lo:hi])
-                idx_dst.append(dest.indexer_block_ids[s + lo : s + hi])
-                owned_idx = hi - lo
-                n_idx += owned_idx
-        built = owned_main * len(src.main) + owned_idx * idx_tensors
-        if (owned_main or owned_idx) and built == 0:
-            raise PlanningError(layer, "this rank owns blocks but built no descriptor", ext)
-        facts.append(RequestOwnership(ext, owned_main, owned_idx, built))
+            raise PlanningError(layer, "no destination blocks are known for it", req.ext_req_id)
+        if not req.p_main_block_ids and not req.p_indexer_block_ids:
+            raise PlanningError(layer, "the read request names no blocks", req.ext_req_id)
+        dests.append(dest)
 
-    out: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
-    if n_main:
-        _descriptors(
-            _gather(main_src, n_main), _gather(main_dst, n_main),
-            list(zip(src.main, dst.main)), layer, "main", out,
+    zeros = np.zeros(n, dtype=np.int64)
+    main = _Component(_EMPTY, _EMPTY, zeros)
+    index = _Component(_EMPTY, _EMPTY, zeros)
+    if member == 0 and src.main and n:
+        main = _own(
+            layer, "main", reqs, dests,
+            [r.p_main_block_ids for r in reqs], [d.main_block_ids for d in dests],
+            np.fromiter((r.main_start_block for r in reqs), dtype=np.int64, count=n),
+            d_tp, d_rank,
         )
-    if n_idx:
-        pairs = [(src.indexer, dst.indexer)]
-        if src.scale is not None:
-            pairs.append((src.scale, dst.scale))
-        _descriptors(
-            _gather(idx_src, n_idx), _gather(idx_dst, n_idx), pairs, layer, "indexer", out,
+    if src.indexer is not None and n:
+        index = _own(
+            layer, "indexer", reqs, dests,
+            [r.p_indexer_block_ids for r in reqs], [d.indexer_block_ids for d in dests],
+            np.fromiter((r.indexer_start_block for r in reqs), dtype=np.int64, count=n),
+            ratio, member,
         )
-    if not out:
-        return ReadPlan(_EMPTY, _EMPTY, _EMPTY, tuple(facts), 0)
-    local = np.concatenate([o[0] for o in out])
-    remote = np.concatenate([o[1] for o in out])
-    lengths = np.concatenate([o[2] for o in out])
-    local, remote, lengths = coalesce(local, remote, lengths)
-    return ReadPlan(local, remote, lengths, tuple(facts), n_main + n_idx)
+
+    idx_tensors = 1 + (src.scale is not None)
+    built = main.counts * len(src.main) + index.counts * idx_tensors
+    facts = tuple(
+        RequestOwnership(req.ext_req_id, m, i, b)
+        for req, m, i, b in zip(reqs, main.counts.tolist(), index.counts.tolist(), built.tolist())
+    )
+    for f in facts:
+        if not f.owns_nothing and f.descriptors == 0:
+            raise PlanningError(layer, "this rank owns blocks but built no descriptor",
+                                f.ext_req_id)
+
+    idx_pairs: list[tuple[TensorComponent, DestTensor]] = []
+    if src.indexer is not None and dst.indexer is not None:
+        idx_pairs.append((src.indexer, dst.indexer))
+        if src.scale is not None and dst.scale is not None:
+            idx_pairs.append((src.scale, dst.scale))
+    local, remote, lengths = _descriptors(
+        [(main, list(zip(src.main, dst.main)), "main"), (index, idx_pairs, "indexer")], layer
+    )
+    return ReadPlan(local, remote, lengths, facts, int(main.src.size + index.src.size))

@@ -133,9 +133,12 @@ def _seq(value: Any, what: str, layer_idx: int | None = None) -> Sequence[Any]:
 
 def _block_ids(value: Any, what: str, layer_idx: int) -> tuple[int, ...]:
     items = _seq(value, what, layer_idx)
-    for item in items:
-        if isinstance(item, bool) or not isinstance(item, int) or item < 0:
-            raise ProtocolError(f"{what} must hold ints >= 0, got {item!r}", layer_idx)
+    # type() is int excludes bool and every other type; min() runs in C.
+    if not all(type(item) is int for item in items) or (items and min(items) < 0):
+        bad = next(
+            (i for i in items if type(i) is not int or i < 0), None
+        )
+        raise ProtocolError(f"{what} must hold ints >= 0, got {bad!r}", layer_idx)
     return tuple(items)
 
 

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from rd2h.domain.errors import TopologyError
 
 MAX_PORT = 65535
@@ -143,3 +145,18 @@ def remote_port(base_port: int, d_rank: int) -> int:
             f"remote port {port} (base {base_port} + decode rank {d_rank}) is outside 1..{MAX_PORT}"
         )
     return port
+
+
+
+def owned_ranges(
+    n: np.ndarray, k: int, r: int, s: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """Vectorised ``owned_range`` over int64 arrays ``n`` (sizes) and ``s`` (starts)."""
+    if k < 1:
+        raise ValueError(f"k must be >= 1, got {k}")
+    if not 0 <= r < k:
+        raise ValueError(f"owner {r} is outside [0, {k})")
+    logical = (r - s % k) % k
+    q, rem = n // k, n % k
+    start = logical * q + np.minimum(logical, rem)
+    return start, start + q + (logical < rem)
