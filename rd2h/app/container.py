@@ -11,7 +11,7 @@ from typing import Any
 
 from dependency_injector import containers, providers
 
-from rd2h.adapters.logging import make_logger
+from rd2h.adapters.logging import configure_logging, make_logger
 from rd2h.adapters.msgpack import MsgpackCodec
 from rd2h.adapters.torch.events import CpuDeviceEvents
 from rd2h.adapters.zmq import ZmqControlClients, ZmqControlServer
@@ -45,6 +45,11 @@ def _unavailable(name: str) -> Any:
     )
 
 
+def _logger(role: str, rank: int, level: str) -> Any:
+    configure_logging(level)
+    return make_logger(role, rank)
+
+
 def _rank_port(kv_port: int, global_dp_rank: int, tp_size: int, tp_rank: int) -> int:
     return plan_ports(kv_port, global_dp_rank, tp_size).rank_port(tp_rank)
 
@@ -54,7 +59,7 @@ class Container(containers.DeclarativeContainer):
 
     clock = providers.Singleton(MonotonicClock)
     codec = providers.Singleton(MsgpackCodec, max_frame_bytes=config.max_frame_bytes)
-    logger = providers.Singleton(make_logger, role=config.role, rank=config.tp_rank)
+    logger = providers.Singleton(_logger, config.role, config.tp_rank, config.log_level)
     device_events = providers.Singleton(CpuDeviceEvents)
 
     transport = providers.Selector(

@@ -516,10 +516,11 @@ def run_demo(cfg: DemoConfig, *, progress: bool = True) -> DemoResult:
         dec = msgs.get("decode_done", []) if "msgs" in locals() else []
         seconds, raw_gbps, mem = 0.0, None, 0.0
     finally:
-        for proc in procs:
+        started = [proc for proc in procs if proc.pid is not None]
+        for proc in started:
             if proc.is_alive():
                 proc.terminate()
-        for proc in procs:
+        for proc in started:
             proc.join(5)
             if proc.is_alive():
                 proc.kill()

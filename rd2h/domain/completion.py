@@ -335,8 +335,9 @@ class DecodeRequestBook:
             entry = self._admitted.get(ext)
             if entry is None or ext in self._invalid_reported:
                 continue
-            invalid.update(entry.destination.main_block_ids)
-            invalid.update(entry.destination.indexer_block_ids)
+            # Destination ids are int64 arrays; vLLM gets plain ints.
+            invalid.update(entry.destination.main_block_ids.tolist())
+            invalid.update(entry.destination.indexer_block_ids.tolist())
             self._invalid_reported.add(ext)
         finished: set[str] = set()
         for ext in merged.finished | self._pending_finished:

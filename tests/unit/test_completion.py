@@ -30,7 +30,7 @@ from rd2h.domain.layout import (
     SourceLayout,
     TensorComponent,
 )
-from rd2h.domain.planning import Destination, plan_reads
+from rd2h.domain.planning import plan_reads
 from rd2h.domain.protocol import ReadReadyBatch, ReadRequest
 
 HSETTINGS = settings(deadline=None, max_examples=150)
@@ -342,7 +342,9 @@ def test_gates_follow_the_model_under_any_interleaving(script) -> None:
             assert gates.expire(now) == want
             for e in want:
                 names = ", ".join(e.endpoints)
-                errors[e.layer_idx] = f"layer {e.layer_idx}: no acknowledgement from {names} in time"
+                errors[e.layer_idx] = (
+                    f"layer {e.layer_idx}: no acknowledgement from {names} in time"
+                )
                 release(e.layer_idx)
         check()
 
@@ -492,9 +494,12 @@ EMPTY = StepOutcome(frozenset(), frozenset(), frozenset())
 def test_admit_maps_internal_to_external_id(internal: str, external: str) -> None:
     book = DecodeRequestBook()
     assert book.admit(internal, [1, 2], [3], now=0.0) == external
-    assert book.destination(external) == Destination((1, 2), (3,))
+    dest = book.destination(external)
+    assert dest is not None
+    assert (dest.main_block_ids.tolist(), dest.indexer_block_ids.tolist()) == ([1, 2], [3])
     assert book.destination(internal) is None or internal == external
-    assert dict(book.destinations) == {external: Destination((1, 2), (3,))}
+    assert list(book.destinations) == [external]
+    assert book.destinations[external] is dest
     assert book.record_done([external], 0, 1) == [external]
     assert step([book]) == [StepOutcome(frozenset({internal}), frozenset(), frozenset())]
     assert_book_clean(book)
@@ -553,6 +558,7 @@ def test_failure_on_one_rank_fails_everywhere_and_invalidates_blocks() -> None:
         # Rank 0 was not terminal yet: not finished, but the blocks are already invalid.
         assert o.finished == frozenset()
         assert o.invalid_block_ids == {10, 11, 20, 21, 22}
+        assert all(type(b) is int for b in o.invalid_block_ids)  # plain ints for vLLM
     second = step(books)
     for rank, o in enumerate(second):
         assert o.finished == {internal} and o.failed == {internal}

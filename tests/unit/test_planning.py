@@ -37,8 +37,11 @@ HSETTINGS = settings(deadline=None, max_examples=120)
 
 P_BASE = 1 << 20
 D_BASE = 1 << 32
-ID_POOL = 40  # block ids drawn per tensor kind; destinations hold this many blocks
 MAX_LIST = 8  # longest destination list per request and component
+# Block ids drawn per tensor kind; destinations hold this many blocks. Requests use
+# consecutive slices, so the last one can reach the last block of a tensor and, with
+# packed tensors, run on into the next tensor (a merge across the tensor boundary).
+ID_POOL = 4 * MAX_LIST
 
 
 # ------------------------------------------------------------ the reference
@@ -516,6 +519,58 @@ def test_destination_block_beyond_tensor_fails(main_ids, idx_ids, component) -> 
         plan_reads(batch, src, dst, {"r": Destination(main_ids, idx_ids)}, d_rank=0, d_tp=1)
     assert component in info.value.detail
     assert "beyond" in info.value.detail
+
+
+def test_negative_destination_block_fails() -> None:
+    src, dst = make_layout()
+    with pytest.raises(PlanningError, match="negative"):
+        plan_reads(
+            batch_of(ReadRequest("r", (0,), (0,))), src, dst, {"r": Destination([-1], [2])},
+            d_rank=0, d_tp=1,
+        )
+
+
+def test_destination_accepts_arrays_and_keeps_read_only_int64_ids() -> None:
+    dest = Destination(np.array([5, 6], dtype=np.int32), range(3))
+    assert dest.main_block_ids.dtype == np.int64 and dest.indexer_block_ids.dtype == np.int64
+    assert dest.main_block_ids.tolist() == [5, 6] and dest.indexer_block_ids.tolist() == [0, 1, 2]
+    with pytest.raises(ValueError):
+        dest.main_block_ids[0] = 1
+    src, dst = make_layout(indexer=False)
+    plan = plan_reads(
+        batch_of(ReadRequest("r", (1, 2), ())), src, dst, {"r": dest}, d_rank=0, d_tp=1
+    )
+    assert sorted(plan_copies(plan)) == [
+        (D_BASE + 5 * 16, P_BASE + 16, 32), (2 * D_BASE + 5 * 16, 2 * P_BASE + 16, 32),
+    ]
+
+
+def test_packed_tensors_merge_across_the_tensor_boundary() -> None:
+    """K, V, indexer and scale back to back, every block read: one descriptor."""
+    sizes = (64, 8, 8, 2)
+    src_t, dst_t, p_at, d_at = [], [], 0, 1 << 20
+    for size in sizes:
+        src_t.append(TensorComponent(p_at, size))
+        dst_t.append(DestTensor(d_at, size, 4))
+        p_at += 4 * size
+        d_at += 4 * size
+    src = SourceLayout(LAYER, tuple(src_t[:2]), src_t[2], src_t[3])
+    dst = DestinationLayout(LAYER, tuple(dst_t[:2]), dst_t[2], dst_t[3])
+    ids = (0, 1, 2, 3)
+    plan = plan_reads(
+        batch_of(ReadRequest("r", ids, ids)), src, dst, {"r": Destination(ids, ids)},
+        d_rank=0, d_tp=1,
+    )
+    assert plan_copies(plan) == [(1 << 20, 0, 4 * sum(sizes))]
+    assert plan.requests == (RequestOwnership("r", 4, 4, 16),)
+    assert plan.blocks == 8
+    # Only the first three blocks: no tensor boundary is contiguous any more.
+    part = plan_reads(
+        batch_of(ReadRequest("r", ids[:3], ids[:3])), src, dst, {"r": Destination(ids, ids)},
+        d_rank=0, d_tp=1,
+    )
+    assert part.num_descriptors == 4
+    assert_well_formed(part)
 
 
 def test_last_destination_block_is_accepted() -> None:

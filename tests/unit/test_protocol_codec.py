@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import msgpack
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -138,8 +140,27 @@ msgpack_values = st.recursive(
 )
 
 
+def unpack_nested(raw: bytes):
+    """A nested-metadata decoder for calling the domain directly (no codec safety net)."""
+    try:
+        return msgpack.unpackb(raw, raw=False, strict_map_key=True)
+    except Exception as exc:
+        raise ProtocolError(f"bad nested msgpack: {exc}") from exc
+
+
 def assert_total(frame) -> None:
-    """``decode`` returns a typed message or raises ProtocolError, nothing else."""
+    """``decode`` returns a typed message or raises ProtocolError, nothing else.
+
+    The domain's ``message_from_fields`` is held to the same rule on its own: the
+    codec's catch-all is a safety net, not the place where validation happens.
+    """
+    try:
+        fields = msgpack.unpackb(frame, raw=False, strict_map_key=True)
+    except Exception:
+        fields = None
+    if fields is not None:
+        with contextlib.suppress(ProtocolError):
+            message_from_fields(fields, decode_nested_metadata=unpack_nested)
     try:
         msg = CODEC.decode(frame)
     except ProtocolError:
@@ -383,6 +404,8 @@ def test_raw_ack_is_not_a_message():
 def test_truncated_tuples_are_rejected(value):
     with pytest.raises(ProtocolError):
         decode_value(value)
+    with pytest.raises(ProtocolError):  # the domain itself, without the codec's safety net
+        message_from_fields(value, decode_nested_metadata=unpack_nested)
 
 
 # (message, expected layer_idx on the error: None when the layer index was unreadable)
@@ -437,6 +460,21 @@ def test_malformed_read_ready_batch_is_rejected(value, layer_idx):
         decode_value(value)
     assert ei.value.layer_idx == layer_idx
     assert not isinstance(ei.value, UnknownMessageType)
+    with pytest.raises(ProtocolError) as ei:
+        message_from_fields(value)
+    assert ei.value.layer_idx == layer_idx
+
+
+def test_codec_turns_any_decoding_bug_into_a_protocol_error(monkeypatch):
+    import rd2h.adapters.msgpack.codec as codec_module
+
+    def broken(fields, decode_nested_metadata=None):
+        raise KeyError("bug")
+
+    monkeypatch.setattr(codec_module, "message_from_fields", broken)
+    with pytest.raises(ProtocolError) as ei:
+        MsgpackCodec().decode(pack([READ_DONE, 1]))
+    assert isinstance(ei.value.__cause__, KeyError)
 
 
 def _meta_with(**changes):
