@@ -272,15 +272,15 @@ def test_zero_byte_source_blocks_are_rejected_even_if_destination_agrees(block_l
 
 
 @pytest.mark.parametrize(
-    ("layer_idx", "component"), [(0, "main"), (1, "main"), (2, "indexer"), (3, "scale")]
+    ("tensor_idx", "component"), [(0, "main"), (1, "main"), (2, "indexer"), (3, "scale")]
 )
 @given(delta=st.integers(1, 4096), sign=st.sampled_from([-1, 1]))
 @settings(max_examples=25, deadline=None)
-def test_any_byte_difference_is_caught(layer_idx, component, delta, sign):
+def test_any_byte_difference_is_caught(tensor_idx, component, delta, sign):
     src = _src()
     dsts = [*_dst().main, _dst().indexer, _dst().scale]
-    d = dsts[layer_idx]
-    dsts[layer_idx] = DestTensor(d.base_addr, d.bytes_per_block + sign * delta, d.num_blocks)
+    d = dsts[tensor_idx]
+    dsts[tensor_idx] = DestTensor(d.base_addr, d.bytes_per_block + sign * delta, d.num_blocks)
     dst = DestinationLayout(LAYER, tuple(dsts[:2]), dsts[2], dsts[3])
     with pytest.raises(LayoutMismatch) as ei:
         validate_layout(src, dst)

@@ -1,0 +1,1116 @@
+"""The pull pipeline end to end in one process: PrefillSender -> real ZeroMQ sockets on
+127.0.0.1 -> DecodeReceiver, with the ``inproc`` transport copying real numpy memory.
+
+Prefill source tensors and Decode destination tensors are numpy arrays registered
+with their engines. Where a test needs to speak the wire directly it uses a raw
+DEALER (fake Prefill) or a raw ROUTER (fake Decode) and ``MsgpackCodec``.
+Every wait has a deadline; nothing sleeps for a fixed time to "let things happen".
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+import numpy as np
+import pytest
+import zmq
+
+from rd2h.adapters.inproc import InprocTransferEngine
+from rd2h.adapters.msgpack import MsgpackCodec
+from rd2h.adapters.torch.events import CpuDeviceEvents
+from rd2h.adapters.torch.exchange import InMemoryExchangeGroup
+from rd2h.adapters.zmq.channel import (
+    BindError,
+    ZmqControlClients,
+    ZmqControlServer,
+    tcp_endpoint,
+)
+from rd2h.app.clock import MonotonicClock
+from rd2h.app.container import build_container
+from rd2h.app.decode import DecodeReceiver
+from rd2h.app.prefill import LayerTarget, PrefillSender
+from rd2h.app.settings import Rd2hSettings
+from rd2h.domain.completion import StepOutcome
+from rd2h.domain.errors import LayerSendError
+from rd2h.domain.layout import DestinationLayout, DestTensor, SourceLayout, TensorComponent
+from rd2h.domain.protocol import (
+    ACK,
+    MF_META,
+    READ_READY_BATCH,
+    Message,
+    MfMeta,
+    ReadDone,
+    ReadFailed,
+    ReadReadyBatch,
+    ReadRequest,
+)
+
+pytestmark = pytest.mark.integration
+
+HOST = "127.0.0.1"
+SUFFIX = "-e0000001"  # vLLM's 9-character engine suffix
+SENTINEL = 0xEE  # every destination byte before any pull
+WAIT = 5.0  # upper bound of any single wait; the happy paths take milliseconds
+P_BLOCKS = 8
+D_BLOCKS = 12
+COMPONENTS = ("main_k", "main_v", "indexer", "scale")
+CODEC = MsgpackCodec()
+
+assert len(SUFFIX) == 9
+
+
+def internal(ext: str) -> str:
+    return ext + SUFFIX
+
+
+def layer_name(layer: int) -> str:
+    return f"model.layers.{layer}.self_attn"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind((HOST, 0))
+        return s.getsockname()[1]
+
+
+def wait_until(cond: Callable[[], bool], what: str, timeout: float = WAIT) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
+        time.sleep(0.002)
+
+
+# ====================================================================== shapes and memory
+
+
+@dataclass(frozen=True)
+class Shape:
+    """Bytes of one block of each component of a layer (None: component absent)."""
+
+    main_k: int = 96
+    main_v: int = 32
+    indexer: int | None = 16
+    scale: int | None = 8
+
+    def sizes(self) -> dict[str, int]:
+        values = (self.main_k, self.main_v, self.indexer, self.scale)
+        return {c: n for c, n in zip(COMPONENTS, values) if n}
+
+
+FULL = Shape()
+MAIN_ONLY = Shape(indexer=None, scale=None)
+
+Bufs = dict[tuple[int, str], np.ndarray]
+
+
+def _component(bufs: Bufs, layer: int, comp: str) -> TensorComponent:
+    arr = bufs[(layer, comp)]
+    return TensorComponent(arr.ctypes.data, arr.shape[1])
+
+
+def source_layout(layer: int, shape: Shape, bufs: Bufs) -> SourceLayout:
+    return SourceLayout(
+        layer_name(layer),
+        main=(_component(bufs, layer, "main_k"), _component(bufs, layer, "main_v")),
+        indexer=_component(bufs, layer, "indexer") if shape.indexer else None,
+        scale=_component(bufs, layer, "scale") if shape.scale else None,
+    )
+
+
+def destination_layout(layer: int, shape: Shape, bufs: Bufs) -> DestinationLayout:
+    def dt(comp: str) -> DestTensor:
+        arr = bufs[(layer, comp)]
+        return DestTensor(arr.ctypes.data, arr.shape[1], arr.shape[0])
+
+    return DestinationLayout(
+        layer_name(layer),
+        main=(dt("main_k"), dt("main_v")),
+        indexer=dt("indexer") if shape.indexer else None,
+        scale=dt("scale") if shape.scale else None,
+    )
+
+
+@dataclass
+class PSide:
+    """One Prefill rank: its engine, its patterned source memory, its sender."""
+
+    engine: InprocTransferEngine
+    bufs: Bufs
+    layouts: dict[int, SourceLayout]
+    sender: PrefillSender | None = None
+
+    def meta(self) -> MfMeta:
+        return MfMeta(
+            self.engine.session_id,
+            {lay.layer_name: lay.to_metadata() for lay in self.layouts.values()},
+        )
+
+
+@dataclass
+class DSide:
+    """One Decode rank: engine, destination memory (SENTINEL-filled), receiver."""
+
+    engine: InprocTransferEngine
+    bufs: Bufs
+    destinations: dict[str, DestinationLayout]
+    receiver: DecodeReceiver
+    endpoint: str
+    log: RecordingLogger | None = None
+
+    def snapshot(self) -> Bufs:
+        return {k: v.copy() for k, v in self.bufs.items()}
+
+
+class RecordingLogger:
+    """A structlog-like logger that keeps every line (for assertions and failure output)."""
+
+    def __init__(self, records: list[tuple[str, str, dict[str, Any]]] | None = None,
+                 **context: Any) -> None:
+        self.records = [] if records is None else records
+        self._context = context
+
+    def bind(self, **context: Any) -> RecordingLogger:
+        return RecordingLogger(self.records, **{**self._context, **context})
+
+    def _log(self, level: str, event: str, **kw: Any) -> None:
+        self.records.append((level, event, {**self._context, **kw}))
+
+    def debug(self, event: str, **kw: Any) -> None:
+        self._log("debug", event, **kw)
+
+    def info(self, event: str, **kw: Any) -> None:
+        self._log("info", event, **kw)
+
+    def warning(self, event: str, **kw: Any) -> None:
+        self._log("warning", event, **kw)
+
+    def error(self, event: str, **kw: Any) -> None:
+        self._log("error", event, **kw)
+
+    def events(self, level: str | None = None) -> list[str]:
+        return [e for lv, e, _ in list(self.records) if level is None or lv == level]
+
+
+class Rig:
+    """Builds and tracks every engine, receiver, sender and raw socket of a test;
+    ``close`` (fixture teardown) stops and closes them in reverse order."""
+
+    def __init__(self) -> None:
+        self.ctx = zmq.Context.instance()
+        self._finalizers: list[Callable[[], Any]] = []
+        self.keep: list[Any] = []  # memory that must outlive every read
+
+    def close(self) -> None:
+        problems = []
+        for fn in reversed(self._finalizers):
+            try:
+                if fn() is False:
+                    problems.append(f"{fn!r} did not finish")
+            except Exception as exc:
+                problems.append(repr(exc))
+        self._finalizers.clear()
+        self.keep.clear()
+        assert not problems, problems
+
+    def engine(self) -> InprocTransferEngine:
+        engine = InprocTransferEngine()
+        self._finalizers.append(engine.close)
+        return engine
+
+    # ------------------------------------------------------------ Prefill
+    def prefill_memory(
+        self,
+        shapes: Mapping[int, Shape],
+        *,
+        seed: int = 0,
+        share: Mapping[int, int] | None = None,
+        engine: InprocTransferEngine | None = None,
+    ) -> PSide:
+        """Random source blocks (a known, seeded pattern) for each layer, registered.
+
+        ``share`` maps a layer to an earlier layer whose physical storage it reuses.
+        """
+        engine = engine or self.engine()
+        share = dict(share or {})
+        rng = np.random.default_rng(seed)
+        bufs: Bufs = {}
+        for layer, shape in shapes.items():
+            owner = share.get(layer, layer)
+            for comp, nbytes in shape.sizes().items():
+                if owner != layer:
+                    bufs[(layer, comp)] = bufs[(owner, comp)]
+                    continue
+                arr = rng.integers(0, 256, (P_BLOCKS, nbytes), dtype=np.uint8)
+                engine.register_memory(arr.ctypes.data, arr.nbytes)
+                bufs[(layer, comp)] = arr
+        self.keep.append(bufs)
+        layouts = {layer: source_layout(layer, shape, bufs) for layer, shape in shapes.items()}
+        return PSide(engine, bufs, layouts)
+
+    def start_sender(
+        self,
+        p: PSide,
+        *,
+        meta_ack_timeout_s: float = WAIT,
+        layer_ack_timeout_s: float = WAIT,
+        event_timeout_s: float = WAIT,
+        layouts: Mapping[int, SourceLayout] | None = None,
+    ) -> PrefillSender:
+        sender = PrefillSender(
+            clients_factory=ZmqControlClients,
+            codec=CODEC,
+            p_session=p.engine.session_id,
+            layers=dict(layouts or p.layouts),
+            clock=MonotonicClock(),
+            log=RecordingLogger(role="prefill"),
+            meta_ack_timeout_s=meta_ack_timeout_s,
+            layer_ack_timeout_s=layer_ack_timeout_s,
+            event_timeout_s=event_timeout_s,
+            poll_interval_s=0.005,
+        )
+        sender.start()
+        self._finalizers.append(lambda: sender.stop(2.0))
+        p.sender = sender
+        return sender
+
+    def prefill(self, shapes: Mapping[int, Shape], **kw: Any) -> PSide:
+        timeouts = {k: kw.pop(k) for k in list(kw) if k.endswith("_timeout_s")}
+        p = self.prefill_memory(shapes, **kw)
+        self.start_sender(p, **timeouts)
+        return p
+
+    def prefill_via_container(self, shapes: Mapping[int, Shape], *, seed: int = 0) -> PSide:
+        container = build_container(Rd2hSettings(role="prefill", transport="inproc"))
+        engine = container.transport()
+        assert isinstance(engine, InprocTransferEngine)
+        self._finalizers.append(engine.close)
+        p = self.prefill_memory(shapes, seed=seed, engine=engine)
+        p.sender = container.prefill_sender(p_session=engine.session_id, layers=p.layouts)
+        p.sender.start()
+        self._finalizers.append(lambda: p.sender.stop(2.0))
+        return p
+
+    # ------------------------------------------------------------ Decode
+    def decode_memory(
+        self,
+        shapes: Mapping[int, Shape],
+        engine: InprocTransferEngine,
+        shared_main: Bufs | None = None,
+    ) -> tuple[Bufs, dict[str, DestinationLayout]]:
+        bufs: Bufs = {}
+        for layer, shape in shapes.items():
+            for comp, nbytes in shape.sizes().items():
+                if shared_main is not None and comp.startswith("main"):
+                    arr = shared_main[(layer, comp)]  # the TP-shared main pool
+                else:
+                    arr = np.full((D_BLOCKS, nbytes), SENTINEL, dtype=np.uint8)
+                engine.register_memory(arr.ctypes.data, arr.nbytes)
+                bufs[(layer, comp)] = arr
+        self.keep.append(bufs)
+        dests = {layer_name(lay): destination_layout(lay, s, bufs) for lay, s in shapes.items()}
+        return bufs, dests
+
+    def decode(
+        self,
+        shapes: Mapping[int, Shape],
+        *,
+        d_rank: int = 0,
+        d_tp: int = 1,
+        shared_main: Bufs | None = None,
+        request_timeout_s: float = 60.0,
+    ) -> DSide:
+        engine = self.engine()
+        bufs, dests = self.decode_memory(shapes, engine, shared_main)
+        log = RecordingLogger(role="decode", rank=d_rank)
+        for _ in range(20):  # a free port can be taken between probing and binding
+            port = free_port()
+            receiver = DecodeReceiver(
+                server_factory=lambda port=port: ZmqControlServer(HOST, port),
+                codec=CODEC,
+                transfer=engine,
+                destinations=dests,
+                d_rank=d_rank,
+                d_tp=d_tp,
+                clock=MonotonicClock(),
+                log=log,
+                request_timeout_s=request_timeout_s,
+                poll_interval_s=0.01,
+            )
+            try:
+                endpoint = receiver.start()
+            except BindError:
+                continue
+            self._finalizers.append(lambda r=receiver: r.stop(2.0))
+            return DSide(engine, bufs, dests, receiver, endpoint, log)
+        raise RuntimeError("no free port for the decode receiver")
+
+    def decode_via_container(self, shapes: Mapping[int, Shape]) -> DSide:
+        for _ in range(20):
+            port = free_port()
+            container = build_container(
+                Rd2hSettings(role="decode", transport="inproc", host=HOST, kv_port=port)
+            )
+            engine = container.transport()
+            bufs, dests = self.decode_memory(shapes, engine)
+            receiver = container.decode_receiver(destinations=dests)
+            try:
+                endpoint = receiver.start()
+            except BindError:
+                engine.close()
+                continue
+            assert endpoint == tcp_endpoint(HOST, port)
+            self._finalizers.append(engine.close)
+            self._finalizers.append(lambda r=receiver: r.stop(2.0))
+            return DSide(engine, bufs, dests, receiver, endpoint)
+        raise RuntimeError("no free port for the decode receiver")
+
+    # ------------------------------------------------------------ raw sockets
+    def dealer(self, endpoint: str) -> zmq.Socket:
+        """A raw DEALER: a hand-driven Prefill connection."""
+        sock = self.ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(endpoint)
+        self._finalizers.append(lambda: sock.close(0))
+        return sock
+
+    def router(self) -> tuple[zmq.Socket, str]:
+        """A raw ROUTER: a Decode endpoint that answers only what the test tells it to."""
+        sock = self.ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        port = sock.bind_to_random_port(f"tcp://{HOST}")
+        self._finalizers.append(lambda: sock.close(0))
+        return sock, tcp_endpoint(HOST, port)
+
+
+@pytest.fixture
+def rig() -> Any:
+    r = Rig()
+    try:
+        yield r
+    finally:
+        r.close()
+
+
+# ====================================================================== wire helpers
+
+
+def recv_frame(sock: zmq.Socket, timeout: float = WAIT) -> list[bytes]:
+    if not sock.poll(int(timeout * 1000), zmq.POLLIN):
+        raise AssertionError(f"no message within {timeout:g} s")
+    return sock.recv_multipart(zmq.NOBLOCK)
+
+
+def recv_reply(dealer: zmq.Socket, timeout: float = WAIT) -> bytes | Message:
+    """Decode's next reply on a raw DEALER: b"ACK" raw, anything else decoded."""
+    frames = [f for f in recv_frame(dealer, timeout) if f]
+    assert len(frames) == 1, frames
+    return frames[0] if frames[0] == ACK else CODEC.decode(frames[0])
+
+
+def router_recv(router: zmq.Socket, timeout: float = WAIT) -> tuple[bytes, Message]:
+    """What a Prefill DEALER sent to the raw ROUTER: (identity, decoded message)."""
+    frames = recv_frame(router, timeout)
+    identity, payload = frames[0], [f for f in frames[1:] if f]
+    assert len(payload) == 1, frames
+    return identity, CODEC.decode(payload[0])
+
+
+def router_reply(router: zmq.Socket, identity: bytes, payload: bytes) -> None:
+    router.send_multipart([identity, b"", payload])
+
+
+def read_req(ext: str, p_main: Sequence[int], start: int = 0,
+             p_idx: Sequence[int] | None = None, idx_start: int | None = None) -> ReadRequest:
+    return ReadRequest(
+        ext, tuple(p_main), tuple(p_main if p_idx is None else p_idx),
+        start, start if idx_start is None else idx_start,
+    )
+
+
+def targets(endpoint: str, reads: Iterable[ReadRequest] = (), done: Iterable[str] = (),
+            member: int = 0, ratio: int = 1) -> list[LayerTarget]:
+    done = list(done)
+    out = [LayerTarget(endpoint, r, r.ext_req_id in done, member, ratio, r.ext_req_id)
+           for r in reads]
+    named = {t.ext_req_id for t in out}
+    out += [LayerTarget(endpoint, None, True, member, ratio, e) for e in done if e not in named]
+    return out
+
+
+def step_all(receivers: Sequence[DecodeReceiver],
+             finished_by_vllm: Iterable[str] = ()) -> list[StepOutcome]:
+    """One worker step on every Decode rank at once (a real all-gather among threads)."""
+    group = InMemoryExchangeGroup(len(receivers))
+    finished_by_vllm = tuple(finished_by_vllm)
+    with ThreadPoolExecutor(len(receivers)) as pool:
+        futures = [pool.submit(r.step, group.member(i), finished_by_vllm, WAIT)
+                   for i, r in enumerate(receivers)]
+        return [f.result(timeout=2 * WAIT) for f in futures]
+
+
+def step(receiver: DecodeReceiver, finished_by_vllm: Iterable[str] = ()) -> StepOutcome:
+    return step_all([receiver], finished_by_vllm)[0]
+
+
+def assert_landed(p: PSide, d: DSide, layer: int, p_main: Sequence[int],
+                  d_main: Sequence[int], d_idx: Sequence[int],
+                  p_idx: Sequence[int] | None = None,
+                  comps: Iterable[str] = COMPONENTS) -> None:
+    """Decode's destination blocks hold exactly Prefill's source blocks."""
+    p_idx = p_main if p_idx is None else p_idx
+    for comp in comps:
+        if (layer, comp) not in d.bufs:
+            continue
+        main = comp.startswith("main")
+        src = p.bufs[(layer, comp)][list(p_main if main else p_idx)]
+        dst = d.bufs[(layer, comp)][list(d_main if main else d_idx)]
+        np.testing.assert_array_equal(dst, src, err_msg=f"layer {layer} {comp}")
+
+
+def assert_untouched(d_bufs: Bufs, written: Mapping[tuple[int, str], Iterable[int]]) -> None:
+    """Every destination row not in ``written`` still holds SENTINEL."""
+    for key, arr in d_bufs.items():
+        mask = np.ones(arr.shape[0], dtype=bool)
+        mask[list(written.get(key, ()))] = False
+        assert (arr[mask] == SENTINEL).all(), f"unexpected bytes in {key}"
+
+
+def rows_of(layers: Iterable[int], d_main: Iterable[int], d_idx: Iterable[int]
+            ) -> dict[tuple[int, str], set[int]]:
+    out: dict[tuple[int, str], set[int]] = {}
+    for layer in layers:
+        for comp in COMPONENTS:
+            out.setdefault((layer, comp), set()).update(
+                d_main if comp.startswith("main") else d_idx
+            )
+    return out
+
+
+def assert_no_leaks(*, receivers: Iterable[DecodeReceiver] = (),
+                    senders: Iterable[PrefillSender | None] = ()) -> None:
+    for r in receivers:
+        counters = {k: v for k, v in r.counters().items() if k != "peers"}
+        assert counters == dict.fromkeys(counters, 0), counters
+    for s in senders:
+        if s is not None:
+            assert s.counters() == {"pending_layers": 0, "closed_slots": 0,
+                                    "queued_tasks": 0}, s.counters()
+
+
+def snapshot_equal(before: Bufs, after: Bufs) -> None:
+    assert before.keys() == after.keys()
+    for key in before:
+        np.testing.assert_array_equal(after[key], before[key], err_msg=str(key))
+
+
+@dataclass(frozen=True)
+class Req:
+    ext: str
+    p_main: tuple[int, ...]
+    d_main: tuple[int, ...]
+    d_idx: tuple[int, ...]
+    p_idx: tuple[int, ...] = field(default=())
+
+    @property
+    def p_index(self) -> tuple[int, ...]:
+        return self.p_idx or self.p_main
+
+    def read(self, start: int = 0, end: int | None = None) -> ReadRequest:
+        end = len(self.p_main) if end is None else end
+        return read_req(self.ext, self.p_main[start:end], start,
+                        self.p_index[start:end], start)
+
+
+# ====================================================================== 1. happy path
+
+
+@pytest.mark.parametrize("wiring", ["direct", "container"])
+def test_happy_path_chunked_bytes_land_and_requests_finish(rig: Rig, wiring: str) -> None:
+    shapes = {0: FULL, 1: FULL}
+    if wiring == "container":
+        d = rig.decode_via_container(shapes)
+        p = rig.prefill_via_container(shapes, seed=1)
+    else:
+        d = rig.decode(shapes)
+        p = rig.prefill(shapes, seed=1)
+    assert p.sender is not None
+    events = CpuDeviceEvents()
+    # Main and indexer ids are separate lists on both sides; D's ids never leave D.
+    a = Req("req-a", p_main=(5, 1, 6), p_idx=(2, 7, 0), d_main=(9, 3, 4), d_idx=(0, 7, 2))
+    b = Req("req-b", p_main=(2, 3), p_idx=(4, 3), d_main=(10, 11), d_idx=(5, 6))
+    for r in (a, b):
+        assert d.receiver.admit(internal(r.ext), r.d_main, r.d_idx) == r.ext
+    # Two chunks: a = [0, 2) then [2, 3); b = [0, 2) then nothing new (done only).
+    chunks = [((a, 0, 2), (b, 0, 2)), ((a, 2, 3), (b, 2, 2))]
+    last = max(shapes)
+    out = None
+    for ci, chunk in enumerate(chunks):
+        final = ci == len(chunks) - 1
+        for layer in shapes:
+            done = [r.ext for r, _, _ in chunk] if final and layer == last else []
+            reads = [r.read(s, e) for r, s, e in chunk if e > s]
+            n = p.sender.submit(layer, events.record(), targets(d.endpoint, reads, done))
+            assert n == 1  # one READ_READY_BATCH per endpoint, all requests in it
+        for layer in shapes:
+            p.sender.wait_for_layer_send(layer, WAIT)
+        out = step(d.receiver)
+        if not final:
+            assert out.finished == frozenset()
+            assert d.receiver.counters()["admitted"] == 2
+    assert out is not None
+    assert out.finished == {internal(a.ext), internal(b.ext)}
+    assert out.failed == frozenset()
+    assert out.invalid_block_ids == frozenset()
+    for layer in shapes:
+        for r in (a, b):
+            assert_landed(p, d, layer, r.p_main, r.d_main, r.d_idx, r.p_index)
+    written = rows_of(shapes, a.d_main + b.d_main, a.d_idx + b.d_idx)
+    assert_untouched(d.bufs, written)
+    assert d.receiver.stats.layers_done == 4
+    assert d.receiver.stats.layers_failed == 0
+    assert p.sender.stats.layers_sent == 4
+    assert_no_leaks(receivers=[d.receiver], senders=[p.sender])
+
+
+# ====================================================================== 2. MF_META first
+
+
+def test_read_ready_before_mf_meta_fails_until_meta_is_sent(rig: Rig) -> None:
+    shapes = {0: FULL}
+    d = rig.decode(shapes)
+    p = rig.prefill_memory(shapes, seed=2)  # memory only: the test drives the wire
+    m = Req("req-m", p_main=(1, 2), p_idx=(3, 4), d_main=(6, 8), d_idx=(1, 9))
+    n = Req("req-n", p_main=(0,), d_main=(0,), d_idx=(0,))
+    for r in (m, n):
+        d.receiver.admit(internal(r.ext), r.d_main, r.d_idx)
+    batch = ReadReadyBatch(0, layer_name(0), (m.read(),), (m.ext,), 0, 1)
+    dealer = rig.dealer(d.endpoint)
+
+    dealer.send(CODEC.encode(batch))
+    reply = recv_reply(dealer)
+    assert isinstance(reply, ReadFailed) and reply.layer_idx == 0
+    assert "MF_META" in reply.error
+    # The failure is recorded before the reply is sent.
+    assert d.receiver.counters()["failed"] == 1
+    assert_untouched(d.bufs, {})
+
+    dealer.send(CODEC.encode(p.meta()))
+    assert recv_reply(dealer) == ACK  # raw bytes, not msgpack
+    dealer.send(CODEC.encode(batch))
+    assert recv_reply(dealer) == ReadDone(0)
+    assert_landed(p, d, 0, m.p_main, m.d_main, m.d_idx, m.p_index)
+
+    # MF_META is per connection: a second connection has not sent one.
+    other = rig.dealer(d.endpoint)
+    other.send(CODEC.encode(ReadReadyBatch(0, layer_name(0), (n.read(),), (n.ext,))))
+    reply = recv_reply(other)
+    assert isinstance(reply, ReadFailed) and "MF_META" in reply.error
+    assert_untouched(d.bufs, rows_of([0], m.d_main, m.d_idx))
+
+    out = step(d.receiver)
+    # A failure is sticky: the request is reported finished *and* failed, blocks invalid.
+    assert out.finished == {internal(m.ext), internal(n.ext)}
+    assert out.failed == {internal(m.ext), internal(n.ext)}
+    assert out.invalid_block_ids == set(m.d_main + m.d_idx + n.d_main + n.d_idx)
+    assert "MF_META" in out.reasons[internal(m.ext)]
+    assert_no_leaks(receivers=[d.receiver])
+
+
+# ====================================================================== 3. zero-block ranks
+
+
+def test_decode_rank_owning_no_blocks_still_answers_read_done(rig: Rig) -> None:
+    """P TP 2 -> D TP 2 (ratio 1), main-only layer, one block per chunk: the rank that
+    owns none of a chunk's block (rotation by the chunk start) still acknowledges."""
+    shapes = {0: MAIN_ONLY}
+    d0 = rig.decode(shapes, d_rank=0, d_tp=2)
+    d1 = rig.decode(shapes, d_rank=1, d_tp=2, shared_main=d0.bufs)
+    # main KV is replicated on every P rank: same seed, same bytes
+    p0 = rig.prefill(shapes, seed=3)
+    p1 = rig.prefill(shapes, seed=3)
+    r = Req("req-z", p_main=(4, 6), d_main=(7, 2), d_idx=(5, 1))
+    for d in (d0, d1):
+        d.receiver.admit(internal(r.ext), r.d_main, r.d_idx)
+
+    # chunk 1 = block [0, 1): rank 0 owns it, rank 1 owns nothing
+    for p, d in ((p0, d0), (p1, d1)):
+        p.sender.submit(0, None, targets(d.endpoint, [r.read(0, 1)]))
+    for p in (p0, p1):
+        p.sender.wait_for_layer_send(0, WAIT)  # raises on READ_FAILED
+    assert d1.receiver.stats.layers_done == 1
+    assert d1.receiver.stats.descriptors == 0
+    assert d0.receiver.stats.descriptors == 2  # K and V of one block
+    assert_untouched(d0.bufs, {(0, "main_k"): {7}, (0, "main_v"): {7}})
+
+    # chunk 2 = block [1, 2) (final): rotation gives it to rank 1; rank 0 owns nothing
+    for p, d in ((p0, d0), (p1, d1)):
+        p.sender.submit(0, None, targets(d.endpoint, [r.read(1, 2)], done=[r.ext]))
+    for p in (p0, p1):
+        p.sender.wait_for_layer_send(0, WAIT)
+    assert d0.receiver.stats.descriptors == 2 and d1.receiver.stats.descriptors == 2
+    assert_landed(p0, d0, 0, r.p_main, r.d_main, r.d_idx)
+
+    outs = step_all([d0.receiver, d1.receiver])
+    for out in outs:
+        assert out.finished == {internal(r.ext)}
+        assert out.failed == frozenset()
+    assert_no_leaks(receivers=[d0.receiver, d1.receiver], senders=[p0.sender, p1.sender])
+
+
+def test_contributor_member_owning_nothing_acks_and_counts_for_completion(rig: Rig) -> None:
+    """Ratio 2 on a main-only layer: member 1 never reads main, so it owns nothing;
+    it still gets READ_DONE and its final-layer report completes the request."""
+    shapes = {0: MAIN_ONLY}
+    d = rig.decode(shapes)
+    m0 = rig.prefill(shapes, seed=4)
+    m1 = rig.prefill(shapes, seed=4)
+    r = Req("req-y", p_main=(1, 2, 3), d_main=(4, 5, 6), d_idx=(0, 1, 2))
+    d.receiver.admit(internal(r.ext), r.d_main, r.d_idx)
+
+    m1.sender.submit(0, None, targets(d.endpoint, [r.read()], [r.ext], member=1, ratio=2))
+    m1.sender.wait_for_layer_send(0, WAIT)
+    assert d.receiver.stats.layers_done == 1 and d.receiver.stats.descriptors == 0
+    assert_untouched(d.bufs, {})
+    assert step(d.receiver).finished == frozenset()  # member 0 has not reported
+
+    m0.sender.submit(0, None, targets(d.endpoint, [r.read()], [r.ext], member=0, ratio=2))
+    m0.sender.wait_for_layer_send(0, WAIT)
+    assert_landed(m0, d, 0, r.p_main, r.d_main, r.d_idx)
+    out = step(d.receiver)
+    assert out.finished == {internal(r.ext)} and out.failed == frozenset()
+    assert_no_leaks(receivers=[d.receiver], senders=[m0.sender, m1.sender])
+
+
+# ====================================================================== 4. layout mismatch
+
+
+@pytest.mark.parametrize(
+    ("p_shape", "d_shape", "component"),
+    [
+        (Shape(main_k=64), FULL, "main"),  # P advertises a different main block size
+        (FULL, MAIN_ONLY, "indexer"),  # P has an indexer D does not have
+        (MAIN_ONLY, FULL, "indexer"),  # D expects an indexer P does not have
+        (Shape(scale=4), FULL, "scale"),  # LIC8 scale block size differs
+        (Shape(scale=None), FULL, "scale"),  # D expects a scale P does not have
+    ],
+    ids=["main-block-size", "p-extra-indexer", "p-missing-indexer", "scale-size",
+         "p-missing-scale"],
+)
+def test_layout_mismatch_fails_layer_and_writes_nothing(
+    rig: Rig, p_shape: Shape, d_shape: Shape, component: str
+) -> None:
+    d = rig.decode({0: d_shape})
+    p = rig.prefill({0: p_shape}, seed=5)
+    r = Req("req-l", p_main=(0, 1), d_main=(2, 3), d_idx=(4, 5))
+    d.receiver.admit(internal(r.ext), r.d_main, r.d_idx)
+    before = d.snapshot()
+
+    p.sender.submit(0, None, targets(d.endpoint, [r.read()], [r.ext]))
+    with pytest.raises(LayerSendError) as info:
+        p.sender.wait_for_layer_send(0, WAIT)
+    message = str(info.value)
+    assert info.value.layer_idx == 0
+    assert repr(layer_name(0)) in message
+    assert f"{component} layout mismatch" in message
+    snapshot_equal(before, d.bufs)
+    assert d.receiver.stats.layers_failed == 1 and d.receiver.stats.bytes_read == 0
+
+    out = step(d.receiver)
+    assert out.failed == {internal(r.ext)} == out.finished
+    assert out.invalid_block_ids == set(r.d_main + r.d_idx)
+    assert_no_leaks(receivers=[d.receiver], senders=[p.sender])
+
+
+# ====================================================================== 5. transport failure
+
+
+@pytest.mark.parametrize("fault", ["prefill-session-closed", "outside-registered-memory"])
+def test_transport_failure_fails_layer_and_marks_requests(rig: Rig, fault: str) -> None:
+    shapes = {0: FULL}
+    d = rig.decode(shapes)
+    p = rig.prefill_memory(shapes, seed=6)
+    layouts = dict(p.layouts)
+    if fault == "outside-registered-memory":
+        # V of layer 0 advertised at memory P never registered (real memory, so a
+        # transport that skipped the check would still not crash the test).
+        stray = np.zeros_like(p.bufs[(0, "main_v")])
+        rig.keep.append(stray)
+        lay = layouts[0]
+        layouts[0] = SourceLayout(
+            lay.layer_name, (lay.main[0], TensorComponent(stray.ctypes.data, stray.shape[1])),
+            lay.indexer, lay.scale,
+        )
+    sender = rig.start_sender(p, layouts=layouts)
+    a = Req("req-t1", p_main=(0, 1), d_main=(2, 3), d_idx=(4, 5))
+    b = Req("req-t2", p_main=(5,), d_main=(7,), d_idx=(8,))
+    for r in (a, b):
+        d.receiver.admit(internal(r.ext), r.d_main, r.d_idx)
+    before = d.snapshot()
+    if fault == "prefill-session-closed":
+        p.engine.close()
+
+    sender.submit(0, None, targets(d.endpoint, [a.read(), b.read()], [a.ext, b.ext]))
+    with pytest.raises(LayerSendError) as info:
+        sender.wait_for_layer_send(0, WAIT)
+    message = str(info.value)
+    assert "read failed" in message
+    expected = ("unknown or closed" if fault == "prefill-session-closed"
+                else "outside the registered memory")
+    assert expected in message
+    snapshot_equal(before, d.bufs)  # the batch is validated as a whole before copying
+
+    out = step(d.receiver)
+    assert out.failed == {internal(a.ext), internal(b.ext)} == out.finished
+    assert out.invalid_block_ids == set(a.d_main + a.d_idx + b.d_main + b.d_idx)
+    assert all("read failed" in out.reasons[internal(r.ext)] for r in (a, b))
+    assert_no_leaks(receivers=[d.receiver], senders=[sender])
+
+
+# ====================================================================== 6. duplicate reports
+
+
+def test_duplicate_final_reports_from_one_member_do_not_complete(rig: Rig) -> None:
+    shapes = {0: FULL}
+    d = rig.decode(shapes)
+    m0 = rig.prefill(shapes, seed=7)
+    m1 = rig.prefill(shapes, seed=8)  # different bytes: shows who wrote which block
+    r = Req("req-dup", p_main=(1, 4), p_idx=(3, 6), d_main=(3, 8), d_idx=(2, 5))
+    d.receiver.admit(internal(r.ext), r.d_main, r.d_idx)
+
+    for _ in range(2):  # member 0 reports its final layer twice
+        m0.sender.submit(0, None, targets(d.endpoint, [r.read()], [r.ext], member=0, ratio=2))
+        m0.sender.wait_for_layer_send(0, WAIT)
+        out = step(d.receiver)
+        assert out.finished == frozenset()
+        counters = d.receiver.counters()
+        assert counters["contributors"] == 1 and counters["terminal"] == 0
+
+    # Member 0 pulled all of main and its half of the indexer (block 0 of 2).
+    assert_landed(m0, d, 0, r.p_main, r.d_main, r.d_idx, r.p_index,
+                  comps=("main_k", "main_v"))
+    assert_landed(m0, d, 0, r.p_main[:1], r.d_main[:1], r.d_idx[:1], r.p_index[:1],
+                  comps=("indexer", "scale"))
+    assert (d.bufs[(0, "indexer")][r.d_idx[1]] == SENTINEL).all()
+
+    m1.sender.submit(0, None, targets(d.endpoint, [r.read()], [r.ext], member=1, ratio=2))
+    m1.sender.wait_for_layer_send(0, WAIT)
+    assert_landed(m1, d, 0, r.p_main[1:], r.d_main[1:], r.d_idx[1:], r.p_index[1:],
+                  comps=("indexer", "scale"))
+    out = step(d.receiver)
+    assert out.finished == {internal(r.ext)} and out.failed == frozenset()
+    assert_no_leaks(receivers=[d.receiver], senders=[m0.sender, m1.sender])
+
+
+# ====================================================================== 7. sender exit, deadlines
+
+
+@pytest.mark.parametrize("endpoint_kind", ["silent-router", "no-listener"])
+def test_sender_stop_fails_pending_layers_promptly(rig: Rig, endpoint_kind: str) -> None:
+    shapes = {0: FULL, 1: FULL}
+    if endpoint_kind == "silent-router":
+        router, endpoint = rig.router()
+    else:
+        router, endpoint = None, tcp_endpoint(HOST, free_port())
+    # Long deadlines: only stop() may end these waits quickly.
+    p = rig.prefill(shapes, seed=9, meta_ack_timeout_s=30.0, layer_ack_timeout_s=30.0)
+    r = Req("req-s", p_main=(0,), d_main=(0,), d_idx=(0,))
+    for layer in shapes:
+        assert p.sender.submit(layer, None, targets(endpoint, [r.read()])) == 1
+    if router is not None:
+        _, msg = router_recv(router)  # the sender is now waiting for the MF_META ACK
+        assert isinstance(msg, MfMeta)
+
+    t0 = time.monotonic()
+    assert p.sender.stop(WAIT), "sender thread did not end"
+    for layer in shapes:
+        with pytest.raises(LayerSendError) as info:
+            p.sender.wait_for_layer_send(layer, WAIT)
+        assert "stopped" in str(info.value)
+    assert time.monotonic() - t0 < 1.5, "stop() did not interrupt the sender promptly"
+    assert not p.sender.alive
+    assert_no_leaks(senders=[p.sender])
+    with pytest.raises(LayerSendError, match="stopped"):
+        p.sender.submit(0, None, targets(endpoint, [r.read()]))
+
+
+def test_mf_meta_ack_deadline_fails_layer_naming_endpoint(rig: Rig) -> None:
+    router, endpoint = rig.router()  # receives, never answers
+    p = rig.prefill({0: FULL}, meta_ack_timeout_s=0.3)
+    r = Req("req-ma", p_main=(0,), d_main=(0,), d_idx=(0,))
+    t0 = time.monotonic()
+    p.sender.submit(0, None, targets(endpoint, [r.read()]))
+    with pytest.raises(LayerSendError) as info:
+        p.sender.wait_for_layer_send(0, WAIT)
+    elapsed = time.monotonic() - t0
+    assert endpoint in str(info.value) and "MF_META" in str(info.value)
+    assert 0.25 <= elapsed < 2.0, elapsed
+    _, msg = router_recv(router, 0)  # the MF_META was sent, once
+    assert isinstance(msg, MfMeta) and msg.p_session == p.engine.session_id
+    assert_no_leaks(senders=[p.sender])
+
+
+def test_layer_ack_deadline_fails_layer_naming_it(rig: Rig) -> None:
+    router, endpoint = rig.router()
+    p = rig.prefill({0: FULL, 3: FULL}, meta_ack_timeout_s=0.4, layer_ack_timeout_s=0.2,
+                    event_timeout_s=0.2)
+    r = Req("req-la", p_main=(0,), d_main=(0,), d_idx=(0,))
+    t0 = time.monotonic()
+    p.sender.submit(3, None, targets(endpoint, [r.read()], [r.ext]))
+    identity, meta = router_recv(router)
+    assert isinstance(meta, MfMeta)
+    router_reply(router, identity, ACK)  # ACK the metadata ...
+    _, ready = router_recv(router)
+    assert isinstance(ready, ReadReadyBatch) and ready.layer_idx == 3  # ... never answer this
+    with pytest.raises(LayerSendError) as info:
+        p.sender.wait_for_layer_send(3, WAIT)
+    elapsed = time.monotonic() - t0
+    message = str(info.value)
+    assert info.value.layer_idx == 3 and "layer 3" in message
+    assert "no acknowledgement" in message and endpoint in message
+    assert elapsed < 2.0, elapsed  # the layer's deadline, not the wait's own 5 s
+    assert_no_leaks(senders=[p.sender])
+
+
+# ====================================================================== 8. malformed frames
+
+
+def test_malformed_frames_do_not_stop_the_receive_loop(rig: Rig) -> None:
+    shapes = {0: FULL}
+    d = rig.decode(shapes)
+    p = rig.prefill_memory(shapes, seed=10)
+    r = Req("req-x", p_main=(2, 3, 4), d_main=(1, 0, 11), d_idx=(6, 7, 8))
+    d.receiver.admit(internal(r.ext), r.d_main, r.d_idx)
+    dealer = rig.dealer(d.endpoint)
+    valid = CODEC.encode(ReadReadyBatch(0, layer_name(0), (r.read(),), (r.ext,)))
+    meta = CODEC.encode(p.meta())
+
+    def pack(value: Any) -> bytes:
+        return msgpack.packb(value, use_bin_type=True)
+
+    nested: Any = []
+    for _ in range(5000):
+        nested = [nested]
+    junk = [
+        b"\xc1garbage",  # 0xc1 is never valid msgpack
+        valid[:-3],  # truncated tuple
+        valid + b"\x00",  # trailing bytes
+        pack([b"bogus_tag", 1, 2]),  # unknown tag: logged and ignored
+        pack(["read_ready_batch", 0, layer_name(0), []]),  # tag as str, not bin
+        pack(42),
+        pack([]),
+        pack({"a": 1}),
+        pack([READ_READY_BATCH]),  # too short to name a layer
+        pack([READ_READY_BATCH, -1, layer_name(0), []]),  # negative layer index
+        pack([MF_META, "s", b"\xc1"]),  # nested metadata not msgpack
+        pack([MF_META, "s", {"layer": {"base_addrs": [1]}}]),  # metadata lacks keys
+        pack(nested),  # nested too deeply
+        b"\xdd\xff\xff\xff\xff",  # array header claiming 4G items
+    ]
+    for frame in junk:
+        dealer.send(frame)
+    dealer.send_multipart([b"\x93\x01", b"\x02"])  # multi-frame, malformed when joined
+    dealer.send_multipart([valid, b"extra"])  # multi-frame: valid + junk
+    dealer.send(b"")  # empty frame
+    dealer.send_multipart([b"", b""])  # only empty frames
+    # READ_READY with a readable layer index but bad fields -> READ_FAILED for it
+    bad_ready = [
+        pack([READ_READY_BATCH, 7, layer_name(0), "not-a-list"]),
+        pack([READ_READY_BATCH, 8, layer_name(0), [[r.ext, [1, -2]]]]),
+        pack([READ_READY_BATCH, 9, layer_name(0), [[r.ext, [1], [1], 0]]]),
+        pack([READ_READY_BATCH, 10, layer_name(0), [], [], 3, 2]),  # member >= ratio
+        pack([READ_READY_BATCH, 11, layer_name(0), [], [], 0]),  # member without ratio
+        pack([READ_READY_BATCH, 12, 99, []]),  # layer name not a str
+    ]
+    for frame in bad_ready:
+        dealer.send(frame)
+        dealer.send(b"\xc1")  # garbage between them gets no reply
+    for layer in range(7, 13):
+        reply = recv_reply(dealer)
+        assert isinstance(reply, ReadFailed) and reply.layer_idx == layer, reply
+        assert "malformed" in reply.error
+    # Replies come in order on one connection: the next reply must be the ACK.
+    dealer.send_multipart([b"", meta])  # an empty delimiter frame is ignored
+    assert recv_reply(dealer) == ACK
+    dealer.send(valid)
+    assert recv_reply(dealer) == ReadDone(0)
+
+    assert d.receiver.running
+    assert_landed(p, d, 0, r.p_main, r.d_main, r.d_idx)
+    assert_untouched(d.bufs, rows_of([0], r.d_main, r.d_idx))
+    assert d.receiver.stats.malformed >= len(junk) + len(bad_ready)
+    assert "ignoring unknown message type" in d.log.events("warning")
+    # Unparseable messages name no request, so nothing was failed.
+    out = step(d.receiver)
+    assert out.finished == {internal(r.ext)} and out.failed == frozenset()
+    assert_no_leaks(receivers=[d.receiver])
+
+
+# ====================================================================== 9. bind failure
+
+
+def test_second_receiver_on_a_bound_port_raises_bind_error(rig: Rig) -> None:
+    shapes = {0: FULL}
+    d = rig.decode(shapes)
+    port = int(d.endpoint.rsplit(":", 1)[1])
+    engine = rig.engine()
+    _, dests = rig.decode_memory(shapes, engine)
+
+    second = DecodeReceiver(
+        server_factory=lambda: ZmqControlServer(HOST, port), codec=CODEC, transfer=engine,
+        destinations=dests, d_rank=0, d_tp=1, clock=MonotonicClock(), log=RecordingLogger(),
+    )
+    t0 = time.monotonic()
+    with pytest.raises(BindError, match=str(port)):
+        second.start()
+    assert time.monotonic() - t0 < 2.0
+    assert not second.running and second.stop(1.0)
+
+    container = build_container(
+        Rd2hSettings(role="decode", transport="inproc", host=HOST, kv_port=port)
+    )
+    third = container.decode_receiver(destinations=dests)
+    with pytest.raises(BindError):
+        third.start()
+    assert not third.running and third.stop(1.0)
+    container.transport().close()
+
+    # The first receiver still serves.
+    dealer = rig.dealer(d.endpoint)
+    dealer.send(CODEC.encode(rig.prefill_memory(shapes).meta()))
+    assert recv_reply(dealer) == ACK
+
+
+# ====================================================================== 10. storage-slot gates
+
+
+def test_shared_storage_gate_blocks_until_slow_decode_acks(rig: Rig) -> None:
+    router, endpoint = rig.router()  # a slow Decode: the test decides when it answers
+    shapes = {0: FULL, 1: FULL, 2: FULL}
+    p = rig.prefill(shapes, share={2: 0})  # layers 0 and 2 use one physical buffer
+    assert p.layouts[2].storage_keys == p.layouts[0].storage_keys
+    r = Req("req-g", p_main=(0, 1), d_main=(0, 1), d_idx=(0, 1))
+    p.sender.submit(0, None, targets(endpoint, [r.read()]))
+    identity, meta = router_recv(router)
+    assert isinstance(meta, MfMeta)
+    router_reply(router, identity, ACK)
+    _, ready = router_recv(router)
+    assert isinstance(ready, ReadReadyBatch) and ready.layer_idx == 0
+
+    t0 = time.monotonic()
+    with pytest.raises(LayerSendError, match=r"within 0\.3 s") as info:
+        p.sender.wait_for_layer_send(2, timeout=0.3)  # layer 2 shares layer 0's slots
+    assert endpoint in str(info.value)
+    assert 0.25 <= time.monotonic() - t0 < 2.0
+    p.sender.wait_for_layer_send(1, timeout=0.3)  # separate storage: open
+    assert p.sender.counters()["closed_slots"] == 2  # main and indexer(+scale) slots
+
+    router_reply(router, identity, CODEC.encode(ReadDone(0)))
+    p.sender.wait_for_layer_send(2, WAIT)
+    p.sender.wait_for_layer_send(0, WAIT)
+    assert_no_leaks(senders=[p.sender])
+
+
+def test_shared_storage_reuse_with_real_decode_lands_both_layers(rig: Rig) -> None:
+    shapes = {0: FULL, 1: FULL, 2: FULL}
+    d = rig.decode(shapes)
+    p = rig.prefill(shapes, seed=11, share={2: 0})
+    r = Req("req-reuse", p_main=(3, 5), p_idx=(1, 2), d_main=(4, 9), d_idx=(10, 3))
+    d.receiver.admit(internal(r.ext), r.d_main, r.d_idx)
+    rng = np.random.default_rng(99)
+    expected: dict[tuple[int, str], np.ndarray] = {}
+    for layer in shapes:
+        if layer == 2:  # compute may overwrite the shared buffer only once the gate opens
+            p.sender.wait_for_layer_send(2, WAIT)
+            for comp in COMPONENTS:
+                arr = p.bufs[(2, comp)]
+                arr[:] = rng.integers(0, 256, arr.shape, dtype=np.uint8)
+        for comp in COMPONENTS:
+            ids = r.p_main if comp.startswith("main") else r.p_index
+            expected[(layer, comp)] = p.bufs[(layer, comp)][list(ids)].copy()
+        done = [r.ext] if layer == 2 else []
+        p.sender.submit(layer, None, targets(d.endpoint, [r.read()], done))
+    for layer in shapes:
+        p.sender.wait_for_layer_send(layer, WAIT)
+    for (layer, comp), want in expected.items():
+        ids = r.d_main if comp.startswith("main") else r.d_idx
+        np.testing.assert_array_equal(d.bufs[(layer, comp)][list(ids)], want,
+                                      err_msg=f"layer {layer} {comp}")
+    assert not np.array_equal(expected[(0, "main_k")], expected[(2, "main_k")])
+    out = step(d.receiver)
+    assert out.finished == {internal(r.ext)} and out.failed == frozenset()
+    assert_no_leaks(receivers=[d.receiver], senders=[p.sender])
+
+
+# ====================================================================== 11. leak accounting
+
+
+def test_mixed_outcomes_leave_no_state_behind(rig: Rig) -> None:
+    """Success, a planning failure, a request vLLM finished early and a done report
+    that arrives before admission: after the steps that report them, nothing is left."""
+    shapes = {0: FULL, 1: MAIN_ONLY}
+    d = rig.decode(shapes)
+    p = rig.prefill(shapes, seed=12)
+    ok = Req("req-ok", p_main=(0, 1), d_main=(0, 1), d_idx=(0, 1))
+    # D admitted 1 block, P announces 2: "do not fit" fails the whole layer (one batch)
+    too_big = Req("req-big", p_main=(2, 3), d_main=(2,), d_idx=(2,))
+    early = Req("req-early", p_main=(4,), d_main=(3,), d_idx=(3,))
+    for r in (ok, too_big, early):
+        d.receiver.admit(internal(r.ext), r.d_main, r.d_idx)
+
+    # vLLM finishes (e.g. cancels) req-early before any KV: cleaned after this step.
+    out = step(d.receiver, finished_by_vllm=[internal(early.ext)])
+    assert out.finished == frozenset()
+    assert d.receiver.counters()["admitted"] == 2
+
+    p.sender.submit(0, None, targets(d.endpoint, [ok.read()]))
+    p.sender.wait_for_layer_send(0, WAIT)
+    p.sender.submit(0, None, targets(d.endpoint, [too_big.read()]))
+    with pytest.raises(LayerSendError, match="do not fit"):
+        p.sender.wait_for_layer_send(0, WAIT)
+    # final layer: main-only, done for both; too_big is already terminal (failed)
+    p.sender.submit(1, None, targets(d.endpoint, [ok.read()], [ok.ext, too_big.ext]))
+    p.sender.wait_for_layer_send(1, WAIT)
+    out = step(d.receiver)
+    assert out.finished == {internal(ok.ext), internal(too_big.ext)}
+    assert out.failed == {internal(too_big.ext)}
+    assert out.invalid_block_ids == set(too_big.d_main + too_big.d_idx)
+    assert_landed(p, d, 0, ok.p_main, ok.d_main, ok.d_idx)
+    assert_landed(p, d, 1, ok.p_main, ok.d_main, ok.d_idx)
+    assert_no_leaks(receivers=[d.receiver], senders=[p.sender])
+
+    # A done-only report (no blocks left to read) before the worker admitted the request
+    # stays pending until the admission maps it, then is reported once.
+    late = Req("req-late", p_main=(), d_main=(5,), d_idx=(5,))
+    p.sender.submit(1, None, targets(d.endpoint, done=[late.ext]))
+    p.sender.wait_for_layer_send(1, WAIT)
+    assert step(d.receiver).finished == frozenset()
+    assert d.receiver.counters()["pending_finished"] == 1
+    d.receiver.admit(internal(late.ext), late.d_main, late.d_idx)
+    out = step(d.receiver)
+    assert out.finished == {internal(late.ext)} and out.failed == frozenset()
+    assert_no_leaks(receivers=[d.receiver], senders=[p.sender])
+
+
+def test_request_deadline_fails_and_cleans_up(rig: Rig) -> None:
+    d = rig.decode({0: FULL}, request_timeout_s=0.2)
+    r = Req("req-slow", p_main=(), d_main=(1, 2), d_idx=(3,))
+    d.receiver.admit(internal(r.ext), r.d_main, r.d_idx)
+    outcomes: list[StepOutcome] = []
+
+    def stepped() -> bool:
+        outcomes.append(step(d.receiver))
+        return bool(outcomes[-1].finished)
+
+    wait_until(stepped, "the request deadline to fail the request", timeout=WAIT)
+    out = outcomes[-1]
+    assert out.failed == {internal(r.ext)}
+    assert out.invalid_block_ids == {1, 2, 3}
+    assert "no KV arrived" in out.reasons[internal(r.ext)]
+    assert_no_leaks(receivers=[d.receiver])

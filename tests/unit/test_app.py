@@ -1,0 +1,229 @@
+"""App services with in-memory fakes: settings, the container, and a full
+Prefill -> Decode pull wired through an in-memory control channel (no sockets)."""
+
+from __future__ import annotations
+
+import queue
+
+import numpy as np
+import pydantic
+import pytest
+
+from rd2h.adapters.inproc import InprocTransferEngine
+from rd2h.adapters.logging import make_logger
+from rd2h.adapters.msgpack import MsgpackCodec
+from rd2h.adapters.torch.exchange import InMemoryExchangeGroup
+from rd2h.app.clock import MonotonicClock
+from rd2h.app.container import TransportUnavailable, build_container
+from rd2h.app.decode import DecodeReceiver
+from rd2h.app.prefill import LayerTarget, PrefillSender, group_batches
+from rd2h.app.settings import Rd2hSettings
+from rd2h.domain.errors import LayerSendError
+from rd2h.domain.layout import DestinationLayout, DestTensor, SourceLayout, TensorComponent
+from rd2h.domain.protocol import ReadRequest
+
+# ---------------------------------------------------------------- settings / container
+
+
+def test_settings_reject_bad_values_naming_the_field() -> None:
+    with pytest.raises(pydantic.ValidationError, match="tp_rank"):
+        Rd2hSettings(role="decode", tp_size=2, tp_rank=2)
+    with pytest.raises(pydantic.ValidationError, match="bogus"):
+        Rd2hSettings(role="decode", bogus=1)
+    with pytest.raises(pydantic.ValidationError, match="65535"):
+        Rd2hSettings(role="decode", kv_port=65534, tp_size=4)
+    with pytest.raises(pydantic.ValidationError, match="transport"):
+        Rd2hSettings(role="prefill", transport="carrier-pigeon")
+    with pytest.raises(pydantic.ValidationError, match="meta_ack_s"):
+        Rd2hSettings(role="prefill", deadlines={"meta_ack_s": 0})
+
+
+def test_settings_port_plan() -> None:
+    s = Rd2hSettings(role="decode", kv_port=30000, global_dp_rank=3, tp_size=4, tp_rank=2)
+    assert s.base_port == 30012 and s.rank_port == 30014
+
+
+def test_container_builds_only_the_selected_transport() -> None:
+    c = build_container(Rd2hSettings(role="decode", transport="inproc"))
+    engine = c.transport()
+    assert isinstance(engine, InprocTransferEngine)
+    assert c.transport() is engine  # one engine per process
+    engine.close()
+    with pytest.raises(TransportUnavailable, match="memfabric"):
+        build_container(Rd2hSettings(role="decode", transport="memfabric")).transport()
+
+
+def test_container_transport_can_be_overridden_with_a_fake() -> None:
+    c = build_container(Rd2hSettings(role="decode", transport="cma"))
+    fake = InprocTransferEngine()
+    with c.transport.override(fake):
+        assert c.transport() is fake
+    fake.close()
+
+
+def test_group_batches_one_message_per_endpoint() -> None:
+    r1 = ReadRequest("a", (1, 2), (3,), 0, 0)
+    r2 = ReadRequest("b", (4,), (5,), 2, 1)
+    out = group_batches(7, "model.layers.7.attn", [
+        LayerTarget("tcp://x:1", r1, False, 1, 2),
+        LayerTarget("tcp://x:1", r2, True, 1, 2),
+        LayerTarget("tcp://y:2", None, True, 1, 2, ext_req_id="c"),
+    ])
+    assert set(out) == {"tcp://x:1", "tcp://y:2"}
+    assert out["tcp://x:1"].read_reqs == (r1, r2)
+    assert out["tcp://x:1"].done_ext_ids == ("b",)
+    assert out["tcp://y:2"].read_reqs == () and out["tcp://y:2"].done_ext_ids == ("c",)
+    assert (out["tcp://x:1"].group_member_idx, out["tcp://x:1"].tp_ratio) == (1, 2)
+    with pytest.raises(ValueError, match="mixed"):
+        group_batches(0, "l", [LayerTarget("e", r1, False, 0, 2), LayerTarget("e", r2, False, 1, 2)])
+
+
+# ---------------------------------------------------------------- in-memory channel
+
+
+class MemoryWire:
+    """A ROUTER/DEALER pair in memory: identities are endpoint names."""
+
+    def __init__(self, endpoint: str, *, answer: bool = True) -> None:
+        self.endpoint = endpoint
+        self.to_server: queue.Queue[tuple[bytes, bytes]] = queue.Queue()
+        self.to_client: queue.Queue[tuple[str, bytes]] = queue.Queue()
+        self.answer = answer
+
+    # ControlServer
+    def recv(self, timeout: float) -> tuple[bytes, bytes] | None:
+        try:
+            return self.to_server.get(timeout=timeout)
+        except queue.Empty:
+            return None
+
+    def send(self, identity: bytes, payload: bytes) -> bool:
+        if self.answer:
+            self.to_client.put((identity.decode(), payload))
+        return True
+
+    def close(self) -> None:
+        pass
+
+
+class MemoryClients:
+    def __init__(self, wire: MemoryWire) -> None:
+        self.wire = wire
+
+    def connect(self, endpoint: str) -> None:
+        assert endpoint == self.wire.endpoint
+
+    def disconnect(self, endpoint: str) -> None:
+        pass
+
+    def send(self, endpoint: str, payload: bytes, timeout: float = 5.0) -> None:
+        self.wire.to_server.put((endpoint.encode(), payload))
+
+    def poll(self, timeout: float) -> list[tuple[str, bytes]]:
+        try:
+            out = [self.wire.to_client.get(timeout=timeout)]
+        except queue.Empty:
+            return []
+        while True:
+            try:
+                out.append(self.wire.to_client.get_nowait())
+            except queue.Empty:
+                return out
+
+    def close(self) -> None:
+        pass
+
+
+BPB = {"k": 256, "v": 64, "idx": 32, "scale": 8}
+NB = 16
+
+
+@pytest.fixture
+def pair():
+    """P sender and D receiver sharing an in-memory wire and the inproc transport."""
+    wire = MemoryWire("mem://d0")
+    p_engine, d_engine = InprocTransferEngine(), InprocTransferEngine()
+    rng = np.random.default_rng(0)
+    p_bufs = {c: rng.integers(0, 255, (NB, n), dtype=np.uint8) for c, n in BPB.items()}
+    d_bufs = {c: np.zeros((NB, n), dtype=np.uint8) for c, n in BPB.items()}
+    for a in p_bufs.values():
+        p_engine.register_memory(a.ctypes.data, a.nbytes)
+    for a in d_bufs.values():
+        d_engine.register_memory(a.ctypes.data, a.nbytes)
+    name = "model.layers.0.attn"
+
+    def tc(c: str) -> TensorComponent:
+        return TensorComponent(p_bufs[c].ctypes.data, BPB[c], 1)
+
+    def dt(c: str) -> DestTensor:
+        return DestTensor(d_bufs[c].ctypes.data, BPB[c], NB)
+
+    src = SourceLayout(name, (tc("k"), tc("v")), tc("idx"), tc("scale"))
+    dst = DestinationLayout(name, (dt("k"), dt("v")), dt("idx"), dt("scale"))
+    clock = MonotonicClock()
+    receiver = DecodeReceiver(
+        server_factory=lambda: wire, codec=MsgpackCodec(), transfer=d_engine,
+        destinations={name: dst}, d_rank=0, d_tp=1, clock=clock,
+        log=make_logger("decode", 0),
+    )
+    sender = PrefillSender(
+        clients_factory=lambda: MemoryClients(wire), codec=MsgpackCodec(),
+        p_session=p_engine.session_id, layers={0: src}, clock=clock,
+        log=make_logger("prefill", 0), meta_ack_timeout_s=2, layer_ack_timeout_s=2,
+    )
+    receiver.start()
+    sender.start()
+    yield wire, sender, receiver, p_bufs, d_bufs
+    sender.stop(2)
+    receiver.stop(2)
+    p_engine.close()
+    d_engine.close()
+
+
+def test_in_memory_pull_lands_bytes_and_completes(pair) -> None:
+    wire, sender, receiver, p_bufs, d_bufs = pair
+    receiver.admit("req-a" + "X" * 9, [5, 6, 7], [8, 9, 10])
+    req = ReadRequest("req-a", (0, 1, 2), (3, 4, 5), 0, 0)
+    sender.submit(0, None, [LayerTarget(wire.endpoint, req, True, 0, 1)])
+    sender.wait_for_layer_send(0, timeout=5)
+    for c in ("k", "v"):
+        assert np.array_equal(d_bufs[c][[5, 6, 7]], p_bufs[c][[0, 1, 2]])
+    for c in ("idx", "scale"):
+        assert np.array_equal(d_bufs[c][[8, 9, 10]], p_bufs[c][[3, 4, 5]])
+    out = receiver.step(InMemoryExchangeGroup(1).member(0), (), timeout=5)
+    assert out.finished == {"req-a" + "X" * 9} and not out.failed
+    assert all(v == 0 for k, v in receiver.counters().items() if k != "peers")
+    assert sender.counters() == {"pending_layers": 0, "closed_slots": 0, "queued_tasks": 0}
+
+
+def test_read_failure_is_reported_to_prefill_and_blocks_invalidated(pair) -> None:
+    wire, sender, receiver, _, _ = pair
+    receiver.admit("req-b" + "X" * 9, [1], [2])
+    req = ReadRequest("req-b", (0, 1), (0, 1), 0, 0)  # two blocks into one destination
+    sender.submit(0, None, [LayerTarget(wire.endpoint, req, True, 0, 1)])
+    with pytest.raises(LayerSendError, match="do not fit"):
+        sender.wait_for_layer_send(0, timeout=5)
+    out = receiver.step(InMemoryExchangeGroup(1).member(0), (), timeout=5)
+    assert out.failed == {"req-b" + "X" * 9}
+    assert out.invalid_block_ids == {1, 2}
+
+
+def test_unanswered_layer_fails_at_its_deadline() -> None:
+    wire = MemoryWire("mem://silent", answer=False)
+    src = SourceLayout("model.layers.0.attn", (TensorComponent(4096, 64, 1),))
+    sender = PrefillSender(
+        clients_factory=lambda: MemoryClients(wire), codec=MsgpackCodec(), p_session="s",
+        layers={0: src}, clock=MonotonicClock(), log=make_logger("prefill", 0),
+        meta_ack_timeout_s=0.2, layer_ack_timeout_s=0.2, event_timeout_s=0.2,
+    )
+    sender.start()
+    try:
+        req = ReadRequest("r", (0,), (0,), 0, 0)
+        sender.submit(0, None, [LayerTarget(wire.endpoint, req, True, 0, 1)])
+        with pytest.raises(LayerSendError, match="MF_META"):
+            sender.wait_for_layer_send(0, timeout=5)
+        assert sender.counters()["pending_layers"] == 0
+    finally:
+        assert sender.stop(2)
+    with pytest.raises(LayerSendError, match="stopped"):
+        sender.submit(0, None, [LayerTarget(wire.endpoint, req, True, 0, 1)])
