@@ -75,7 +75,9 @@ def test_group_batches_one_message_per_endpoint() -> None:
     assert out["tcp://y:2"].read_reqs == () and out["tcp://y:2"].done_ext_ids == ("c",)
     assert (out["tcp://x:1"].group_member_idx, out["tcp://x:1"].tp_ratio) == (1, 2)
     with pytest.raises(ValueError, match="mixed"):
-        group_batches(0, "l", [LayerTarget("e", r1, False, 0, 2), LayerTarget("e", r2, False, 1, 2)])
+        group_batches(
+            0, "l", [LayerTarget("e", r1, False, 0, 2), LayerTarget("e", r2, False, 1, 2)]
+        )
 
 
 # ---------------------------------------------------------------- in-memory channel
