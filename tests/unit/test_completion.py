@@ -17,6 +17,7 @@ from rd2h.domain.completion import (
     ContributorTracker,
     DecodeRequestBook,
     ExpiredLayer,
+    GateState,
     MergedReport,
     RankReport,
     StepOutcome,
@@ -161,7 +162,7 @@ def test_fail_all_opens_everything_and_reports_pending_layers() -> None:
     assert gates.acknowledge(3, "d1") is True
     assert gates.fail_all("sender stopped") == [0, 1]
     for layer in (0, 1):
-        assert gates.state(layer) == type(gates.state(layer))(True, "sender stopped", ())
+        assert gates.state(layer) == GateState(True, "sender stopped", ())
     assert gates.state(3).error is None and gates.state(3).open is True
     assert gates.state(2).open is True and gates.state(4).open is True
     assert gates.acknowledge(0, "d0") is False  # a late reply is stray now
@@ -215,7 +216,7 @@ def test_unknown_layer_and_layer_without_storage() -> None:
     with pytest.raises(CompletionError):
         gates.register_layer(9, (), None)
     with pytest.raises(CompletionError):
-        gates.state(9)
+        gates.state(9)  # a failed registration leaves no mapping behind
     assert_gates_clean(gates)
 
 
@@ -223,7 +224,7 @@ def test_re_announce_clears_the_old_error() -> None:
     gates = shared_storage_gates()
     gates.announce(0, ["d0"])
     gates.fail_layer(0, "boom")
-    assert gates.state(0) == type(gates.state(0))(True, "boom", ())
+    assert gates.state(0) == GateState(True, "boom", ())
     assert gates.acknowledge(0, "d0") is False  # stray after the failure
     gates.announce(0, ["d0"])
     assert gates.state(0).error is None and gates.state(0).open is False

@@ -260,21 +260,27 @@ def scenarios(draw, *, valid: bool) -> Scenario:
 
     def pool() -> list[int]:
         ids = list(range(ID_POOL))
-        return draw(st.permutations(ids)) if draw(st.booleans()) else ids
+        return draw(st.permutations(ids)) if draw(st.integers(0, 2)) == 0 else ids
 
     d_main_pool, d_idx_pool, p_main_pool, p_idx_pool = pool(), pool(), pool(), pool()
-    n_reqs = draw(st.integers(1, 4))
+    # "full": every request reads its whole lists, so with sorted pools the blocks
+    # cover whole tensors (and, packed, merge across tensor boundaries).
+    full = draw(st.integers(0, 3)) == 0
+    n_reqs = ID_POOL // MAX_LIST if full else draw(st.integers(1, 4))
     destinations: dict[str, Destination] = {}
     reqs: list[ReadRequest] = []
     slack = 0 if valid else 1
     for r in range(n_reqs):
         ext = f"req-{r}"
-        legacy = draw(st.booleans())
-        if legacy:
+        at = r * MAX_LIST
+        req: ReadRequest | None = None
+        if full:
+            m_len = i_len = mn = inn = MAX_LIST
+            ms = is_ = 0
+        elif draw(st.booleans()):  # legacy 2-field entry: one id list, starts 0
             m_len = i_len = draw(st.integers(1, MAX_LIST))
             n = draw(st.integers(0 if not valid else 1, m_len + slack))
-            ids = p_main_pool[r * MAX_LIST : r * MAX_LIST + n]
-            req = decode_read_request([ext, ids], 0)
+            req = decode_read_request([ext, p_main_pool[at : at + n]], 0)
         else:
             m_len, i_len = draw(st.integers(0, MAX_LIST)), draw(st.integers(0, MAX_LIST))
             ms = draw(st.integers(0, m_len + slack))
@@ -283,17 +289,13 @@ def scenarios(draw, *, valid: bool) -> Scenario:
             inn = draw(st.integers(0, max(0, i_len - is_) + slack))
             if valid and mn + inn == 0:
                 m_len, mn = max(m_len, ms + 1), 1
+        if req is None:
             req = ReadRequest(
-                ext,
-                tuple(p_main_pool[r * MAX_LIST : r * MAX_LIST + mn]),
-                tuple(p_idx_pool[r * MAX_LIST : r * MAX_LIST + inn]),
-                ms,
-                is_,
+                ext, tuple(p_main_pool[at : at + mn]), tuple(p_idx_pool[at : at + inn]), ms, is_
             )
         reqs.append(req)
         destinations[ext] = Destination(
-            d_main_pool[r * MAX_LIST : r * MAX_LIST + m_len],
-            d_idx_pool[r * MAX_LIST : r * MAX_LIST + i_len],
+            d_main_pool[at : at + m_len], d_idx_pool[at : at + i_len]
         )
     if not valid and draw(st.booleans()):
         del destinations[draw(st.sampled_from(sorted(destinations)))]
