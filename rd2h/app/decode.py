@@ -206,7 +206,7 @@ class DecodeReceiver:
 
     def _fail(self, identity: bytes, batch: ReadReadyBatch, reason: str) -> None:
         with self._lock:
-            self._book.record_failed(batch.named_ext_ids, reason)
+            self._book.record_failed(batch.named_ext_ids, reason, self._clock.now())
         self.stats.layers_failed += 1
         self._log.warning("layer read failed", layer=batch.layer_idx, error=reason)
         self._reply(identity, ReadFailed(batch.layer_idx, reason))

@@ -258,6 +258,7 @@ class DecodeRequestBook:
         self._failed: dict[str, str] = {}
         self._invalid_reported: set[str] = set()
         self._pending_finished: set[str] = set()
+        self._orphan_since: dict[str, float] = {}
 
     # -- admission
     def admit(
@@ -295,11 +296,17 @@ class DecodeRequestBook:
                 completed.append(ext)
         return completed
 
-    def record_failed(self, ext_ids: Iterable[str], reason: str) -> None:
+    def record_failed(
+        self, ext_ids: Iterable[str], reason: str, now: float | None = None
+    ) -> None:
+        """Mark requests failed. Ids not admitted here are kept (the admission may still
+        come) and, when ``now`` is given, dropped by ``expire`` once they are stale."""
         for ext in ext_ids:
             self._failed.setdefault(ext, reason)
             self._terminal.add(ext)
             self.contributors.discard(ext)
+            if now is not None and ext not in self._admitted:
+                self._orphan_since.setdefault(ext, now)
 
     def expire(self, now: float, timeout: float) -> list[str]:
         """Fail admitted requests still waiting for their KV ``timeout`` after admission."""
@@ -309,6 +316,13 @@ class DecodeRequestBook:
             if ext not in self._terminal and now - entry.admitted_at >= timeout
         ]
         self.record_failed(late, f"no KV arrived within {timeout:g} s of admission")
+        # State for ids never admitted here (e.g. a message for a request Decode already
+        # aborted) must not live forever.
+        for ext, since in list(self._orphan_since.items()):
+            if ext in self._admitted:
+                del self._orphan_since[ext]
+            elif now - since >= timeout:
+                self._forget(ext)
         return late
 
     # -- step
@@ -366,6 +380,7 @@ class DecodeRequestBook:
         self._failed.pop(ext, None)
         self._invalid_reported.discard(ext)
         self._pending_finished.discard(ext)
+        self._orphan_since.pop(ext, None)
         self.contributors.discard(ext)
 
     # -- leak accounting
@@ -376,6 +391,7 @@ class DecodeRequestBook:
             "failed": len(self._failed),
             "pending_finished": len(self._pending_finished),
             "contributors": len(self.contributors),
+            "orphans": len(self._orphan_since),
         }
 
 

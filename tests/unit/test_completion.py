@@ -476,6 +476,7 @@ def assert_book_clean(*books: DecodeRequestBook) -> None:
     for book in books:
         assert book.counters() == {
             "admitted": 0, "terminal": 0, "failed": 0, "pending_finished": 0, "contributors": 0,
+            "orphans": 0,
         }
         assert len(book.destinations) == 0
 
@@ -766,3 +767,28 @@ def test_request_book_random_interleavings(script) -> None:
     for rank in range(n_ranks):
         assert all(f is not None for f in finished_at[rank]), "a request never finished"
     assert_book_clean(*books)
+
+
+def test_failures_for_never_admitted_requests_expire() -> None:
+    """A READ_FAILED naming a request this rank never admitted (or already forgot)
+    must not leave state behind forever."""
+    book = DecodeRequestBook()
+    book.record_failed(["ghost"], "no destination blocks", now=100.0)
+    out = book.finish_step([book.local_report()])
+    assert out.finished == frozenset()
+    assert book.expire(now=110.0, timeout=30.0) == []
+    assert book.counters()["orphans"] == 1
+    book.expire(now=131.0, timeout=30.0)
+    assert all(v == 0 for v in book.counters().values()), book.counters()
+
+
+def test_late_admission_of_a_failed_request_is_still_reported() -> None:
+    book = DecodeRequestBook()
+    book.record_failed(["late"], "read failed", now=1.0)
+    book.finish_step([book.local_report()])
+    book.admit("late" + "s" * 9, [4, 5], [6], now=2.0)
+    book.expire(now=3.0, timeout=30.0)
+    out = book.finish_step([book.local_report()])
+    assert out.finished == {"late" + "s" * 9} and out.failed == {"late" + "s" * 9}
+    assert out.invalid_block_ids == {4, 5, 6}
+    assert all(v == 0 for v in book.counters().values()), book.counters()
