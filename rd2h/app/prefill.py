@@ -155,8 +155,8 @@ class PrefillSender:
                 raise LayerSendError(layer_idx, reason)
             budget = self._event_timeout + self._meta_timeout + self._ack_timeout
             self._gates.announce(layer_idx, list(batches), deadline=self._clock.now() + budget)
-        if batches:
-            self._queue.put(_Task(layer_idx, event, batches))
+            if batches:  # under the lock: the exiting thread drains the queue under it too
+                self._queue.put(_Task(layer_idx, event, batches))
         return len(batches)
 
     def wait_for_layer_send(self, layer_idx: int, timeout: float) -> None:
@@ -209,6 +209,8 @@ class PrefillSender:
             with self._cond:
                 self._dead = reason
                 failed = self._gates.fail_all(reason)
+                while not self._queue.empty():  # never processed; their gates failed above
+                    self._queue.get_nowait()
                 self._cond.notify_all()
             if failed:
                 self._log.warning("failed pending layers on sender exit", layers=failed)
@@ -257,6 +259,9 @@ class PrefillSender:
             if isinstance(msg, ReadDone):
                 self._ack(msg.layer_idx, endpoint, None)
             elif isinstance(msg, ReadFailed):
+                # Decode may have restarted behind the same endpoint (ZMQ reconnects
+                # silently and the new ROUTER has no MF_META for us): handshake again.
+                self._meta_ok.discard(endpoint)
                 self._ack(msg.layer_idx, endpoint, msg.error or "decode reported READ_FAILED")
             else:
                 self._log.warning("unexpected message from decode", endpoint=endpoint)
@@ -275,9 +280,14 @@ class PrefillSender:
         self._clients.connect(endpoint)
         deadline = self._clock.now() + self._meta_timeout
         try:
-            self._clients.send(endpoint, self._meta_frame, timeout=self._meta_timeout)
+            self._send(endpoint, self._meta_frame, self._meta_timeout)
             while True:
                 remaining = deadline - self._clock.now()
+                if self._stop.is_set():
+                    raise ConnectionError(
+                        f"prefill sender stopped while waiting for the MF_META "
+                        f"acknowledgement from {endpoint}"
+                    )
                 if remaining <= 0:
                     raise ConnectionError(
                         f"no MF_META acknowledgement from {endpoint} "
@@ -292,10 +302,41 @@ class PrefillSender:
             self._meta_failed[endpoint] = (self._clock.now() + self._reconnect_after, str(exc))
             raise
 
+    def _send(self, endpoint: str, frame: bytes, timeout: float) -> None:
+        """Send one frame within ``timeout``, in short slices so that a stop interrupts it."""
+        assert self._clients is not None
+        deadline = self._clock.now() + timeout
+        slice_s = max(self._poll, 0.005)
+        while True:
+            try:
+                remaining = deadline - self._clock.now()
+                self._clients.send(endpoint, frame, timeout=max(0.0, min(remaining, slice_s)))
+                return
+            except ConnectionError:
+                if self._stop.is_set():
+                    raise ConnectionError(
+                        f"prefill sender stopped before {endpoint} was reachable"
+                    ) from None
+                if self._clock.now() >= deadline:
+                    raise ConnectionError(
+                        f"decode endpoint {endpoint} is not reachable within {timeout:g} s"
+                    ) from None
+
+    def _wait_event(self, event: DeviceEvent) -> str | None:
+        """Wait for the device event in short slices; the reason it failed, or None."""
+        deadline = self._clock.now() + self._event_timeout
+        slice_s = max(self._poll, 0.005)
+        while not event.wait(max(0.0, min(deadline - self._clock.now(), slice_s))):
+            if self._stop.is_set():
+                return "prefill sender stopped while waiting for the device event"
+            if self._clock.now() >= deadline:
+                return f"device event not complete within {self._event_timeout:g} s"
+        return None
+
     def _process(self, task: _Task) -> None:
         log = self._log.bind(layer=task.layer_idx)
-        if task.event is not None and not task.event.wait(self._event_timeout):
-            reason = f"device event not complete within {self._event_timeout:g} s"
+        reason = None if task.event is None else self._wait_event(task.event)
+        if reason is not None:
             for ep in task.batches:
                 self._ack(task.layer_idx, ep, reason)
             return
@@ -304,7 +345,7 @@ class PrefillSender:
                 self._ensure_meta(endpoint)
                 assert self._clients is not None
                 self._sent_at.setdefault((task.layer_idx, endpoint), []).append(self._clock.now())
-                self._clients.send(endpoint, self._codec.encode(batch), timeout=self._meta_timeout)
+                self._send(endpoint, self._codec.encode(batch), self._meta_timeout)
             except ConnectionError as exc:
                 self._sent_at.pop((task.layer_idx, endpoint), None)
                 self._ack(task.layer_idx, endpoint, str(exc))

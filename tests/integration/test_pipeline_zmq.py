@@ -171,8 +171,9 @@ class DSide:
 class RecordingLogger:
     """A structlog-like logger that keeps every line (for assertions and failure output)."""
 
-    def __init__(self, records: list[tuple[str, str, dict[str, Any]]] | None = None,
-                 **context: Any) -> None:
+    def __init__(
+        self, records: list[tuple[str, str, dict[str, Any]]] | None = None, **context: Any
+    ) -> None:
         self.records = [] if records is None else records
         self._context = context
 
@@ -218,6 +219,10 @@ class Rig:
         self._finalizers.clear()
         self.keep.clear()
         assert not problems, problems
+
+    def on_close(self, fn: Callable[[], Any]) -> None:
+        """Run ``fn`` at teardown (a ``False`` result counts as "did not finish")."""
+        self._finalizers.append(fn)
 
     def engine(self) -> InprocTransferEngine:
         engine = InprocTransferEngine()
@@ -426,32 +431,49 @@ def router_reply(router: zmq.Socket, identity: bytes, payload: bytes) -> None:
     router.send_multipart([identity, b"", payload])
 
 
-def read_req(ext: str, p_main: Sequence[int], start: int = 0,
-             p_idx: Sequence[int] | None = None, idx_start: int | None = None) -> ReadRequest:
+def read_req(
+    ext: str,
+    p_main: Sequence[int],
+    start: int = 0,
+    p_idx: Sequence[int] | None = None,
+    idx_start: int | None = None,
+) -> ReadRequest:
     return ReadRequest(
-        ext, tuple(p_main), tuple(p_main if p_idx is None else p_idx),
-        start, start if idx_start is None else idx_start,
+        ext,
+        tuple(p_main),
+        tuple(p_main if p_idx is None else p_idx),
+        start,
+        start if idx_start is None else idx_start,
     )
 
 
-def targets(endpoint: str, reads: Iterable[ReadRequest] = (), done: Iterable[str] = (),
-            member: int = 0, ratio: int = 1) -> list[LayerTarget]:
+def targets(
+    endpoint: str,
+    reads: Iterable[ReadRequest] = (),
+    done: Iterable[str] = (),
+    member: int = 0,
+    ratio: int = 1,
+) -> list[LayerTarget]:
     done = list(done)
-    out = [LayerTarget(endpoint, r, r.ext_req_id in done, member, ratio, r.ext_req_id)
-           for r in reads]
+    out = [
+        LayerTarget(endpoint, r, r.ext_req_id in done, member, ratio, r.ext_req_id) for r in reads
+    ]
     named = {t.ext_req_id for t in out}
     out += [LayerTarget(endpoint, None, True, member, ratio, e) for e in done if e not in named]
     return out
 
 
-def step_all(receivers: Sequence[DecodeReceiver],
-             finished_by_vllm: Iterable[str] = ()) -> list[StepOutcome]:
+def step_all(
+    receivers: Sequence[DecodeReceiver], finished_by_vllm: Iterable[str] = ()
+) -> list[StepOutcome]:
     """One worker step on every Decode rank at once (a real all-gather among threads)."""
     group = InMemoryExchangeGroup(len(receivers))
     finished_by_vllm = tuple(finished_by_vllm)
     with ThreadPoolExecutor(len(receivers)) as pool:
-        futures = [pool.submit(r.step, group.member(i), finished_by_vllm, WAIT)
-                   for i, r in enumerate(receivers)]
+        futures = [
+            pool.submit(r.step, group.member(i), finished_by_vllm, WAIT)
+            for i, r in enumerate(receivers)
+        ]
         return [f.result(timeout=2 * WAIT) for f in futures]
 
 
@@ -459,10 +481,16 @@ def step(receiver: DecodeReceiver, finished_by_vllm: Iterable[str] = ()) -> Step
     return step_all([receiver], finished_by_vllm)[0]
 
 
-def assert_landed(p: PSide, d: DSide, layer: int, p_main: Sequence[int],
-                  d_main: Sequence[int], d_idx: Sequence[int],
-                  p_idx: Sequence[int] | None = None,
-                  comps: Iterable[str] = COMPONENTS) -> None:
+def assert_landed(
+    p: PSide,
+    d: DSide,
+    layer: int,
+    p_main: Sequence[int],
+    d_main: Sequence[int],
+    d_idx: Sequence[int],
+    p_idx: Sequence[int] | None = None,
+    comps: Iterable[str] = COMPONENTS,
+) -> None:
     """Decode's destination blocks hold exactly Prefill's source blocks."""
     p_idx = p_main if p_idx is None else p_idx
     for comp in comps:
@@ -482,8 +510,9 @@ def assert_untouched(d_bufs: Bufs, written: Mapping[tuple[int, str], Iterable[in
         assert (arr[mask] == SENTINEL).all(), f"unexpected bytes in {key}"
 
 
-def rows_of(layers: Iterable[int], d_main: Iterable[int], d_idx: Iterable[int]
-            ) -> dict[tuple[int, str], set[int]]:
+def rows_of(
+    layers: Iterable[int], d_main: Iterable[int], d_idx: Iterable[int]
+) -> dict[tuple[int, str], set[int]]:
     out: dict[tuple[int, str], set[int]] = {}
     for layer in layers:
         for comp in COMPONENTS:
@@ -493,15 +522,17 @@ def rows_of(layers: Iterable[int], d_main: Iterable[int], d_idx: Iterable[int]
     return out
 
 
-def assert_no_leaks(*, receivers: Iterable[DecodeReceiver] = (),
-                    senders: Iterable[PrefillSender | None] = ()) -> None:
+def assert_no_leaks(
+    *, receivers: Iterable[DecodeReceiver] = (), senders: Iterable[PrefillSender | None] = ()
+) -> None:
     for r in receivers:
         counters = {k: v for k, v in r.counters().items() if k != "peers"}
         assert counters == dict.fromkeys(counters, 0), counters
     for s in senders:
         if s is not None:
-            assert s.counters() == {"pending_layers": 0, "closed_slots": 0,
-                                    "queued_tasks": 0}, s.counters()
+            assert s.counters() == {"pending_layers": 0, "closed_slots": 0, "queued_tasks": 0}, (
+                s.counters()
+            )
 
 
 def snapshot_equal(before: Bufs, after: Bufs) -> None:
@@ -524,8 +555,7 @@ class Req:
 
     def read(self, start: int = 0, end: int | None = None) -> ReadRequest:
         end = len(self.p_main) if end is None else end
-        return read_req(self.ext, self.p_main[start:end], start,
-                        self.p_index[start:end], start)
+        return read_req(self.ext, self.p_main[start:end], start, self.p_index[start:end], start)
 
 
 # ====================================================================== 1. happy path
@@ -700,8 +730,13 @@ def test_contributor_member_owning_nothing_acks_and_counts_for_completion(rig: R
         (Shape(scale=4), FULL, "scale"),  # LIC8 scale block size differs
         (Shape(scale=None), FULL, "scale"),  # D expects a scale P does not have
     ],
-    ids=["main-block-size", "p-extra-indexer", "p-missing-indexer", "scale-size",
-         "p-missing-scale"],
+    ids=[
+        "main-block-size",
+        "p-extra-indexer",
+        "p-missing-indexer",
+        "scale-size",
+        "p-missing-scale",
+    ],
 )
 def test_layout_mismatch_fails_layer_and_writes_nothing(
     rig: Rig, p_shape: Shape, d_shape: Shape, component: str
@@ -744,8 +779,10 @@ def test_transport_failure_fails_layer_and_marks_requests(rig: Rig, fault: str) 
         rig.keep.append(stray)
         lay = layouts[0]
         layouts[0] = SourceLayout(
-            lay.layer_name, (lay.main[0], TensorComponent(stray.ctypes.data, stray.shape[1])),
-            lay.indexer, lay.scale,
+            lay.layer_name,
+            (lay.main[0], TensorComponent(stray.ctypes.data, stray.shape[1])),
+            lay.indexer,
+            lay.scale,
         )
     sender = rig.start_sender(p, layouts=layouts)
     a = Req("req-t1", p_main=(0, 1), d_main=(2, 3), d_idx=(4, 5))
@@ -761,8 +798,11 @@ def test_transport_failure_fails_layer_and_marks_requests(rig: Rig, fault: str) 
         sender.wait_for_layer_send(0, WAIT)
     message = str(info.value)
     assert "read failed" in message
-    expected = ("unknown or closed" if fault == "prefill-session-closed"
-                else "outside the registered memory")
+    expected = (
+        "unknown or closed"
+        if fault == "prefill-session-closed"
+        else "outside the registered memory"
+    )
     assert expected in message
     snapshot_equal(before, d.bufs)  # the batch is validated as a whole before copying
 
@@ -793,16 +833,17 @@ def test_duplicate_final_reports_from_one_member_do_not_complete(rig: Rig) -> No
         assert counters["contributors"] == 1 and counters["terminal"] == 0
 
     # Member 0 pulled all of main and its half of the indexer (block 0 of 2).
-    assert_landed(m0, d, 0, r.p_main, r.d_main, r.d_idx, r.p_index,
-                  comps=("main_k", "main_v"))
-    assert_landed(m0, d, 0, r.p_main[:1], r.d_main[:1], r.d_idx[:1], r.p_index[:1],
-                  comps=("indexer", "scale"))
+    assert_landed(m0, d, 0, r.p_main, r.d_main, r.d_idx, r.p_index, comps=("main_k", "main_v"))
+    assert_landed(
+        m0, d, 0, r.p_main[:1], r.d_main[:1], r.d_idx[:1], r.p_index[:1], comps=("indexer", "scale")
+    )
     assert (d.bufs[(0, "indexer")][r.d_idx[1]] == SENTINEL).all()
 
     m1.sender.submit(0, None, targets(d.endpoint, [r.read()], [r.ext], member=1, ratio=2))
     m1.sender.wait_for_layer_send(0, WAIT)
-    assert_landed(m1, d, 0, r.p_main[1:], r.d_main[1:], r.d_idx[1:], r.p_index[1:],
-                  comps=("indexer", "scale"))
+    assert_landed(
+        m1, d, 0, r.p_main[1:], r.d_main[1:], r.d_idx[1:], r.p_index[1:], comps=("indexer", "scale")
+    )
     out = step(d.receiver)
     assert out.finished == {internal(r.ext)} and out.failed == frozenset()
     assert_no_leaks(receivers=[d.receiver], senders=[m0.sender, m1.sender])
@@ -858,8 +899,9 @@ def test_mf_meta_ack_deadline_fails_layer_naming_endpoint(rig: Rig) -> None:
 
 def test_layer_ack_deadline_fails_layer_naming_it(rig: Rig) -> None:
     router, endpoint = rig.router()
-    p = rig.prefill({0: FULL, 3: FULL}, meta_ack_timeout_s=0.4, layer_ack_timeout_s=0.2,
-                    event_timeout_s=0.2)
+    p = rig.prefill(
+        {0: FULL, 3: FULL}, meta_ack_timeout_s=0.4, layer_ack_timeout_s=0.2, event_timeout_s=0.2
+    )
     r = Req("req-la", p_main=(0,), d_main=(0,), d_idx=(0,))
     t0 = time.monotonic()
     p.sender.submit(3, None, targets(endpoint, [r.read()], [r.ext]))
@@ -878,6 +920,96 @@ def test_layer_ack_deadline_fails_layer_naming_it(rig: Rig) -> None:
     assert_no_leaks(senders=[p.sender])
 
 
+class NeverEvent:
+    """A device event whose work never completes."""
+
+    def wait(self, timeout: float) -> bool:
+        time.sleep(min(timeout, 0.01))
+        return False
+
+
+@pytest.mark.parametrize("how", ["event-deadline", "stop"])
+def test_device_event_wait_is_bounded_and_stoppable(rig: Rig, how: str) -> None:
+    router, endpoint = rig.router()
+    event_timeout = 0.2 if how == "event-deadline" else 30.0
+    p = rig.prefill({0: FULL}, event_timeout_s=event_timeout)
+    r = Req("req-ev", p_main=(0,), d_main=(0,), d_idx=(0,))
+    t0 = time.monotonic()
+    p.sender.submit(0, NeverEvent(), targets(endpoint, [r.read()]))
+    if how == "stop":
+        assert p.sender.stop(WAIT)
+    with pytest.raises(LayerSendError) as info:
+        p.sender.wait_for_layer_send(0, WAIT)
+    assert time.monotonic() - t0 < 2.0
+    assert ("device event not complete" if how == "event-deadline" else "stopped") in str(
+        info.value
+    )
+    assert router.poll(0) == 0  # nothing was announced for a layer that never completed
+    assert_no_leaks(senders=[p.sender])
+
+
+def test_sender_handshakes_again_after_decode_restarts_on_its_endpoint(rig: Rig) -> None:
+    """ZMQ reconnects the DEALER silently; the new ROUTER has no MF_META for it. A
+    READ_FAILED makes the sender send MF_META again, so later layers recover."""
+    shapes = {0: FULL}
+    d = rig.decode(shapes)
+    # Short deadlines: a frame that went into the dying connection expires well
+    # within one wait below, and the next attempt goes over the new one.
+    p = rig.prefill(
+        shapes, seed=13, meta_ack_timeout_s=1.0, layer_ack_timeout_s=0.5, event_timeout_s=0.5
+    )
+    first = Req("req-r0", p_main=(0,), d_main=(0,), d_idx=(0,))
+    d.receiver.admit(internal(first.ext), first.d_main, first.d_idx)
+    p.sender.submit(0, None, targets(d.endpoint, [first.read()], [first.ext]))
+    p.sender.wait_for_layer_send(0, WAIT)
+    assert step(d.receiver).finished == {internal(first.ext)}
+    assert d.receiver.stop(WAIT)
+
+    port = int(d.endpoint.rsplit(":", 1)[1])
+    restarted: list[DecodeReceiver] = []
+
+    def rebind() -> bool:  # zmq closes sockets asynchronously: the port frees shortly
+        receiver = DecodeReceiver(
+            server_factory=lambda: ZmqControlServer(HOST, port),
+            codec=CODEC,
+            transfer=d.engine,
+            destinations=d.destinations,
+            d_rank=0,
+            d_tp=1,
+            clock=MonotonicClock(),
+            log=RecordingLogger(),
+            poll_interval_s=0.01,
+        )
+        try:
+            receiver.start()
+        except BindError:
+            return False
+        restarted.append(receiver)
+        return True
+
+    wait_until(rebind, "the decode port to be free again")
+    d2 = restarted[0]
+    rig.on_close(lambda: d2.stop(2.0))
+    reqs = [Req(f"req-r{i}", p_main=(i,), d_main=(i,), d_idx=(i,)) for i in range(1, 4)]
+    ok = None
+    for r in reqs:
+        d2.admit(internal(r.ext), r.d_main, r.d_idx)
+        p.sender.submit(0, None, targets(d.endpoint, [r.read()], [r.ext]))
+        try:
+            p.sender.wait_for_layer_send(0, WAIT)
+        except LayerSendError:
+            continue
+        ok = r
+        break
+    assert ok is not None, "the sender never recovered after the decode restart"
+    assert_landed(p, d, 0, ok.p_main, ok.d_main, ok.d_idx)
+    admitted = {internal(r.ext) for r in reqs[: reqs.index(ok) + 1]}
+    out = step(d2)
+    assert out.finished == admitted
+    assert internal(ok.ext) not in out.failed
+    assert_no_leaks(receivers=[d2], senders=[p.sender])
+
+
 # ====================================================================== 8. malformed frames
 
 
@@ -894,9 +1026,6 @@ def test_malformed_frames_do_not_stop_the_receive_loop(rig: Rig) -> None:
     def pack(value: Any) -> bytes:
         return msgpack.packb(value, use_bin_type=True)
 
-    nested: Any = []
-    for _ in range(5000):
-        nested = [nested]
     junk = [
         b"\xc1garbage",  # 0xc1 is never valid msgpack
         valid[:-3],  # truncated tuple
@@ -910,7 +1039,7 @@ def test_malformed_frames_do_not_stop_the_receive_loop(rig: Rig) -> None:
         pack([READ_READY_BATCH, -1, layer_name(0), []]),  # negative layer index
         pack([MF_META, "s", b"\xc1"]),  # nested metadata not msgpack
         pack([MF_META, "s", {"layer": {"base_addrs": [1]}}]),  # metadata lacks keys
-        pack(nested),  # nested too deeply
+        b"\x91" * 100_000 + b"\xc0",  # arrays nested 100k deep
         b"\xdd\xff\xff\xff\xff",  # array header claiming 4G items
     ]
     for frame in junk:
@@ -963,8 +1092,14 @@ def test_second_receiver_on_a_bound_port_raises_bind_error(rig: Rig) -> None:
     _, dests = rig.decode_memory(shapes, engine)
 
     second = DecodeReceiver(
-        server_factory=lambda: ZmqControlServer(HOST, port), codec=CODEC, transfer=engine,
-        destinations=dests, d_rank=0, d_tp=1, clock=MonotonicClock(), log=RecordingLogger(),
+        server_factory=lambda: ZmqControlServer(HOST, port),
+        codec=CODEC,
+        transfer=engine,
+        destinations=dests,
+        d_rank=0,
+        d_tp=1,
+        clock=MonotonicClock(),
+        log=RecordingLogger(),
     )
     t0 = time.monotonic()
     with pytest.raises(BindError, match=str(port)):
@@ -1040,8 +1175,9 @@ def test_shared_storage_reuse_with_real_decode_lands_both_layers(rig: Rig) -> No
         p.sender.wait_for_layer_send(layer, WAIT)
     for (layer, comp), want in expected.items():
         ids = r.d_main if comp.startswith("main") else r.d_idx
-        np.testing.assert_array_equal(d.bufs[(layer, comp)][list(ids)], want,
-                                      err_msg=f"layer {layer} {comp}")
+        np.testing.assert_array_equal(
+            d.bufs[(layer, comp)][list(ids)], want, err_msg=f"layer {layer} {comp}"
+        )
     assert not np.array_equal(expected[(0, "main_k")], expected[(2, "main_k")])
     out = step(d.receiver)
     assert out.finished == {internal(r.ext)} and out.failed == frozenset()
@@ -1114,3 +1250,29 @@ def test_request_deadline_fails_and_cleans_up(rig: Rig) -> None:
     assert out.invalid_block_ids == {1, 2, 3}
     assert "no KV arrived" in out.reasons[internal(r.ext)]
     assert_no_leaks(receivers=[d.receiver])
+
+
+def test_announcement_for_a_request_decode_forgot_fails_and_expires(rig: Rig) -> None:
+    """vLLM aborts a request on Decode while Prefill still announces it: the layer fails
+    (no destination), and the state it left for the unknown id expires with the request
+    deadline instead of living forever."""
+    d = rig.decode({0: FULL}, request_timeout_s=0.3)
+    p = rig.prefill({0: FULL}, seed=14)
+    r = Req("req-gone", p_main=(0,), d_main=(0,), d_idx=(0,))
+    d.receiver.admit(internal(r.ext), r.d_main, r.d_idx)
+    assert step(d.receiver, finished_by_vllm=[internal(r.ext)]).finished == frozenset()
+    assert_no_leaks(receivers=[d.receiver])
+
+    p.sender.submit(0, None, targets(d.endpoint, [r.read()], [r.ext]))
+    with pytest.raises(LayerSendError, match="no destination blocks"):
+        p.sender.wait_for_layer_send(0, WAIT)
+    assert_untouched(d.bufs, {})
+
+    def clean() -> bool:
+        out = step(d.receiver)
+        assert internal(r.ext) not in out.finished  # never reported: vLLM forgot it
+        counters = {k: v for k, v in d.receiver.counters().items() if k != "peers"}
+        return not any(counters.values())
+
+    wait_until(clean, "state of the forgotten request to expire")
+    assert_no_leaks(receivers=[d.receiver], senders=[p.sender])

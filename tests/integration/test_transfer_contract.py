@@ -18,7 +18,8 @@ from multiprocessing.connection import Connection
 import numpy as np
 import pytest
 
-from rd2h.adapters.inproc import InprocTransferEngine, RegionTable, validate_batch
+from rd2h.adapters.inproc import InprocTransferEngine
+from rd2h.adapters.regions import RegionTable, validate_batch
 from rd2h.domain.errors import TransferError
 from rd2h.ports.transfer import TransferEngine
 

@@ -25,7 +25,7 @@ from concurrent.futures import ThreadPoolExecutor, wait
 
 import numpy as np
 
-from rd2h.adapters.inproc.transport import RegionTable, validate_batch
+from rd2h.adapters.regions import RegionTable, validate_batch
 from rd2h.domain.errors import TransferError
 
 IOV_MAX = 1024

@@ -1,5 +1,6 @@
 """In-process transfer engine: peers in the same process, reads by memmove."""
 
-from rd2h.adapters.inproc.transport import InprocTransferEngine, RegionTable, validate_batch
+from rd2h.adapters.inproc.transport import InprocTransferEngine
+from rd2h.adapters.regions import RegionTable, validate_batch
 
 __all__ = ["InprocTransferEngine", "RegionTable", "validate_batch"]

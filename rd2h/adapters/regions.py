@@ -1,0 +1,128 @@
+"""Descriptor-batch checks and registered-region tables shared by the transports.
+
+Pure numpy: a batch is validated as a whole (shapes, positive lengths, no
+overflow) and every range must lie inside one registered region, before the
+first byte moves.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+
+from rd2h.domain.errors import TransferError
+
+_INT64_MAX = np.iinfo(np.int64).max
+
+
+def _as_int64(name: str, values: np.ndarray) -> np.ndarray:
+    arr = np.asarray(values)
+    if arr.ndim != 1:
+        raise TransferError(f"{name} must be a 1-D array, got shape {arr.shape}")
+    if arr.dtype.kind not in "iu":
+        raise TransferError(f"{name} must be an integer array, got dtype {arr.dtype}")
+    # uint64 values above the int64 range wrap to negative and are refused below.
+    return arr.astype(np.int64, copy=False)
+
+
+def validate_batch(
+    local_addrs: np.ndarray, remote_addrs: np.ndarray, lengths: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Check a batch's arrays and return them as 1-D int64 arrays.
+
+    Refuses unequal shapes, non-positive lengths, negative addresses and ranges
+    whose end would overflow. Raises ``TransferError`` naming the first bad
+    descriptor.
+    """
+    local = _as_int64("local_addrs", local_addrs)
+    remote = _as_int64("remote_addrs", remote_addrs)
+    lens = _as_int64("lengths", lengths)
+    if not local.shape == remote.shape == lens.shape:
+        raise TransferError(
+            "descriptor arrays differ in shape: "
+            f"local_addrs {local.shape}, remote_addrs {remote.shape}, lengths {lens.shape}"
+        )
+    if lens.size == 0:
+        return local, remote, lens
+    bad = np.flatnonzero(lens <= 0)
+    if bad.size:
+        i = int(bad[0])
+        raise TransferError(
+            f"descriptor {i} has non-positive length {int(lens[i])} ({bad.size} such descriptors)"
+        )
+    for side, addrs in (("local", local), ("remote", remote)):
+        bad = np.flatnonzero((addrs < 0) | (addrs > _INT64_MAX - lens))
+        if bad.size:
+            i = int(bad[0])
+            raise TransferError(
+                f"descriptor {i} has an invalid {side} range "
+                f"(address {int(addrs[i])}, length {int(lens[i])})"
+            )
+    return local, remote, lens
+
+
+class RegionTable:
+    """A thread-safe set of registered ``[addr, addr + size)`` regions.
+
+    Overlapping regions are allowed; a range is accepted when it lies inside one
+    registered region. Lookups are vectorised: regions are kept sorted by start
+    with a running maximum of their ends, so "some region starting at or before
+    ``a`` ends at or after ``a + n``" is one ``searchsorted`` plus one gather.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._regions: set[tuple[int, int]] = set()
+        # (starts sorted ascending, running max of ends), replaced as a whole.
+        self._snapshot: tuple[np.ndarray, np.ndarray] = (
+            np.empty(0, np.int64),
+            np.empty(0, np.int64),
+        )
+
+    def add(self, addr: int, size: int) -> bool:
+        """Record a region; returns False when exactly this region was already there."""
+        addr, size = int(addr), int(size)
+        if addr <= 0 or size <= 0 or addr > _INT64_MAX - size:
+            raise TransferError(f"cannot register region at address {addr} of size {size}")
+        with self._lock:
+            if (addr, size) in self._regions:
+                return False
+            self._regions.add((addr, size))
+            ordered = sorted(self._regions)
+            starts = np.fromiter((a for a, _ in ordered), np.int64, len(ordered))
+            ends = np.fromiter((a + s for a, s in ordered), np.int64, len(ordered))
+            self._snapshot = (starts, np.maximum.accumulate(ends))
+            return True
+
+    def clear(self) -> None:
+        """Forget every region."""
+        with self._lock:
+            self._regions.clear()
+            self._snapshot = (np.empty(0, np.int64), np.empty(0, np.int64))
+
+    def __len__(self) -> int:
+        return len(self._snapshot[0])
+
+    def outside(self, addrs: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+        """Indices of the ranges ``[addrs[i], addrs[i] + lengths[i])`` not inside a region.
+
+        Expects arrays already checked by ``validate_batch``.
+        """
+        starts, max_ends = self._snapshot
+        if starts.size == 0:
+            return np.arange(addrs.size)
+        idx = np.searchsorted(starts, addrs, side="right") - 1
+        covered = (idx >= 0) & (max_ends[np.maximum(idx, 0)] >= addrs + lengths)
+        return np.flatnonzero(~covered)
+
+    def require_inside(self, addrs: np.ndarray, lengths: np.ndarray, what: str) -> None:
+        """Raise ``TransferError`` naming the first range not inside a region."""
+        bad = self.outside(addrs, lengths)
+        if bad.size:
+            i = int(bad[0])
+            raise TransferError(
+                f"descriptor {i}: {what} range [{int(addrs[i]):#x}, +{int(lengths[i])}) "
+                f"is outside the registered memory ({bad.size} of {addrs.size} "
+                "descriptors are)"
+            )
