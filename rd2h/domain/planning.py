@@ -15,6 +15,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from functools import cached_property
+from itertools import chain
+from operator import attrgetter, getitem
+from typing import NamedTuple
 
 import numpy as np
 
@@ -54,9 +58,9 @@ class Destination:
         object.__setattr__(self, "indexer_block_ids", _as_ids(self.indexer_block_ids))
 
 
-@dataclass(frozen=True)
-class RequestOwnership:
-    """What this rank owns of one request in one message, and what it built for it."""
+class RequestOwnership(NamedTuple):
+    """What this rank owns of one request in one message, and what it built for it
+    (``descriptors`` counts one per owned block per tensor, before coalescing)."""
 
     ext_req_id: str
     main_blocks: int
@@ -70,13 +74,32 @@ class RequestOwnership:
 
 @dataclass(frozen=True)
 class ReadPlan:
-    """One batched read: ``lengths[i]`` bytes from ``remote_addrs[i]`` to ``local_addrs[i]``."""
+    """One batched read: ``lengths[i]`` bytes from ``remote_addrs[i]`` to ``local_addrs[i]``.
+
+    ``requests`` gives the per-request ownership facts, in message order (built on
+    first access from the per-request counts).
+    """
 
     local_addrs: np.ndarray
     remote_addrs: np.ndarray
     lengths: np.ndarray
-    requests: tuple[RequestOwnership, ...]
+    ext_req_ids: tuple[str, ...]
+    main_blocks: np.ndarray
+    indexer_blocks: np.ndarray
+    descriptors_built: np.ndarray
     blocks: int
+
+    @cached_property
+    def requests(self) -> tuple[RequestOwnership, ...]:
+        return tuple(
+            map(
+                RequestOwnership,
+                self.ext_req_ids,
+                self.main_blocks.tolist(),
+                self.indexer_blocks.tolist(),
+                self.descriptors_built.tolist(),
+            )
+        )
 
     @property
     def num_descriptors(self) -> int:
@@ -88,7 +111,7 @@ class ReadPlan:
 
     @property
     def owns_nothing(self) -> bool:
-        return all(r.owns_nothing for r in self.requests)
+        return not (self.main_blocks.any() or self.indexer_blocks.any())
 
 
 def coalesce(
@@ -119,16 +142,16 @@ def _own(
     layer: str,
     what: str,
     reqs: Sequence[ReadRequest],
-    dests: Sequence[Destination],
     src_lists: Sequence[Sequence[int]],
+    lens: np.ndarray,
     dst_lists: Sequence[np.ndarray],
     starts: np.ndarray,
     k: int,
     r: int,
 ) -> _Component:
+    """Owned blocks of every request, as flat source and destination id arrays."""
     n = len(reqs)
-    lens = np.fromiter((len(x) for x in src_lists), dtype=np.int64, count=n)
-    room = np.fromiter((len(x) for x in dst_lists), dtype=np.int64, count=n)
+    room = np.fromiter(map(len, dst_lists), dtype=np.int64, count=n)
     bad = np.flatnonzero((lens > 0) & (starts + lens > room))
     if bad.size:
         i = int(bad[0])
@@ -146,14 +169,12 @@ def _own(
     total = int(counts.sum())
     if total == 0:
         return _Component(_EMPTY, _EMPTY, counts)
-    lo_l, hi_l = lo.tolist(), hi.tolist()
-    flat: list[int] = []
-    for ids, a, b in zip(src_lists, lo_l, hi_l):
-        if b > a:
-            flat.extend(ids[a:b])
-    src = np.array(flat, dtype=np.int64)
+    src = np.fromiter(
+        chain.from_iterable(map(getitem, src_lists, map(slice, lo.tolist(), hi.tolist()))),
+        dtype=np.int64, count=total,
+    )
     dst = np.concatenate(
-        [d[s + a : s + b] for d, s, a, b in zip(dst_lists, starts.tolist(), lo_l, hi_l) if b > a]
+        list(map(getitem, dst_lists, map(slice, (starts + lo).tolist(), (starts + hi).tolist())))
     )
     return _Component(src, dst, counts)
 
@@ -165,6 +186,8 @@ def _runs(src: np.ndarray, dst: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.
     brk[0] = True
     np.not_equal(np.diff(src), 1, out=brk[1:])
     brk[1:] |= np.diff(dst) != 1
+    if brk.all():  # nothing to merge (typical for a fragmented pool)
+        return src, dst, np.ones(n, dtype=np.int64)
     first = np.flatnonzero(brk)
     length = np.diff(first, append=n)
     return src[first], dst[first], length
@@ -246,43 +269,45 @@ def plan_reads(
     member, ratio = batch.group_member_idx, max(1, batch.tp_ratio)
     reqs = batch.read_reqs
     n = len(reqs)
-    dests: list[Destination] = []
-    for req in reqs:
-        dest = destinations.get(req.ext_req_id)
-        if dest is None:
-            raise PlanningError(layer, "no destination blocks are known for it", req.ext_req_id)
-        if not req.p_main_block_ids and not req.p_indexer_block_ids:
-            raise PlanningError(layer, "the read request names no blocks", req.ext_req_id)
-        dests.append(dest)
+    ext_ids = list(map(attrgetter("ext_req_id"), reqs))
+    dests: list[Destination | None] = list(map(destinations.get, ext_ids))
+    main_lists = list(map(attrgetter("p_main_block_ids"), reqs))
+    idx_lists = list(map(attrgetter("p_indexer_block_ids"), reqs))
+    main_lens = np.fromiter(map(len, main_lists), dtype=np.int64, count=n)
+    idx_lens = np.fromiter(map(len, idx_lists), dtype=np.int64, count=n)
+    # The first request (in message order) that breaks a rule fails the layer.
+    missing = dests.index(None) if None in dests else n
+    blank = np.flatnonzero((main_lens == 0) & (idx_lens == 0))
+    if missing < n or blank.size:
+        if missing <= (int(blank[0]) if blank.size else n):
+            raise PlanningError(layer, "no destination blocks are known for it", ext_ids[missing])
+        raise PlanningError(layer, "the read request names no blocks", ext_ids[int(blank[0])])
 
     zeros = np.zeros(n, dtype=np.int64)
     main = _Component(_EMPTY, _EMPTY, zeros)
     index = _Component(_EMPTY, _EMPTY, zeros)
     if member == 0 and src.main and n:
         main = _own(
-            layer, "main", reqs, dests,
-            [r.p_main_block_ids for r in reqs], [d.main_block_ids for d in dests],
-            np.fromiter((r.main_start_block for r in reqs), dtype=np.int64, count=n),
+            layer, "main", reqs, main_lists, main_lens,
+            list(map(attrgetter("main_block_ids"), dests)),
+            np.fromiter(map(attrgetter("main_start_block"), reqs), dtype=np.int64, count=n),
             d_tp, d_rank,
         )
     if src.indexer is not None and n:
         index = _own(
-            layer, "indexer", reqs, dests,
-            [r.p_indexer_block_ids for r in reqs], [d.indexer_block_ids for d in dests],
-            np.fromiter((r.indexer_start_block for r in reqs), dtype=np.int64, count=n),
+            layer, "indexer", reqs, idx_lists, idx_lens,
+            list(map(attrgetter("indexer_block_ids"), dests)),
+            np.fromiter(map(attrgetter("indexer_start_block"), reqs), dtype=np.int64, count=n),
             ratio, member,
         )
 
     idx_tensors = 1 + (src.scale is not None)
     built = main.counts * len(src.main) + index.counts * idx_tensors
-    facts = tuple(
-        RequestOwnership(req.ext_req_id, m, i, b)
-        for req, m, i, b in zip(reqs, main.counts.tolist(), index.counts.tolist(), built.tolist())
-    )
-    for f in facts:
-        if not f.owns_nothing and f.descriptors == 0:
-            raise PlanningError(layer, "this rank owns blocks but built no descriptor",
-                                f.ext_req_id)
+    empty = np.flatnonzero((main.counts + index.counts > 0) & (built == 0))
+    if empty.size:
+        raise PlanningError(
+            layer, "this rank owns blocks but built no descriptor", reqs[int(empty[0])].ext_req_id
+        )
 
     idx_pairs: list[tuple[TensorComponent, DestTensor]] = []
     if src.indexer is not None and dst.indexer is not None:
@@ -292,4 +317,7 @@ def plan_reads(
     local, remote, lengths = _descriptors(
         [(main, list(zip(src.main, dst.main)), "main"), (index, idx_pairs, "indexer")], layer
     )
-    return ReadPlan(local, remote, lengths, facts, int(main.src.size + index.src.size))
+    return ReadPlan(
+        local, remote, lengths, tuple(ext_ids), main.counts, index.counts, built,
+        int(main.src.size + index.src.size),
+    )
