@@ -43,7 +43,10 @@ class DecodeStats:
     bytes_read: int = 0
     descriptors: int = 0
     read_seconds: float = 0.0
+    handle_seconds: float = 0.0
     malformed: int = 0
+    first_ready_at: float | None = None
+    last_read_end_at: float | None = None
     read_latencies_ms: list[float] = field(default_factory=list)
 
 
@@ -85,6 +88,7 @@ class DecodeReceiver:
         self._book = DecodeRequestBook()
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        self._progress = threading.Event()
         self._thread: threading.Thread | None = None
         self._server: ControlServer | None = None
         self.stats = DecodeStats()
@@ -141,6 +145,13 @@ class DecodeReceiver:
         with self._lock:
             return self._book.finish_step(reports, finished_by_vllm)
 
+    def wait_for_progress(self, timeout: float) -> bool:
+        """Block until a request reached a terminal state on this rank since the last
+        call (or ``timeout`` passed); lets a worker loop step when there is news."""
+        happened = self._progress.wait(timeout)
+        self._progress.clear()
+        return happened
+
     def counters(self) -> dict[str, int]:
         with self._lock:
             out = self._book.counters()
@@ -162,11 +173,13 @@ class DecodeReceiver:
             if item is None:
                 continue
             identity, payload = item
+            t0 = time.perf_counter()
             try:
                 self._handle(identity, payload)
             except Exception as exc:  # never let one message kill the loop
                 self.stats.malformed += 1
                 self._log.error("message handling failed", error=repr(exc))
+            self.stats.handle_seconds += time.perf_counter() - t0
 
     def _reply(self, identity: bytes, message: ReadDone | ReadFailed) -> None:
         if not self._server or not self._server.send(identity, self._codec.encode(message)):
@@ -208,10 +221,13 @@ class DecodeReceiver:
         with self._lock:
             self._book.record_failed(batch.named_ext_ids, reason, self._clock.now())
         self.stats.layers_failed += 1
+        self._progress.set()
         self._log.warning("layer read failed", layer=batch.layer_idx, error=reason)
         self._reply(identity, ReadFailed(batch.layer_idx, reason))
 
     def _on_ready(self, identity: bytes, batch: ReadReadyBatch) -> None:
+        if self.stats.first_ready_at is None:
+            self.stats.first_ready_at = self._clock.now()
         peer = self._peers.get(identity)
         if peer is None:
             self._fail(identity, batch, "READ_READY_BATCH before MF_META on this connection")
@@ -246,6 +262,7 @@ class DecodeReceiver:
                 self._fail(identity, batch, f"read failed: {exc}")
                 return
             dt = time.perf_counter() - t0
+            self.stats.last_read_end_at = self._clock.now()
             self.stats.read_seconds += dt
             self.stats.read_latencies_ms.append(dt * 1e3)
             self.stats.bytes_read += plan.total_bytes
@@ -263,5 +280,6 @@ class DecodeReceiver:
         self.stats.layers_done += 1
         self._reply(identity, ReadDone(batch.layer_idx))
         if completed:
+            self._progress.set()
             self._log.debug("requests complete on this rank", layer=batch.layer_idx,
                             requests=completed)

@@ -34,6 +34,7 @@ from rd2h.domain.topology import check_topology, compute_mapping, remote_port
 
 ENGINE_SUFFIX = "-e0000001"  # vLLM appends 9 characters to request ids
 SENTINEL = 0xEE  # destination bytes before any pull
+STEP_INTERVAL_S = 0.05  # longest pause between Decode worker steps
 
 
 @dataclass(frozen=True)
@@ -193,6 +194,10 @@ def _prefill_rank(cfg: DemoConfig, p_rank: int, base_port: int, alloc: Allocatio
     sender = container.prefill_sender(p_session=transport.session_id, layers=layouts)
     events = container.device_events()
     sender.start()
+    # Connections persist across requests in serving: set this one up before timing.
+    failed = sender.prepare([endpoint], settings.deadlines.meta_ack_s)
+    if failed:
+        raise ConnectionError(f"decode endpoint handshake failed: {failed}")
     out.put(("ready", f"prefill {p_rank}", None))
     if not go.wait(cfg.timeout_s):
         raise TimeoutError("no start signal from the demo parent")
@@ -239,9 +244,9 @@ def _prefill_rank(cfg: DemoConfig, p_rank: int, base_port: int, alloc: Allocatio
 
 
 def _decode_main(cfg: DemoConfig, d_rank: int, base_port: int, dist_port: int, shm_name: str,
-                 alloc: Allocation, replay_go: Any, out: Any) -> None:
+                 alloc: Allocation, go: Any, replay_go: Any, out: Any) -> None:
     try:
-        _decode_rank(cfg, d_rank, base_port, dist_port, shm_name, alloc, replay_go, out)
+        _decode_rank(cfg, d_rank, base_port, dist_port, shm_name, alloc, go, replay_go, out)
     except BaseException as exc:
         out.put(("error", f"decode rank {d_rank}", f"{exc!r}\n{traceback.format_exc()}"))
         raise SystemExit(1) from exc
@@ -262,7 +267,7 @@ def main_pool_bytes(cfg: DemoConfig, alloc: Allocation) -> int:
 
 
 def _decode_rank(cfg: DemoConfig, d_rank: int, base_port: int, dist_port: int, shm_name: str,
-                 alloc: Allocation, replay_go: Any, out: Any) -> None:
+                 alloc: Allocation, go: Any, replay_go: Any, out: Any) -> None:
     from rd2h.adapters.torch.exchange import TorchDistExchange
     from rd2h.app.container import build_container
     from rd2h.app.settings import Rd2hSettings
@@ -310,10 +315,13 @@ def _decode_rank(cfg: DemoConfig, d_rank: int, base_port: int, dist_port: int, s
     receiver.start()
     for r in range(cfg.requests):
         receiver.admit(internal_id(r), alloc.d_main_blocks[r], alloc.d_indexer_blocks[r])
+    out.put(("bound", f"decode {d_rank}", None))
     exchange = TorchDistExchange(rank=d_rank, world_size=cfg.decode_tp,
                                  init_method=f"tcp://127.0.0.1:{dist_port}",
                                  timeout_s=settings.deadlines.tp_exchange_s)
     out.put(("ready", f"decode {d_rank}", None))
+    if not go.wait(cfg.timeout_s):  # worker steps start with the run
+        raise TimeoutError("no start signal from the demo parent")
     finished: dict[str, bool] = {}
     t_end = None
     last_progress = 0
@@ -325,7 +333,9 @@ def _decode_rank(cfg: DemoConfig, d_rank: int, base_port: int, dist_port: int, s
             last_progress = len(finished)
             out.put(("progress", "decode 0", last_progress))
         if len(finished) < cfg.requests:
-            time.sleep(0.002)
+            # Step when this rank has news, at least every STEP_INTERVAL_S: all ranks
+            # step in lockstep (the exchange is a collective).
+            receiver.wait_for_progress(STEP_INTERVAL_S)
     t_end = time.monotonic()
     # Verify rank-local indexer / scale copies (rank 0 also verifies the shared main pool).
     mismatches = 0
@@ -345,6 +355,8 @@ def _decode_rank(cfg: DemoConfig, d_rank: int, base_port: int, dist_port: int, s
         "layers_done": stats.layers_done, "layers_failed": stats.layers_failed,
         "descriptors": stats.descriptors, "mismatched_blocks": mismatches,
         "counters": receiver.counters(), "read_seconds": stats.read_seconds,
+        "handle_seconds": stats.handle_seconds,
+        "first_ready_at": stats.first_ready_at, "last_read_end_at": stats.last_read_end_at,
     }))
     raw = None
     if cfg.replay and replay_go.wait(cfg.timeout_s):
@@ -404,6 +416,8 @@ class DemoResult:
     shared_buffers: int
     descriptors: int
     leaked_state: int
+    read_busy_seconds: float = 0.0
+    raw_seconds: float | None = None
     errors: list[str] = field(default_factory=list)
     rate_unit: str = "1e9 bytes/s"
 
@@ -462,10 +476,7 @@ def run_demo(cfg: DemoConfig, *, progress: bool = True) -> DemoResult:
     try:
         for d in range(cfg.decode_tp):
             procs.append(ctx.Process(target=_decode_main, name=f"rd2h-decode-{d}", args=(
-                cfg, d, base_port, dist_port, shm.name, alloc, replay_go, out)))
-        for p in range(cfg.prefill_tp):
-            procs.append(ctx.Process(target=_prefill_main, name=f"rd2h-prefill-{p}", args=(
-                cfg, p, base_port, alloc, go, release, out)))
+                cfg, d, base_port, dist_port, shm.name, alloc, go, replay_go, out)))
         for proc in procs:
             proc.start()
         deadline = time.monotonic() + cfg.timeout_s
@@ -491,6 +502,12 @@ def run_demo(cfg: DemoConfig, *, progress: bool = True) -> DemoResult:
                 msgs.setdefault(k, []).append((who, payload))
             return got
 
+        collect("bound", cfg.decode_tp)  # Decode listens: start Prefill
+        for p in range(cfg.prefill_tp):
+            proc = ctx.Process(target=_prefill_main, name=f"rd2h-prefill-{p}", args=(
+                cfg, p, base_port, alloc, go, release, out))
+            procs.append(proc)
+            proc.start()
         collect("ready", len(procs))
         t0 = time.monotonic()
         go.set()
@@ -498,7 +515,7 @@ def run_demo(cfg: DemoConfig, *, progress: bool = True) -> DemoResult:
         dec = collect("decode_done", cfg.decode_tp)
         bar.show(cfg.requests, force=True)
         seconds = max(p["t_end"] for _, p in dec) - t0
-        raw_gbps = None
+        raw_gbps = raw_seconds = None
         replay_go.set()
         reps = collect("replay_done", cfg.decode_tp)
         release.set()
@@ -507,6 +524,7 @@ def run_demo(cfg: DemoConfig, *, progress: bool = True) -> DemoResult:
             span = max(r["t1"] for r in raws) - min(r["t0"] for r in raws)
             raw_bytes = sum(r["bytes"] for r in raws)
             raw_gbps = raw_bytes / span / 1e9 if span > 0 else None
+            raw_seconds = span
         for proc in procs:
             proc.join(max(1.0, deadline - time.monotonic()))
         mem = memcpy_gbps(sum(p["bytes"] for _, p in dec))
@@ -514,7 +532,7 @@ def run_demo(cfg: DemoConfig, *, progress: bool = True) -> DemoResult:
         errors.append(str(exc))
         pre = msgs.get("prefill_done", []) if "msgs" in locals() else []
         dec = msgs.get("decode_done", []) if "msgs" in locals() else []
-        seconds, raw_gbps, mem = 0.0, None, 0.0
+        seconds, raw_gbps, raw_seconds, mem = 0.0, None, None, 0.0
     finally:
         started = [proc for proc in procs if proc.pid is not None]
         for proc in started:
@@ -551,6 +569,8 @@ def run_demo(cfg: DemoConfig, *, progress: bool = True) -> DemoResult:
         layers=cfg.layers, requests=cfg.requests, prompt_tokens=cfg.prompt_tokens,
         chunks=cfg.chunks, shared_buffers=cfg.shared_buffers,
         descriptors=sum(p["descriptors"] for _, p in dec), leaked_state=leaked, errors=errors,
+        read_busy_seconds=max((p["read_seconds"] for _, p in dec), default=0.0),
+        raw_seconds=raw_seconds,
     )
 
 

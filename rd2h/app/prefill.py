@@ -45,6 +45,15 @@ class _Task:
     batches: Mapping[str, ReadReadyBatch]
 
 
+@dataclass(frozen=True)
+class _Handshake:
+    """Connect and exchange MF_META ahead of the first layer (``prepare``)."""
+
+    endpoints: tuple[str, ...]
+    done: threading.Event
+    errors: dict[str, str]
+
+
 @dataclass
 class SenderStats:
     layers_sent: int = 0
@@ -112,7 +121,7 @@ class PrefillSender:
             MfMeta(p_session, {lay.layer_name: lay.to_metadata() for lay in self._layers.values()})
         )
         self._cond = threading.Condition()
-        self._queue: queue.Queue[_Task] = queue.Queue()
+        self._queue: queue.Queue[_Task | _Handshake] = queue.Queue()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._dead: str | None = None
@@ -157,7 +166,25 @@ class PrefillSender:
             self._gates.announce(layer_idx, list(batches), deadline=self._clock.now() + budget)
             if batches:  # under the lock: the exiting thread drains the queue under it too
                 self._queue.put(_Task(layer_idx, event, batches))
+        if batches and self._clients is not None:
+            self._clients.wake()
         return len(batches)
+
+    def prepare(self, endpoints: Iterable[str], timeout: float) -> dict[str, str]:
+        """Connect to ``endpoints`` and exchange MF_META now, ahead of the first layer, so
+        the first announcement does not pay the handshake. Returns ``{endpoint: error}``
+        for the endpoints that failed (empty when all succeeded); bounded by ``timeout``."""
+        job = _Handshake(tuple(dict.fromkeys(endpoints)), threading.Event(), {})
+        with self._cond:
+            if self._dead is not None or self._thread is None:
+                reason = self._dead or "prefill sender not started"
+                return dict.fromkeys(job.endpoints, reason)
+            self._queue.put(job)
+        if self._clients is not None:
+            self._clients.wake()
+        if not job.done.wait(timeout):
+            return {ep: f"handshake not finished within {timeout:g} s" for ep in job.endpoints}
+        return dict(job.errors)
 
     def wait_for_layer_send(self, layer_idx: int, timeout: float) -> None:
         """Block until the layer's storage may be reused; raise ``LayerSendError`` if
@@ -201,7 +228,10 @@ class PrefillSender:
                     task = self._queue.get_nowait()
                 except queue.Empty:
                     continue
-                self._process(task)
+                if isinstance(task, _Handshake):
+                    self._handshake(task)
+                else:
+                    self._process(task)
         except BaseException as exc:
             reason = f"prefill sender crashed: {exc!r}"
             self._log.error("prefill sender crashed", error=repr(exc))
@@ -210,7 +240,10 @@ class PrefillSender:
                 self._dead = reason
                 failed = self._gates.fail_all(reason)
                 while not self._queue.empty():  # never processed; their gates failed above
-                    self._queue.get_nowait()
+                    left = self._queue.get_nowait()
+                    if isinstance(left, _Handshake):
+                        left.errors.update(dict.fromkeys(left.endpoints, reason))
+                        left.done.set()
                 self._cond.notify_all()
             if failed:
                 self._log.warning("failed pending layers on sender exit", layers=failed)
@@ -332,6 +365,14 @@ class PrefillSender:
             if self._clock.now() >= deadline:
                 return f"device event not complete within {self._event_timeout:g} s"
         return None
+
+    def _handshake(self, job: _Handshake) -> None:
+        for endpoint in job.endpoints:
+            try:
+                self._ensure_meta(endpoint)
+            except ConnectionError as exc:
+                job.errors[endpoint] = str(exc)
+        job.done.set()
 
     def _process(self, task: _Task) -> None:
         log = self._log.bind(layer=task.layer_idx)

@@ -22,6 +22,8 @@ READ_FAILED = b"read_failed"
 # The MF_META acknowledgement is these raw bytes, not a msgpack value.
 ACK = b"ACK"
 
+_INT_ONLY = {int}
+
 LAYER_METADATA_KEYS = (
     "base_addrs",
     "block_len",
@@ -133,8 +135,8 @@ def _seq(value: Any, what: str, layer_idx: int | None = None) -> Sequence[Any]:
 
 def _block_ids(value: Any, what: str, layer_idx: int) -> tuple[int, ...]:
     items = _seq(value, what, layer_idx)
-    # type() is int excludes bool and every other type; min() runs in C.
-    if not all(type(item) is int for item in items) or (items and min(items) < 0):
+    # type() is int excludes bool and every other type; map/set/min run in C.
+    if items and (set(map(type, items)) != _INT_ONLY or min(items) < 0):
         bad = next(
             (i for i in items if type(i) is not int or i < 0), None
         )

@@ -37,7 +37,12 @@ class ControlClients(Protocol):
         ...
 
     def poll(self, timeout: float) -> list[tuple[str, bytes]]:
-        """Replies that arrived, as ``(endpoint, payload)``; waits at most ``timeout``."""
+        """Replies that arrived, as ``(endpoint, payload)``; waits at most ``timeout``
+        (also with no connection), or less when ``wake`` is called."""
+        ...
+
+    def wake(self) -> None:
+        """Interrupt a poll from another thread (thread-safe)."""
         ...
 
     def close(self) -> None: ...

@@ -130,7 +130,10 @@ class MemoryClients:
             try:
                 out.append(self.wire.to_client.get_nowait())
             except queue.Empty:
-                return out
+                return [(ep, payload) for ep, payload in out if payload]
+
+    def wake(self) -> None:
+        self.wire.to_client.put(("", b""))  # an empty frame: ignored, like ZMQ delimiters
 
     def close(self) -> None:
         pass

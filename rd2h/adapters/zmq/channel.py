@@ -8,6 +8,9 @@ frames. Sockets are not thread-safe: each object is used by one thread.
 
 from __future__ import annotations
 
+import contextlib
+import os
+
 import zmq
 
 from rd2h.domain.errors import Rd2hError
@@ -98,6 +101,11 @@ class ZmqControlClients:
         self._by_endpoint: dict[str, zmq.Socket] = {}
         self._by_socket: dict[zmq.Socket, str] = {}
         self._poller = zmq.Poller()
+        # Self-pipe: wake() interrupts a poll from any thread (e.g. a new task queued).
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        self._poller.register(self._wake_r, zmq.POLLIN)
 
     def connect(self, endpoint: str) -> None:
         if endpoint in self._by_endpoint:
@@ -137,12 +145,23 @@ class ZmqControlClients:
             )
         sock.send(payload, zmq.NOBLOCK)
 
+    def wake(self) -> None:
+        """Make a concurrent or the next ``poll`` return at once. Thread-safe."""
+        with contextlib.suppress(OSError):  # already woken (pipe full) or closed
+            os.write(self._wake_w, b"\0")
+
     def poll(self, timeout: float) -> list[tuple[str, bytes]]:
-        if not self._by_endpoint:
-            return []
         out: list[tuple[str, bytes]] = []
         events = dict(self._poller.poll(max(0, int(timeout * 1000))))
+        if self._wake_r in events:
+            try:
+                while os.read(self._wake_r, 4096):
+                    pass
+            except BlockingIOError:
+                pass
         for sock in list(events):
+            if not isinstance(sock, zmq.Socket):
+                continue
             endpoint = self._by_socket.get(sock)
             if endpoint is None:
                 continue
@@ -158,3 +177,7 @@ class ZmqControlClients:
     def close(self) -> None:
         for endpoint in list(self._by_endpoint):
             self.disconnect(endpoint)
+        for fd in (self._wake_r, self._wake_w):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self._wake_r = self._wake_w = -1
