@@ -39,8 +39,14 @@ def _demo_parser(sub: argparse._SubParsersAction) -> None:
                         "its reuse gate (0 = one buffer per layer)")
     p.add_argument("--no-indexer", action="store_true", help="main K/V only")
     p.add_argument("--no-scale", action="store_true", help="no LIC8 indexer scale")
-    p.add_argument("--transport", default=d.transport, choices=["cma"],
-                   help="transfer engine ('cma': same-host process_vm_readv)")
+    p.add_argument("--transport", default=d.transport, choices=["cma", "mooncake"],
+                   help="transfer engine: 'cma' (same-host process_vm_readv) or 'mooncake' "
+                        "(Mooncake Transfer Engine, one-sided reads over TCP or RDMA)")
+    p.add_argument("--mooncake-protocol", default=d.mooncake_protocol, choices=["tcp", "rdma"],
+                   help="Mooncake protocol")
+    p.add_argument("--netns", action="store_true",
+                   help="place Prefill and Decode in two network namespaces joined by a veth "
+                        "pair (needs root and iproute2; falls back to loopback with a message)")
     p.add_argument("--cma-threads", type=int, default=d.cma_threads,
                    help="threads per Decode rank for large cma batches")
     p.add_argument("--kv-port", type=int, default=d.kv_port,
@@ -65,6 +71,7 @@ def _run_demo(args: argparse.Namespace) -> int:
         chunks=args.chunks, shared_buffers=args.shared_buffers, indexer=not args.no_indexer,
         scale=not (args.no_scale or args.no_indexer), transport=args.transport,
         cma_threads=args.cma_threads, kv_port=args.kv_port, seed=args.seed,
+        mooncake_protocol=args.mooncake_protocol, netns=args.netns,
         timeout_s=args.timeout, replay=not args.no_replay, log_level=args.log_level,
     )
     try:

@@ -39,9 +39,16 @@ def _inproc() -> Any:
     return InprocTransferEngine()
 
 
+def _mooncake(host: str, protocol: str, device: str, env: dict[str, str]) -> Any:
+    from rd2h.adapters.mooncake import MooncakeTransferEngine
+
+    return MooncakeTransferEngine(host=host, protocol=protocol, device_name=device, env=env)
+
+
 def _unavailable(name: str) -> Any:
     raise TransportUnavailable(
-        f"transport {name!r} is not available in this build of rd2h; use 'cma' or 'inproc'"
+        f"transport {name!r} is not available in this build of rd2h; "
+        "use 'cma', 'mooncake' or 'inproc'"
     )
 
 
@@ -67,7 +74,10 @@ class Container(containers.DeclarativeContainer):
         cma=providers.Singleton(_cma, threads=config.cma_threads),
         inproc=providers.Singleton(_inproc),
         memfabric=providers.Singleton(_unavailable, "memfabric"),
-        mooncake=providers.Singleton(_unavailable, "mooncake"),
+        mooncake=providers.Singleton(
+            _mooncake, config.host, config.mooncake_protocol, config.mooncake_device,
+            config.mooncake_env,
+        ),
     )
 
     rank_port = providers.Callable(

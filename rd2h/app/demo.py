@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import json
 import multiprocessing as mp
+import os
 import queue
 import socket
 import sys
 import time
 import traceback
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from multiprocessing import shared_memory
 from typing import Any
 
@@ -51,7 +52,12 @@ class DemoConfig:
     scale: bool = True
     transport: str = "cma"
     cma_threads: int = 1
-    host: str = "127.0.0.1"
+    mooncake_protocol: str = "tcp"
+    host: str = "127.0.0.1"  # Decode's address
+    prefill_host: str = "127.0.0.1"
+    netns: bool = False  # Prefill and Decode in two network namespaces (veth pair)
+    prefill_netns: str = ""  # set by run_demo when namespaces are in use
+    decode_netns: str = ""
     kv_port: int = 0
     seed: int = 0
     timeout_s: float = 300.0
@@ -69,10 +75,10 @@ class DemoConfig:
             raise ValueError("--shared-buffers must be between 0 (off) and --layers")
         if self.scale and not self.indexer:
             raise ValueError("the LIC8 scale needs the indexer (add --no-scale)")
-        if self.transport != "cma":
+        if self.transport not in ("cma", "mooncake"):
             raise ValueError(
-                f"--transport {self.transport!r}: the multi-process demo runs on 'cma' "
-                "('inproc' only connects peers inside one process)"
+                f"--transport {self.transport!r}: the multi-process demo runs on 'cma' or "
+                "'mooncake' ('inproc' only connects peers inside one process)"
             )
         if self.chunks > -(-self.prompt_tokens // self.block_size):
             raise ValueError("--chunks must not exceed the number of blocks of a prompt")
@@ -122,9 +128,19 @@ def free_ports(count: int, host: str = "127.0.0.1") -> int:
 # ====================================================================== Prefill
 
 
+def _enter_netns(name: str) -> None:
+    # c10d warns that it cannot resolve peer host names inside a namespace; harmless.
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+    if name:
+        from rd2h.adapters.netns import enter
+
+        enter(name)
+
+
 def _prefill_main(cfg: DemoConfig, p_rank: int, base_port: int, alloc: Allocation,
                   go: Any, release: Any, out: Any) -> None:
     try:
+        _enter_netns(cfg.prefill_netns)
         _prefill_rank(cfg, p_rank, base_port, alloc, go, release, out)
     except BaseException as exc:
         out.put(("error", f"prefill rank {p_rank}", f"{exc!r}\n{traceback.format_exc()}"))
@@ -139,6 +155,7 @@ def _prefill_rank(cfg: DemoConfig, p_rank: int, base_port: int, alloc: Allocatio
 
     shapes = cfg.shapes
     settings = Rd2hSettings(role="prefill", transport=cfg.transport, tp_size=cfg.prefill_tp,
+                            host=cfg.prefill_host, mooncake_protocol=cfg.mooncake_protocol,
                             tp_rank=p_rank, cma_threads=cfg.cma_threads, log_level=cfg.log_level)
     container = build_container(settings)
     transport = container.transport()
@@ -246,6 +263,7 @@ def _prefill_rank(cfg: DemoConfig, p_rank: int, base_port: int, alloc: Allocatio
 def _decode_main(cfg: DemoConfig, d_rank: int, base_port: int, dist_port: int, shm_name: str,
                  alloc: Allocation, go: Any, replay_go: Any, out: Any) -> None:
     try:
+        _enter_netns(cfg.decode_netns)
         _decode_rank(cfg, d_rank, base_port, dist_port, shm_name, alloc, go, replay_go, out)
     except BaseException as exc:
         out.put(("error", f"decode rank {d_rank}", f"{exc!r}\n{traceback.format_exc()}"))
@@ -274,6 +292,7 @@ def _decode_rank(cfg: DemoConfig, d_rank: int, base_port: int, dist_port: int, s
 
     shapes = cfg.shapes
     settings = Rd2hSettings(role="decode", transport=cfg.transport, host=cfg.host,
+                            mooncake_protocol=cfg.mooncake_protocol,
                             kv_port=base_port, tp_size=cfg.decode_tp, tp_rank=d_rank,
                             cma_threads=cfg.cma_threads, log_level=cfg.log_level)
     container = build_container(settings)
@@ -420,6 +439,7 @@ class DemoResult:
     raw_seconds: float | None = None
     errors: list[str] = field(default_factory=list)
     rate_unit: str = "1e9 bytes/s"
+    network: str = "loopback"
 
 
 def memcpy_gbps(nbytes: int) -> float:
@@ -462,12 +482,36 @@ class _Progress:
 
 def run_demo(cfg: DemoConfig, *, progress: bool = True) -> DemoResult:
     cfg.validate()
-    ctx = mp.get_context("spawn")
+    network, pair = "loopback", None
+    if cfg.netns:
+        from rd2h.adapters.netns import NetnsUnavailable, create_host_pair
+
+        try:
+            pair = create_host_pair(f"{os.getpid() % 100000}")
+        except NetnsUnavailable as exc:
+            print(f"[rd2h demo] cannot create network namespaces ({exc}); "
+                  "running Prefill and Decode on loopback instead", file=sys.stderr)
+        else:
+            network = f"netns {pair.prefill_addr} -> {pair.decode_addr} (veth)"
+            cfg = replace(cfg, host=pair.decode_addr, prefill_host=pair.prefill_addr,
+                          prefill_netns=pair.prefill_ns, decode_netns=pair.decode_ns)
+    try:
+        return _run(cfg, progress, network)
+    finally:
+        if pair is not None:
+            from rd2h.adapters.netns import delete_host_pair
+
+            delete_host_pair(pair)
+
+
+def _run(cfg: DemoConfig, progress: bool, network: str) -> DemoResult:
     alloc = allocate(cfg.requests, cfg.prompt_tokens, cfg.block_size, cfg.seed)
-    base_port = cfg.kv_port or free_ports(cfg.decode_tp, cfg.host)
+    # In a fresh Decode namespace every port is free; on loopback pick free ones.
+    base_port = cfg.kv_port or free_ports(cfg.decode_tp, "127.0.0.1")
     dist_port = free_ports(1)
     shm = shared_memory.SharedMemory(create=True, size=max(1, main_pool_bytes(cfg, alloc)))
     np.ndarray((shm.size,), dtype=np.uint8, buffer=shm.buf).fill(SENTINEL)
+    ctx = mp.get_context("spawn")
     out: Any = ctx.Queue()
     go, release, replay_go = ctx.Event(), ctx.Event(), ctx.Event()
     procs: list[Any] = []
@@ -570,6 +614,7 @@ def run_demo(cfg: DemoConfig, *, progress: bool = True) -> DemoResult:
         chunks=cfg.chunks, shared_buffers=cfg.shared_buffers,
         descriptors=sum(p["descriptors"] for _, p in dec), leaked_state=leaked, errors=errors,
         read_busy_seconds=max((p["read_seconds"] for _, p in dec), default=0.0),
+        network=network,
         raw_seconds=raw_seconds,
     )
 
@@ -581,7 +626,7 @@ def summary_text(res: DemoResult) -> str:
     lines = [
         f"rd2h demo: P TP {res.prefill_tp} -> D TP {res.decode_tp} over {res.transport}, "
         f"{res.layers} layers x {res.requests} requests x {res.prompt_tokens} tokens, "
-        f"{res.chunks} chunk(s), shared buffers {res.shared_buffers or 'off'}",
+        f"{res.chunks} chunk(s), shared buffers {res.shared_buffers or 'off'}; {res.network}",
         f"  requests ok {res.requests_ok}, failed {res.requests_failed}; "
         f"mismatched blocks {res.mismatched_blocks}; leaked state {res.leaked_state}",
         f"  pulled {res.bytes / 2**20:.1f} MiB in {res.seconds:.3f} s = {f(res.gbps)} GB/s "

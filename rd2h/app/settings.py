@@ -34,12 +34,21 @@ class Rd2hSettings(BaseModel):
 
     role: Role
     transport: Transport = "cma"
-    host: str = Field("127.0.0.1", min_length=1, description="Decode: address to bind")
+    host: str = Field(
+        "127.0.0.1", min_length=1,
+        description="this endpoint's address: Decode binds its control socket there; "
+        "network transports (mooncake) bind and advertise it",
+    )
     kv_port: int = Field(30000, ge=1, le=MAX_PORT)
     global_dp_rank: int = Field(0, ge=0)
     tp_size: int = Field(1, ge=1)
     tp_rank: int = Field(0, ge=0)
     cma_threads: int = Field(1, ge=1, le=64)
+    mooncake_protocol: Literal["tcp", "rdma"] = "tcp"
+    mooncake_device: str = Field("", description="RDMA device names (mooncake rdma)")
+    mooncake_env: dict[str, str] = Field(
+        default_factory=dict, description="MC_* tuning variables for the Mooncake engine"
+    )
     max_frame_bytes: int = Field(64 * 1024 * 1024, ge=1024)
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "WARNING"
     deadlines: Deadlines = Field(default_factory=Deadlines)

@@ -1,5 +1,6 @@
-"""One contract for every TransferEngine adapter: inproc (same process) and cma (a real
-second process read with process_vm_readv). Plus unit checks of the shared helpers."""
+"""One contract for every TransferEngine adapter: inproc (same process), cma (a real
+second process read with process_vm_readv) and mooncake (a real second process read over
+Mooncake TCP on loopback). Plus unit checks of the shared helpers."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import errno
 import itertools
 import mmap
 import multiprocessing
+import os
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -46,6 +48,20 @@ def _cma_peer_main(conn: Connection, size: int) -> None:
     conn.poll(300.0)
     engine.close()
     conn.close()
+
+
+def _mooncake_peer_main(conn: Connection, size: int) -> None:
+    """Child process: expose a patterned buffer over Mooncake TCP, report it, wait for 'exit'."""
+    from rd2h.adapters.mooncake import MooncakeTransferEngine
+
+    buf = _pattern(size)
+    engine = MooncakeTransferEngine()
+    engine.register_memory(buf.ctypes.data, buf.nbytes)
+    conn.send((engine.session_id, buf.ctypes.data))
+    conn.poll(300.0)
+    engine.close()
+    conn.close()
+    os._exit(0)  # skip the library's engine teardown (about a second)
 
 
 @dataclass
@@ -123,15 +139,71 @@ def _cma_setup() -> Iterator[Setup]:
             proc.join(5.0)
 
 
-@pytest.fixture(params=["inproc", pytest.param("cma", marks=linux_only)])
+def _mooncake_setup() -> Iterator[Setup]:
+    from rd2h.adapters.mooncake import MooncakeTransferEngine
+
+    ctx = multiprocessing.get_context("spawn")
+    parent_conn, child_conn = ctx.Pipe()
+    proc = ctx.Process(target=_mooncake_peer_main, args=(child_conn, PEER_SIZE), daemon=True)
+    proc.start()
+    child_conn.close()
+
+    def kill() -> None:
+        proc.kill()
+        proc.join(WAIT_S)
+
+    reader = None
+    try:
+        reader = MooncakeTransferEngine()
+        if not parent_conn.poll(WAIT_S):
+            raise TimeoutError("mooncake peer process did not report its buffer in time")
+        try:
+            session, address = parent_conn.recv()
+        except EOFError:
+            proc.join(5.0)
+            raise RuntimeError(
+                f"mooncake peer process died early (exit code {proc.exitcode})"
+            ) from None
+        # Port 1 is privileged and never a Mooncake listener: the handshake is refused.
+        yield Setup("mooncake", reader, session, address, _pattern(PEER_SIZE), "127.0.0.1:1", kill)
+    finally:
+        if reader is not None:
+            reader.close()
+        with contextlib.suppress(OSError):
+            parent_conn.send("exit")
+        parent_conn.close()
+        proc.join(5.0)
+        if proc.is_alive():
+            proc.terminate()
+            proc.join(5.0)
+        if proc.is_alive():
+            proc.kill()
+            proc.join(5.0)
+
+
+_SETUPS = {"inproc": _inproc_setup, "cma": _cma_setup, "mooncake": _mooncake_setup}
+
+
+@pytest.fixture(
+    params=[
+        "inproc",
+        pytest.param("cma", marks=linux_only),
+        pytest.param("mooncake", marks=linux_only),
+    ]
+)
 def setup(request: pytest.FixtureRequest) -> Iterator[Setup]:
-    yield from (_inproc_setup() if request.param == "inproc" else _cma_setup())
+    yield from _SETUPS[request.param]()
+
+
+@pytest.fixture(params=["inproc", pytest.param("mooncake", marks=linux_only)])
+def confining_setup(request: pytest.FixtureRequest) -> Iterator[Setup]:
+    """Adapters that refuse remote ranges outside the peer's registration (cma cannot:
+    the kernel lets it read any mapped page of the peer)."""
+    yield from _SETUPS[request.param]()
 
 
 @pytest.fixture
 def cma_setup() -> Iterator[Setup]:
-    if not sys.platform.startswith("linux"):
-        pytest.skip("needs Linux")
     yield from _cma_setup()
 
 
@@ -191,6 +263,32 @@ def test_batch_larger_than_iov_max(setup: Setup) -> None:
     np.testing.assert_array_equal(dst, _expected(setup.peer_buffer, offsets, lengths))
 
 
+def test_batch_of_70000_descriptors(setup: Setup) -> None:
+    n = 70000
+    offsets = np.random.default_rng(5).permutation(PEER_SIZE // 128)[:n].astype(np.int64) * 128
+    lengths = np.full(n, 64, np.int64)
+    dst = _destination(setup.reader, n * 64)
+    setup.reader.batch_read(
+        setup.peer_session,
+        dst.ctypes.data + np.arange(n) * 64,
+        setup.peer_address + offsets,
+        lengths,
+    )
+    np.testing.assert_array_equal(dst, _expected(setup.peer_buffer, offsets, lengths))
+
+
+def test_remote_range_outside_the_peers_registration_is_refused(
+    confining_setup: Setup,
+) -> None:
+    setup = confining_setup
+    dst = _destination(setup.reader, 4096)
+    # The peer registered exactly PEER_SIZE bytes: the last range crosses its end.
+    local = dst.ctypes.data + np.array([0, 1024], np.int64)
+    remote = setup.peer_address + np.array([0, PEER_SIZE - 100], np.int64)
+    with pytest.raises(TransferError, match="remote"):
+        setup.reader.batch_read(setup.peer_session, local, remote, np.array([512, 200], np.int64))
+
+
 def test_empty_batch_is_a_no_op(setup: Setup) -> None:
     dst = _destination(setup.reader, 64)
     empty = np.empty(0, np.int64)
@@ -245,7 +343,7 @@ def test_unmapped_remote_address_is_refused(setup: Setup) -> None:
     one = np.ones(1, np.int64)
     with pytest.raises(TransferError) as info:
         setup.reader.batch_read(setup.peer_session, dst.ctypes.data * one, 8 * one, 16 * one)
-    assert ("EFAULT" if setup.kind == "cma" else "remote") in str(info.value)
+    assert {"cma": "EFAULT"}.get(setup.kind, "remote") in str(info.value)
 
 
 def test_dead_peer_fails_quickly(setup: Setup) -> None:
@@ -258,7 +356,7 @@ def test_dead_peer_fails_quickly(setup: Setup) -> None:
             setup.peer_session, dst.ctypes.data * one, setup.peer_address * one, 4096 * one
         )
     assert time.monotonic() - started < 1.0
-    assert ("ESRCH" if setup.kind == "cma" else "closed") in str(info.value)
+    assert {"cma": "ESRCH", "mooncake": "gone"}.get(setup.kind, "closed") in str(info.value)
 
 
 def test_registering_the_same_region_twice_is_fine(setup: Setup) -> None:
