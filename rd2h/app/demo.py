@@ -374,7 +374,6 @@ def _decode_rank(cfg: DemoConfig, d_rank: int, base_port: int, dist_port: int, s
         "layers_done": stats.layers_done, "layers_failed": stats.layers_failed,
         "descriptors": stats.descriptors, "mismatched_blocks": mismatches,
         "counters": receiver.counters(), "read_seconds": stats.read_seconds,
-        "handle_seconds": stats.handle_seconds,
         "first_ready_at": stats.first_ready_at, "last_read_end_at": stats.last_read_end_at,
     }))
     raw = None

@@ -37,31 +37,23 @@ def _pattern(size: int) -> np.ndarray:
     return np.random.default_rng(PATTERN_SEED).integers(0, 256, size, dtype=np.uint8)
 
 
-def _cma_peer_main(conn: Connection, size: int) -> None:
-    """Child process: expose a patterned buffer, report it, wait (bounded) for 'exit'."""
-    from rd2h.adapters.cma import CmaTransferEngine
+def _peer_main(conn: Connection, size: int, kind: str) -> None:
+    """Child process: expose a patterned buffer over ``kind`` (cma or mooncake), report
+    it, wait (bounded) for 'exit'."""
+    if kind == "cma":
+        from rd2h.adapters.cma import CmaTransferEngine as Engine
+    else:
+        from rd2h.adapters.mooncake import MooncakeTransferEngine as Engine
 
     buf = _pattern(size)
-    engine = CmaTransferEngine()
+    engine = Engine()
     engine.register_memory(buf.ctypes.data, buf.nbytes)
     conn.send((engine.session_id, buf.ctypes.data))
     conn.poll(300.0)
     engine.close()
     conn.close()
-
-
-def _mooncake_peer_main(conn: Connection, size: int) -> None:
-    """Child process: expose a patterned buffer over Mooncake TCP, report it, wait for 'exit'."""
-    from rd2h.adapters.mooncake import MooncakeTransferEngine
-
-    buf = _pattern(size)
-    engine = MooncakeTransferEngine()
-    engine.register_memory(buf.ctypes.data, buf.nbytes)
-    conn.send((engine.session_id, buf.ctypes.data))
-    conn.poll(300.0)
-    engine.close()
-    conn.close()
-    os._exit(0)  # skip the library's engine teardown (about a second)
+    if kind == "mooncake":
+        os._exit(0)  # skip the library's engine teardown (about a second)
 
 
 @dataclass
@@ -102,7 +94,7 @@ def _cma_setup() -> Iterator[Setup]:
 
     ctx = multiprocessing.get_context("spawn")
     parent_conn, child_conn = ctx.Pipe()
-    proc = ctx.Process(target=_cma_peer_main, args=(child_conn, PEER_SIZE), daemon=True)
+    proc = ctx.Process(target=_peer_main, args=(child_conn, PEER_SIZE, "cma"), daemon=True)
     proc.start()
     child_conn.close()
     reader = CmaTransferEngine()
@@ -144,7 +136,9 @@ def _mooncake_setup() -> Iterator[Setup]:
 
     ctx = multiprocessing.get_context("spawn")
     parent_conn, child_conn = ctx.Pipe()
-    proc = ctx.Process(target=_mooncake_peer_main, args=(child_conn, PEER_SIZE), daemon=True)
+    proc = ctx.Process(
+        target=_peer_main, args=(child_conn, PEER_SIZE, "mooncake"), daemon=True
+    )
     proc.start()
     child_conn.close()
 
