@@ -12,7 +12,7 @@ from typing import Any
 from dependency_injector import containers, providers
 
 from rd2h.adapters.logging import configure_logging, make_logger
-from rd2h.adapters.msgpack import MsgpackCodec
+from rd2h.adapters.msgpack import AuthenticatedCodec, MsgpackCodec
 from rd2h.adapters.torch.events import CpuDeviceEvents
 from rd2h.adapters.zmq import ZmqControlClients, ZmqControlServer
 from rd2h.app.clock import MonotonicClock
@@ -45,11 +45,25 @@ def _mooncake(host: str, protocol: str, device: str, env: dict[str, str]) -> Any
     return MooncakeTransferEngine(host=host, protocol=protocol, device_name=device, env=env)
 
 
-def _unavailable(name: str) -> Any:
-    raise TransportUnavailable(
-        f"transport {name!r} is not available in this build of rd2h; "
-        "use 'cma', 'mooncake' or 'inproc'"
+def _memfabric(
+    host: str, role: str, store_url: str, transfer_type: str, device_id: int, nic: str,
+    library: Any,
+) -> Any:
+    from rd2h.adapters.memfabric import MemFabricConfig, MemFabricTransferEngine
+
+    config = MemFabricConfig(
+        store_url=store_url, role="Prefill" if role == "prefill" else "Decode",
+        device_id=device_id, host=host, transfer_type=transfer_type, nic=nic,  # type: ignore[arg-type]
     )
+    return MemFabricTransferEngine(config, library=library)
+
+
+def _codec(max_frame_bytes: int, auth_secret: Any) -> Any:
+    """The wire codec; signing when a shared secret is configured."""
+    codec = MsgpackCodec(max_frame_bytes=max_frame_bytes)
+    if auth_secret is None:
+        return codec
+    return AuthenticatedCodec(codec, auth_secret.get_secret_value().encode())
 
 
 def _logger(role: str, rank: int, level: str) -> Any:
@@ -65,15 +79,21 @@ class Container(containers.DeclarativeContainer):
     config = providers.Configuration(strict=True)
 
     clock = providers.Singleton(MonotonicClock)
-    codec = providers.Singleton(MsgpackCodec, max_frame_bytes=config.max_frame_bytes)
+    codec = providers.Singleton(_codec, config.max_frame_bytes, config.auth_secret)
     logger = providers.Singleton(_logger, config.role, config.tp_rank, config.log_level)
     device_events = providers.Singleton(CpuDeviceEvents)
 
+    # None: import memfabric_hybrid when the engine is built; tests override with a fake.
+    memfabric_library = providers.Object(None)
     transport = providers.Selector(
         config.transport,
         cma=providers.Singleton(_cma, threads=config.cma_threads),
         inproc=providers.Singleton(_inproc),
-        memfabric=providers.Singleton(_unavailable, "memfabric"),
+        memfabric=providers.Singleton(
+            _memfabric, config.host, config.role, config.memfabric_store_url,
+            config.memfabric_transfer_type, config.memfabric_device_id, config.memfabric_nic,
+            memfabric_library,
+        ),
         mooncake=providers.Singleton(
             _mooncake, config.host, config.mooncake_protocol, config.mooncake_device,
             config.mooncake_env,
@@ -86,8 +106,14 @@ class Container(containers.DeclarativeContainer):
     control_server = providers.Factory(
         ZmqControlServer, host=config.host, port=rank_port,
         max_frame_bytes=config.max_frame_bytes,
+        heartbeat_ivl_s=config.deadlines.heartbeat_ivl_s,
+        heartbeat_timeout_s=config.deadlines.heartbeat_timeout_s,
     )
-    control_clients = providers.Factory(ZmqControlClients)
+    control_clients = providers.Factory(
+        ZmqControlClients,
+        heartbeat_ivl_s=config.deadlines.heartbeat_ivl_s,
+        heartbeat_timeout_s=config.deadlines.heartbeat_timeout_s,
+    )
 
     prefill_sender = providers.Factory(
         PrefillSender,
@@ -98,6 +124,8 @@ class Container(containers.DeclarativeContainer):
         meta_ack_timeout_s=config.deadlines.meta_ack_s,
         layer_ack_timeout_s=config.deadlines.layer_ack_s,
         event_timeout_s=config.deadlines.device_event_s,
+        start_timeout_s=config.deadlines.start_s,
+        stop_timeout_s=config.deadlines.stop_s,
     )
     decode_receiver = providers.Factory(
         DecodeReceiver,
@@ -109,6 +137,8 @@ class Container(containers.DeclarativeContainer):
         clock=clock,
         log=logger,
         request_timeout_s=config.deadlines.request_s,
+        start_timeout_s=config.deadlines.start_s,
+        stop_timeout_s=config.deadlines.stop_s,
     )
     # The role's service; callers pass the runtime pieces (layouts, destinations).
     endpoint = providers.Selector(config.role, prefill=prefill_sender, decode=decode_receiver)

@@ -5,10 +5,16 @@ maps the TP-shared main pool from one shared-memory region and owns rank-local
 indexer/scale copies) and ``prefill_tp`` Prefill rank processes (each owns
 synthetic KV in the spec 13 shapes and announces it layer by layer, in chunks).
 Decode ranks pull, acknowledge and complete requests through a real
-torch.distributed (gloo) exchange. Every destination byte is then verified;
-finally the same descriptors are replayed on the bare transport (``raw_gbps``)
-and a same-size in-process copy is timed (``memcpy_gbps``). Rates are in
-10^9 bytes per second.
+torch.distributed (gloo) exchange. Every destination byte of every request that
+ended ok is then verified; finally the same descriptors are replayed on the bare
+transport (``raw_gbps``) and a same-size in-process copy is timed
+(``memcpy_gbps``). Rates are in 10^9 bytes per second.
+
+With ``--fault`` (``rd2h.app.faults``) ranks fail for real: the summary still
+appears, every request is reported ``ok`` or ``failed`` with its reason, and
+``verified`` means the run kept rd2h's promises: every ok request carries exactly
+the right bytes, every request ended (none hanging), no state was left behind.
+Without faults, ``verified`` also needs every request to be ok.
 """
 
 from __future__ import annotations
@@ -20,86 +26,32 @@ import queue
 import socket
 import sys
 import time
-import traceback
 from dataclasses import asdict, dataclass, field, replace
 from multiprocessing import shared_memory
 from typing import Any
 
 import numpy as np
 
-from rd2h.app.synthetic import Allocation, Shapes, allocate, block_pattern
-from rd2h.domain.chunks import chunk_block_range, external_request_id
-from rd2h.domain.layout import DestinationLayout, DestTensor, SourceLayout, TensorComponent
-from rd2h.domain.protocol import ReadRequest
-from rd2h.domain.topology import check_topology, compute_mapping, remote_port
+from rd2h.app.demo_config import (
+    SENTINEL,
+    DemoConfig,
+    internal_id,
+    layer_name,
+    main_pool_bytes,
+    main_pool_mismatches,
+    verify_main_pool,
+)
+from rd2h.app.demo_ranks import decode_main, prefill_main
+from rd2h.app.faults import KILLED_EXIT_CODE, may_die
+from rd2h.app.synthetic import allocate
 
-ENGINE_SUFFIX = "-e0000001"  # vLLM appends 9 characters to request ids
-SENTINEL = 0xEE  # destination bytes before any pull
-STEP_INTERVAL_S = 0.05  # longest pause between Decode worker steps
+__all__ = [
+    "SENTINEL", "DemoConfig", "DemoResult", "internal_id", "layer_name", "main_pool_bytes",
+    "main_pool_mismatches", "run_demo", "summary_text", "to_json", "verify_main_pool",
+]
 
-
-@dataclass(frozen=True)
-class DemoConfig:
-    prefill_tp: int = 4
-    decode_tp: int = 2
-    layers: int = 8
-    requests: int = 8
-    prompt_tokens: int = 8000
-    block_size: int = 128
-    chunks: int = 2
-    shared_buffers: int = 0
-    indexer: bool = True
-    scale: bool = True
-    transport: str = "cma"
-    cma_threads: int = 1
-    mooncake_protocol: str = "tcp"
-    host: str = "127.0.0.1"  # Decode's address
-    prefill_host: str = "127.0.0.1"
-    netns: bool = False  # Prefill and Decode in two network namespaces (veth pair)
-    prefill_netns: str = ""  # set by run_demo when namespaces are in use
-    decode_netns: str = ""
-    kv_port: int = 0
-    seed: int = 0
-    timeout_s: float = 300.0
-    replay: bool = True
-    log_level: str = "WARNING"
-
-    def validate(self) -> None:
-        check_topology(self.prefill_tp, self.decode_tp)
-        for name in ("layers", "requests", "prompt_tokens", "block_size", "chunks"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
-        if self.block_size % 2:
-            raise ValueError("--block-size must be even (the LIC8 scale block is 4 B/token)")
-        if self.shared_buffers < 0 or self.shared_buffers > self.layers:
-            raise ValueError("--shared-buffers must be between 0 (off) and --layers")
-        if self.scale and not self.indexer:
-            raise ValueError("the LIC8 scale needs the indexer (add --no-scale)")
-        if self.transport not in ("cma", "mooncake"):
-            raise ValueError(
-                f"--transport {self.transport!r}: the multi-process demo runs on 'cma' or "
-                "'mooncake' ('inproc' only connects peers inside one process)"
-            )
-        if self.chunks > -(-self.prompt_tokens // self.block_size):
-            raise ValueError("--chunks must not exceed the number of blocks of a prompt")
-
-    @property
-    def shapes(self) -> Shapes:
-        return Shapes(block_size=self.block_size, indexer=self.indexer, scale=self.scale)
-
-
-def layer_name(layer: int) -> str:
-    return f"model.layers.{layer}.self_attn"
-
-
-def internal_id(request: int) -> str:
-    return f"req-{request:05d}{ENGINE_SUFFIX}"
-
-
-def chunk_bounds(cfg: DemoConfig) -> list[int]:
-    """Computed-token counts after each chunk (the last is the whole prompt)."""
-    step = -(-cfg.prompt_tokens // cfg.chunks)
-    return [min(cfg.prompt_tokens, step * (i + 1)) for i in range(cfg.chunks)]
+# Reasons that only point at another failure: reported after the root cause.
+CONSEQUENCES = ("failed on another decode rank", "TP exchange failed")
 
 
 def free_ports(count: int, host: str = "127.0.0.1") -> int:
@@ -123,292 +75,6 @@ def free_ports(count: int, host: str = "127.0.0.1") -> int:
             for t in socks:
                 t.close()
     raise RuntimeError("could not find free consecutive ports")
-
-
-# ====================================================================== Prefill
-
-
-def _enter_netns(name: str) -> None:
-    # c10d warns that it cannot resolve peer host names inside a namespace; harmless.
-    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
-    if name:
-        from rd2h.adapters.netns import enter
-
-        enter(name)
-
-
-def _prefill_main(cfg: DemoConfig, p_rank: int, base_port: int, alloc: Allocation,
-                  go: Any, release: Any, out: Any) -> None:
-    try:
-        _enter_netns(cfg.prefill_netns)
-        _prefill_rank(cfg, p_rank, base_port, alloc, go, release, out)
-    except BaseException as exc:
-        out.put(("error", f"prefill rank {p_rank}", f"{exc!r}\n{traceback.format_exc()}"))
-        raise SystemExit(1) from exc
-
-
-def _prefill_rank(cfg: DemoConfig, p_rank: int, base_port: int, alloc: Allocation,
-                  go: Any, release: Any, out: Any) -> None:
-    from rd2h.adapters.zmq.channel import tcp_endpoint
-    from rd2h.app.container import build_container
-    from rd2h.app.settings import Rd2hSettings
-
-    shapes = cfg.shapes
-    settings = Rd2hSettings(role="prefill", transport=cfg.transport, tp_size=cfg.prefill_tp,
-                            host=cfg.prefill_host, mooncake_protocol=cfg.mooncake_protocol,
-                            tp_rank=p_rank, cma_threads=cfg.cma_threads, log_level=cfg.log_level)
-    container = build_container(settings)
-    transport = container.transport()
-    n_phys = cfg.shared_buffers or cfg.layers
-    comps = shapes.components
-    buffers = {
-        (b, c): np.zeros((alloc.p_pool_blocks, shapes.bytes_per_block(c)), dtype=np.uint8)
-        for b in range(n_phys) for c in comps
-    }
-    for arr in buffers.values():
-        transport.register_memory(arr.ctypes.data, arr.nbytes)
-
-    def tc(b: int, c: str) -> TensorComponent:
-        return TensorComponent(buffers[(b, c)].ctypes.data, shapes.bytes_per_block(c), 1, 0)
-
-    layouts = {}
-    for layer in range(cfg.layers):
-        b = layer % n_phys
-        layouts[layer] = SourceLayout(
-            layer_name(layer),
-            main=(tc(b, "main_k"), tc(b, "main_v")),
-            indexer=tc(b, "indexer") if shapes.indexer else None,
-            scale=tc(b, "scale") if shapes.scale else None,
-        )
-    p_ids = [np.asarray(ids, dtype=np.int64) for ids in alloc.p_blocks]
-
-    def write(layer: int, start: int, end: int) -> None:
-        b = layer % n_phys
-        idx = np.arange(start, end)
-        for r in range(cfg.requests):
-            for c in comps:
-                buffers[(b, c)][p_ids[r][start:end]] = block_pattern(
-                    r, layer, c, idx, shapes.bytes_per_block(c)
-                )
-
-    bounds = chunk_bounds(cfg)
-    ranges = []
-    transferred = 0
-    for i, computed in enumerate(bounds):
-        final = i == len(bounds) - 1
-        s, e = chunk_block_range(
-            block_size=cfg.block_size, computed_tokens=computed, transferred_tokens=transferred,
-            remote_cached_tokens=0, final=final, allocated_blocks=alloc.blocks_per_request,
-        )
-        ranges.append((s, e, final))
-        transferred = e * cfg.block_size
-    if not cfg.shared_buffers:  # every (layer, block) is written once: write it before timing
-        for layer in range(cfg.layers):
-            write(layer, 0, alloc.blocks_per_request)
-
-    mapping = compute_mapping(cfg.prefill_tp, cfg.decode_tp, p_rank)
-    endpoint = tcp_endpoint(cfg.host, remote_port(base_port, mapping.d_rank))
-    sender = container.prefill_sender(p_session=transport.session_id, layers=layouts)
-    events = container.device_events()
-    sender.start()
-    # Connections persist across requests in serving: set this one up before timing.
-    failed = sender.prepare([endpoint], settings.deadlines.meta_ack_s)
-    if failed:
-        raise ConnectionError(f"decode endpoint handshake failed: {failed}")
-    out.put(("ready", f"prefill {p_rank}", None))
-    if not go.wait(cfg.timeout_s):
-        raise TimeoutError("no start signal from the demo parent")
-    deadline_s = settings.deadlines.layer_ack_s + settings.deadlines.meta_ack_s
-    from rd2h.app.prefill import LayerTarget
-
-    for start, end, final in ranges:
-        for layer in range(cfg.layers):
-            if cfg.shared_buffers:
-                sender.wait_for_layer_send(layer, deadline_s)
-                write(layer, start, end)
-            event = events.record()
-            done = final and layer == cfg.layers - 1
-            targets = []
-            for r in range(cfg.requests):
-                ext = external_request_id(internal_id(r))
-                req = None
-                if end > start:
-                    ids = tuple(int(x) for x in p_ids[r][start:end])
-                    req = ReadRequest(ext, ids, ids, start, start)
-                if req is not None or done:
-                    targets.append(LayerTarget(endpoint, req, done, mapping.member,
-                                               mapping.ratio, ext))
-            sender.submit(layer, event, targets)
-    errors = []
-    for layer in range(cfg.layers):
-        try:
-            sender.wait_for_layer_send(layer, deadline_s)
-        except Exception as exc:
-            errors.append(str(exc))
-    out.put(("prefill_done", f"prefill {p_rank}", {
-        "ack_ms": sender.stats.ack_latencies_ms,
-        "layers_sent": sender.stats.layers_sent,
-        "layers_failed": sender.stats.layers_failed,
-        "errors": errors,
-        "counters": sender.counters(),
-    }))
-    release.wait(cfg.timeout_s)  # keep memory alive for the raw replay
-    sender.stop(settings.deadlines.stop_s)
-    transport.close()
-
-
-# ====================================================================== Decode
-
-
-def _decode_main(cfg: DemoConfig, d_rank: int, base_port: int, dist_port: int, shm_name: str,
-                 alloc: Allocation, go: Any, replay_go: Any, out: Any) -> None:
-    try:
-        _enter_netns(cfg.decode_netns)
-        _decode_rank(cfg, d_rank, base_port, dist_port, shm_name, alloc, go, replay_go, out)
-    except BaseException as exc:
-        out.put(("error", f"decode rank {d_rank}", f"{exc!r}\n{traceback.format_exc()}"))
-        raise SystemExit(1) from exc
-
-
-def main_pool_offsets(cfg: DemoConfig, alloc: Allocation, layer: int) -> tuple[int, int]:
-    """Byte offsets of layer ``layer``'s K and V regions inside the shared main pool."""
-    shapes = cfg.shapes
-    k, v = shapes.bytes_per_block("main_k"), shapes.bytes_per_block("main_v")
-    per_layer = alloc.d_pool_blocks * (k + v)
-    return layer * per_layer, layer * per_layer + alloc.d_pool_blocks * k
-
-
-def main_pool_bytes(cfg: DemoConfig, alloc: Allocation) -> int:
-    shapes = cfg.shapes
-    per = shapes.bytes_per_block("main_k") + shapes.bytes_per_block("main_v")
-    return cfg.layers * alloc.d_pool_blocks * per
-
-
-def _decode_rank(cfg: DemoConfig, d_rank: int, base_port: int, dist_port: int, shm_name: str,
-                 alloc: Allocation, go: Any, replay_go: Any, out: Any) -> None:
-    from rd2h.adapters.torch.exchange import TorchDistExchange
-    from rd2h.app.container import build_container
-    from rd2h.app.settings import Rd2hSettings
-
-    shapes = cfg.shapes
-    settings = Rd2hSettings(role="decode", transport=cfg.transport, host=cfg.host,
-                            mooncake_protocol=cfg.mooncake_protocol,
-                            kv_port=base_port, tp_size=cfg.decode_tp, tp_rank=d_rank,
-                            cma_threads=cfg.cma_threads, log_level=cfg.log_level)
-    container = build_container(settings)
-    transport = container.transport()
-    shm = shared_memory.SharedMemory(name=shm_name)
-    pool = np.ndarray((shm.size,), dtype=np.uint8, buffer=shm.buf)
-    pool[::4096] = SENTINEL  # map every page of the shared pool here before timing
-    pool_addr = pool.ctypes.data
-    transport.register_memory(pool_addr, shm.size)
-    local: dict[tuple[int, str], np.ndarray] = {}
-    for layer in range(cfg.layers):
-        for c in shapes.components[2:]:
-            # Pinned-pool stand-in: fault every page in now, as a real pinned pool would be.
-            arr = np.full((alloc.d_pool_blocks, shapes.bytes_per_block(c)), SENTINEL, np.uint8)
-            transport.register_memory(arr.ctypes.data, arr.nbytes)
-            local[(layer, c)] = arr
-    destinations = {}
-    for layer in range(cfg.layers):
-        k_off, v_off = main_pool_offsets(cfg, alloc, layer)
-        n = alloc.d_pool_blocks
-
-        def dt(c: str, layer: int = layer, n: int = n) -> DestTensor | None:
-            arr = local.get((layer, c))
-            if arr is None:
-                return None
-            return DestTensor(arr.ctypes.data, shapes.bytes_per_block(c), n)
-
-        destinations[layer_name(layer)] = DestinationLayout(
-            layer_name(layer),
-            main=(DestTensor(pool_addr + k_off, shapes.bytes_per_block("main_k"), n),
-                  DestTensor(pool_addr + v_off, shapes.bytes_per_block("main_v"), n)),
-            indexer=dt("indexer"), scale=dt("scale"),
-        )
-    recorded: list[tuple[str, Any]] = []
-    receiver = container.decode_receiver(
-        destinations=destinations,
-        on_read=(lambda session, plan: recorded.append((session, plan))) if cfg.replay else None,
-    )
-    receiver.start()
-    for r in range(cfg.requests):
-        receiver.admit(internal_id(r), alloc.d_main_blocks[r], alloc.d_indexer_blocks[r])
-    out.put(("bound", f"decode {d_rank}", None))
-    exchange = TorchDistExchange(rank=d_rank, world_size=cfg.decode_tp,
-                                 init_method=f"tcp://127.0.0.1:{dist_port}",
-                                 timeout_s=settings.deadlines.tp_exchange_s)
-    out.put(("ready", f"decode {d_rank}", None))
-    if not go.wait(cfg.timeout_s):  # worker steps start with the run
-        raise TimeoutError("no start signal from the demo parent")
-    finished: dict[str, bool] = {}
-    t_end = None
-    last_progress = 0
-    while len(finished) < cfg.requests:
-        outcome = receiver.step(exchange, (), settings.deadlines.tp_exchange_s)
-        for rid in outcome.finished:
-            finished[rid] = rid not in outcome.failed
-        if d_rank == 0 and len(finished) != last_progress:
-            last_progress = len(finished)
-            out.put(("progress", "decode 0", last_progress))
-        if len(finished) < cfg.requests:
-            # Step when this rank has news, at least every STEP_INTERVAL_S: all ranks
-            # step in lockstep (the exchange is a collective).
-            receiver.wait_for_progress(STEP_INTERVAL_S)
-    t_end = time.monotonic()
-    # Verify rank-local indexer / scale copies (rank 0 also verifies the shared main pool).
-    mismatches = 0
-    for r in range(cfg.requests):
-        idx_ids = np.asarray(alloc.d_indexer_blocks[r], dtype=np.int64)
-        blocks = np.arange(alloc.blocks_per_request)
-        for layer in range(cfg.layers):
-            for c in shapes.components[2:]:
-                got = local[(layer, c)][idx_ids]
-                want = block_pattern(r, layer, c, blocks, shapes.bytes_per_block(c))
-                mismatches += int((got != want).any(axis=1).sum())
-    if d_rank == 0:
-        mismatches += verify_main_pool(cfg, alloc, pool)
-    stats = receiver.stats
-    out.put(("decode_done", f"decode {d_rank}", {
-        "finished": finished, "t_end": t_end, "bytes": stats.bytes_read,
-        "layers_done": stats.layers_done, "layers_failed": stats.layers_failed,
-        "descriptors": stats.descriptors, "mismatched_blocks": mismatches,
-        "counters": receiver.counters(), "read_seconds": stats.read_seconds,
-        "first_ready_at": stats.first_ready_at, "last_read_end_at": stats.last_read_end_at,
-    }))
-    raw = None
-    if cfg.replay and replay_go.wait(cfg.timeout_s):
-        # Let the barrier of the parent line all ranks up, then replay the same reads.
-        t0 = time.monotonic()
-        for session, plan in recorded:
-            transport.batch_read(session, plan.local_addrs, plan.remote_addrs, plan.lengths)
-        raw = {"t0": t0, "t1": time.monotonic(),
-               "bytes": int(sum(p.total_bytes for _, p in recorded))}
-    out.put(("replay_done", f"decode {d_rank}", raw))
-    receiver.stop(settings.deadlines.stop_s)
-    exchange.close()
-    del pool
-    shm.close()
-
-
-def verify_main_pool(cfg: DemoConfig, alloc: Allocation, pool: np.ndarray) -> int:
-    """Count main K/V blocks in the shared pool that differ from what Prefill computed."""
-    shapes = cfg.shapes
-    bad = 0
-    blocks = np.arange(alloc.blocks_per_request)
-    for layer in range(cfg.layers):
-        k_off, v_off = main_pool_offsets(cfg, alloc, layer)
-        for c, off in (("main_k", k_off), ("main_v", v_off)):
-            bpb = shapes.bytes_per_block(c)
-            view = pool[off : off + alloc.d_pool_blocks * bpb].reshape(alloc.d_pool_blocks, bpb)
-            for r in range(cfg.requests):
-                got = view[np.asarray(alloc.d_main_blocks[r], dtype=np.int64)]
-                want = block_pattern(r, layer, c, blocks, bpb)
-                bad += int((got != want).any(axis=1).sum())
-    return bad
-
-
-# ====================================================================== parent
 
 
 @dataclass
@@ -439,6 +105,18 @@ class DemoResult:
     errors: list[str] = field(default_factory=list)
     rate_unit: str = "1e9 bytes/s"
     network: str = "loopback"
+    faults: list[str] = field(default_factory=list)
+    # internal request id -> {"status": "ok" | "failed" | "hung", "reason", "ended_s"}
+    outcomes: dict[str, dict[str, Any]] = field(default_factory=dict)
+    requests_hung: int = 0
+    corrupted_ok: int = 0
+    leaks: dict[str, dict[str, int] | None] = field(default_factory=dict)
+    layer_errors: list[str] = field(default_factory=list)
+    exits: dict[str, int | None] = field(default_factory=dict)
+    deadlines: dict[str, float] = field(default_factory=dict)
+    # "provider": Prefill drove rd2h's connector worker (--via-provider), else "sender"
+    prefill_driver: str = "sender"
+    early_dispatches: int | None = None  # --via-provider: layers announced on write
 
 
 def memcpy_gbps(nbytes: int) -> float:
@@ -481,6 +159,8 @@ class _Progress:
 
 def run_demo(cfg: DemoConfig, *, progress: bool = True) -> DemoResult:
     cfg.validate()
+    if cfg.faults:  # a replay of a faulty run times nothing meaningful
+        cfg = replace(cfg, replay=False)
     network, pair = "loopback", None
     if cfg.netns:
         from rd2h.adapters.netns import NetnsUnavailable, create_host_pair
@@ -495,7 +175,7 @@ def run_demo(cfg: DemoConfig, *, progress: bool = True) -> DemoResult:
             cfg = replace(cfg, host=pair.decode_addr, prefill_host=pair.prefill_addr,
                           prefill_netns=pair.prefill_ns, decode_netns=pair.decode_ns)
     try:
-        return _run(cfg, progress, network)
+        return _Run(cfg, progress, network).run()
     finally:
         if pair is not None:
             from rd2h.adapters.netns import delete_host_pair
@@ -503,119 +183,286 @@ def run_demo(cfg: DemoConfig, *, progress: bool = True) -> DemoResult:
             delete_host_pair(pair)
 
 
-def _run(cfg: DemoConfig, progress: bool, network: str) -> DemoResult:
-    alloc = allocate(cfg.requests, cfg.prompt_tokens, cfg.block_size, cfg.seed)
-    # In a fresh Decode namespace every port is free; on loopback pick free ones.
-    base_port = cfg.kv_port or free_ports(cfg.decode_tp, "127.0.0.1")
-    dist_port = free_ports(1)
-    shm = shared_memory.SharedMemory(create=True, size=max(1, main_pool_bytes(cfg, alloc)))
-    np.ndarray((shm.size,), dtype=np.uint8, buffer=shm.buf).fill(SENTINEL)
-    ctx = mp.get_context("spawn")
-    out: Any = ctx.Queue()
-    go, release, replay_go = ctx.Event(), ctx.Event(), ctx.Event()
-    procs: list[Any] = []
-    errors: list[str] = []
-    bar = _Progress(cfg.requests, progress)
-    try:
-        for d in range(cfg.decode_tp):
-            procs.append(ctx.Process(target=_decode_main, name=f"rd2h-decode-{d}", args=(
-                cfg, d, base_port, dist_port, shm.name, alloc, go, replay_go, out)))
-        for proc in procs:
-            proc.start()
-        deadline = time.monotonic() + cfg.timeout_s
-        msgs: dict[str, list[tuple[str, Any]]] = {}
+# Imported once by the fork server; every rank process is forked from it ready to run.
+_PRELOAD = ["rd2h.app.demo_ranks", "rd2h.app.container", "rd2h.adapters.cma",
+            "rd2h.adapters.torch.exchange", "torch.distributed"]
 
-        def collect(kind: str, count: int) -> list[tuple[str, Any]]:
-            got = msgs.setdefault(kind, [])
-            while len(got) < count:
-                try:
-                    k, who, payload = out.get(timeout=0.2)
-                except queue.Empty:
-                    dead = [p.name for p in procs if p.exitcode not in (None, 0)]
-                    if dead:
-                        raise RuntimeError(f"{', '.join(dead)} exited early") from None
-                    if time.monotonic() > deadline:
-                        raise TimeoutError(f"demo timed out waiting for {kind}") from None
-                    continue
-                if k == "error":
-                    raise RuntimeError(f"{who} failed: {payload}")
-                if k == "progress":
-                    bar.show(payload)
-                    continue
-                msgs.setdefault(k, []).append((who, payload))
-            return got
 
-        collect("bound", cfg.decode_tp)  # Decode listens: start Prefill
-        for p in range(cfg.prefill_tp):
-            proc = ctx.Process(target=_prefill_main, name=f"rd2h-prefill-{p}", args=(
-                cfg, p, base_port, alloc, go, release, out))
-            procs.append(proc)
-            proc.start()
-        collect("ready", len(procs))
+def _context() -> Any:
+    """Rank processes come from a fork server (not from this process, which may hold
+    threads and sockets): it pays the imports once for all ranks and all runs."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)
+    return ctx
+
+
+class _Hang(Exception):
+    """A rank did not report within the run deadline."""
+
+
+@dataclass
+class _Rank:
+    role: str
+    rank: int
+    proc: Any
+
+    @property
+    def name(self) -> str:
+        return f"{self.role} {self.rank}"
+
+
+class _Run:
+    """The parent side of one demo run: start ranks, relay phases, collect reports.
+
+    Phases: Decode ranks bind -> Prefill ranks start and handshake -> ``go`` (Decode
+    admits) -> ``go_prefill`` (Prefill announces) -> every rank reports done or dies
+    -> ``settle`` (Decode waits out late state, replays) -> ``release``. A rank that
+    dies is noticed through its exit code at every wait; every wait is bounded by
+    the run deadline (``--timeout``).
+    """
+
+    def __init__(self, cfg: DemoConfig, progress: bool, network: str) -> None:
+        self.cfg = cfg
+        self.network = network
+        self.bar = _Progress(cfg.requests, progress)
+        self.ctx = _context()
+        self.out: Any = self.ctx.Queue()
+        self.msgs: dict[str, dict[str, Any]] = {}  # kind -> who -> payload
+        self.errors: list[str] = []
+        self.ranks: dict[str, _Rank] = {}
+        self.terminated: set[str] = set()  # ranks the parent had to end (a hang)
+
+    # ------------------------------------------------------------ messages
+    def _take(self, timeout: float) -> bool:
+        try:
+            kind, who, payload = self.out.get(timeout=timeout)
+        except queue.Empty:
+            return False
+        if kind == "error":
+            self.errors.append(f"{who} failed: {payload}")
+        elif kind == "progress":
+            self.bar.show(payload)
+        else:
+            self.msgs.setdefault(kind, {})[who] = payload
+        return True
+
+    def _exited(self, name: str) -> bool:
+        proc = self.ranks[name].proc
+        return proc.pid is not None and proc.exitcode is not None
+
+    def _wait(self, kind: str, names: list[str], deadline: float) -> None:
+        """Until each of ``names`` sent ``kind`` or exited; ``_Hang`` at ``deadline``."""
+        got = self.msgs.setdefault(kind, {})
+        while True:
+            pending = [n for n in names if n not in got and not self._exited(n)]
+            if not pending:
+                while self._take(0.05):  # what an exited rank sent just before it ended
+                    pass
+                return
+            if time.monotonic() > deadline:
+                raise _Hang(f"{', '.join(pending)} sent no {kind!r} within "
+                            f"{self.cfg.timeout_s:g} s")
+            self._take(0.2)
+
+    def _start(self, role: str, rank: int, target: Any, args: tuple[Any, ...]) -> None:
+        proc = self.ctx.Process(target=target, name=f"rd2h-{role}-{rank}", args=args)
+        r = _Rank(role, rank, proc)
+        self.ranks[r.name] = r
+        proc.start()
+
+    def _killed_by_fault(self, name: str) -> bool:
+        r = self.ranks[name]
+        return r.proc.exitcode == KILLED_EXIT_CODE and may_die(
+            self.cfg.faults, r.role, r.rank  # type: ignore[arg-type]
+        )
+
+    def _death(self, name: str) -> str:
+        if self._killed_by_fault(name):
+            return f"{name} was killed by an injected fault"
+        if name in self.terminated:
+            return f"{name} was still running at the run deadline"
+        return f"{name} exited with code {self.ranks[name].proc.exitcode}"
+
+    # ------------------------------------------------------------ run
+    def run(self) -> DemoResult:
+        cfg = self.cfg
+        alloc = allocate(cfg.requests, cfg.prompt_tokens, cfg.block_size, cfg.seed)
+        # In a fresh Decode namespace every port is free; on loopback pick free ones.
+        base_port = cfg.kv_port or free_ports(cfg.decode_tp, "127.0.0.1")
+        dist_port = free_ports(1)
+        shm = shared_memory.SharedMemory(create=True, size=max(1, main_pool_bytes(cfg, alloc)))
+        np.ndarray((shm.size,), dtype=np.uint8, buffer=shm.buf).fill(SENTINEL)
+        go, go_prefill = self.ctx.Event(), self.ctx.Event()
+        settle, release = self.ctx.Event(), self.ctx.Event()
+        decoders = [f"decode {d}" for d in range(cfg.decode_tp)]
+        prefills = [f"prefill {p}" for p in range(cfg.prefill_tp)]
         t0 = time.monotonic()
-        go.set()
-        pre = collect("prefill_done", cfg.prefill_tp)
-        dec = collect("decode_done", cfg.decode_tp)
-        bar.show(cfg.requests, force=True)
-        seconds = max(p["t_end"] for _, p in dec) - t0
+        deadline = t0 + cfg.timeout_s
+        started = False
+        try:
+            for d in range(cfg.decode_tp):
+                self._start("decode", d, decode_main, (
+                    cfg, d, base_port, dist_port, shm.name, alloc, go, settle, self.out))
+            self._wait("bound", decoders, deadline)  # Decode listens: start Prefill
+            self._require("bound", decoders)
+            for p in range(cfg.prefill_tp):
+                self._start("prefill", p, prefill_main, (
+                    cfg, p, base_port, alloc, go_prefill, release, self.out))
+            self._wait("ready", decoders + prefills, deadline)
+            self._require("ready", decoders + prefills)
+            started = True
+            go.set()  # Decode admits the requests (their deadlines start) ...
+            self._wait("admitted", decoders, deadline)
+            t0 = time.monotonic()
+            go_prefill.set()  # ... then Prefill announces
+            self._wait("decode_done", decoders, deadline)
+            self._wait("prefill_done", prefills, deadline)
+            settle.set()
+            self._wait("decode_final", decoders, deadline)
+            release.set()
+            for name in self.ranks:
+                self.ranks[name].proc.join(max(1.0, deadline - time.monotonic()))
+        except _Hang as exc:
+            self.errors.append(f"hang: {exc}")
+        except Exception as exc:
+            self.errors.append(f"demo parent: {exc!r}")
+        finally:
+            for event in (go, go_prefill, settle, release):
+                event.set()  # nobody waits on a signal that will never come
+            started_ranks = [r for r in self.ranks.values() if r.proc.pid is not None]
+            for r in started_ranks:
+                r.proc.join(0.5)
+                if r.proc.is_alive():
+                    self.terminated.add(r.name)
+                    r.proc.terminate()
+            for r in started_ranks:
+                r.proc.join(5)
+                if r.proc.is_alive():
+                    r.proc.kill()
+                    r.proc.join(5)
+            while self._take(0.05):
+                pass
+            shm.close()
+            shm.unlink()
+        return self._result(t0, started)
+
+    def _require(self, kind: str, names: list[str]) -> None:
+        missing = [n for n in names if n not in self.msgs.get(kind, {})]
+        if missing:
+            raise RuntimeError(f"{'; '.join(self._death(n) for n in missing)} before {kind!r}")
+
+    # ------------------------------------------------------------ report
+    def _outcomes(self, started: bool) -> dict[str, dict]:
+        """Per request: ok only if every Decode rank reported it ok (rank 0 also checked
+        the shared main pool); failed with the most specific reason; hung if a rank
+        that was still running never reported it."""
+        cfg = self.cfg
+        done = self.msgs.get("decode_done", {})
+        outcomes: dict[str, dict[str, Any]] = {}
+        for r in range(cfg.requests):
+            rid = internal_id(r)
+            reasons: list[str] = []
+            hung = False
+            ended: list[float] = []
+            bad = 0
+            for d in range(cfg.decode_tp):
+                name = f"decode {d}"
+                rep = done.get(name)
+                if rep is None:
+                    if not started:
+                        reasons.append("the run did not start")
+                    elif name in self.terminated or not self._exited(name):
+                        hung = True
+                        reasons.append(f"{name} reported no outcome within the run deadline")
+                    else:
+                        reasons.append(self._death(name))
+                    continue
+                if rid not in rep["outcomes"]:
+                    hung = True
+                    reasons.append(f"{name}: no outcome within the run deadline")
+                    continue
+                ended.append(rep["ended_s"][rid])
+                if rep["outcomes"][rid] is not None:
+                    reasons.append(rep["outcomes"][rid])
+                bad += rep["mismatched"].get(rid, 0)
+            status = "hung" if hung else ("failed" if reasons else "ok")
+            # The root cause first: a rank death or a read failure, not its echoes.
+            reasons.sort(key=lambda x: any(c in x for c in CONSEQUENCES))
+            outcomes[rid] = {
+                "status": status,
+                "reason": reasons[0] if reasons else None,
+                "ended_s": round(max(ended), 3) if ended else None,
+                "mismatched_blocks": bad if status == "ok" else None,
+            }
+        return outcomes
+
+    def _leaks(self) -> dict[str, dict[str, int] | None]:
+        """Each rank's request state left at the end (None: the rank is gone, and its
+        state with it). A rank that ended without reporting is an error."""
+        leaks: dict[str, dict[str, int] | None] = {}
+        for name, r in self.ranks.items():
+            kind = "prefill_done" if r.role == "prefill" else "decode_final"
+            rep = self.msgs.get(kind, {}).get(name)
+            leaks[name] = None
+            if rep is not None:
+                leaks[name] = {k: v for k, v in rep["counters"].items() if k != "peers"}
+            elif not self._killed_by_fault(name):
+                self.errors.append(f"{self._death(name)} before reporting {kind!r}")
+        return leaks
+
+    def _result(self, t0: float, started: bool) -> DemoResult:
+        cfg = self.cfg
+        pre = self.msgs.get("prefill_done", {})
+        dec = self.msgs.get("decode_done", {})
+        final = self.msgs.get("decode_final", {})
+        outcomes = self._outcomes(started)
+        leaks = self._leaks() if started else {}
+        ok = sum(1 for o in outcomes.values() if o["status"] == "ok")
+        hung = sum(1 for o in outcomes.values() if o["status"] == "hung")
+        mismatched = sum(o["mismatched_blocks"] or 0 for o in outcomes.values())
+        corrupted = sum(1 for o in outcomes.values() if o["mismatched_blocks"])
+        leaked = sum(v for c in leaks.values() if c for v in c.values())
+        undrained = [n for n, p in pre.items() if not p["drained"]]
+        if undrained:
+            self.errors.append(f"{', '.join(undrained)}: announcements still in flight at exit")
+        total_bytes = sum(p["bytes"] for p in dec.values())
+        t_end = max((p["t_end"] for p in dec.values()), default=t0)
+        seconds = max(0.0, t_end - t0)
+        raws = [p["raw"] for p in final.values() if p.get("raw")]
         raw_gbps = raw_seconds = None
-        replay_go.set()
-        reps = collect("replay_done", cfg.decode_tp)
-        release.set()
-        raws = [p for _, p in reps if p]
         if raws and len(raws) == cfg.decode_tp:
             span = max(r["t1"] for r in raws) - min(r["t0"] for r in raws)
-            raw_bytes = sum(r["bytes"] for r in raws)
-            raw_gbps = raw_bytes / span / 1e9 if span > 0 else None
+            raw_gbps = sum(r["bytes"] for r in raws) / span / 1e9 if span > 0 else None
             raw_seconds = span
-        for proc in procs:
-            proc.join(max(1.0, deadline - time.monotonic()))
-        mem = memcpy_gbps(sum(p["bytes"] for _, p in dec))
-    except Exception as exc:
-        errors.append(str(exc))
-        pre = msgs.get("prefill_done", []) if "msgs" in locals() else []
-        dec = msgs.get("decode_done", []) if "msgs" in locals() else []
-        seconds, raw_gbps, raw_seconds, mem = 0.0, None, None, 0.0
-    finally:
-        started = [proc for proc in procs if proc.pid is not None]
-        for proc in started:
-            if proc.is_alive():
-                proc.terminate()
-        for proc in started:
-            proc.join(5)
-            if proc.is_alive():
-                proc.kill()
-        shm.close()
-        shm.unlink()
-    ok = failed = 0
-    if dec:
-        finished = dec[0][1]["finished"]
-        ok = sum(1 for v in finished.values() if v)
-        failed = len(finished) - ok
-    total_bytes = sum(p["bytes"] for _, p in dec)
-    mismatched = sum(p["mismatched_blocks"] for _, p in dec)
-    acks = [ms for _, p in pre for ms in p["ack_ms"]]
-    for who, p in pre:
-        errors.extend(f"{who}: {e}" for e in p["errors"])
-    leaked = sum(v for _, p in dec for k, v in p["counters"].items() if k != "peers")
-    leaked += sum(v for _, p in pre for v in p["counters"].values())
-    verified = (
-        not errors and len(dec) == cfg.decode_tp and ok == cfg.requests and failed == 0
-        and mismatched == 0 and leaked == 0
-    )
-    return DemoResult(
-        verified=verified, requests_ok=ok, requests_failed=failed, bytes=total_bytes,
-        seconds=seconds, gbps=total_bytes / seconds / 1e9 if seconds > 0 else 0.0,
-        raw_gbps=raw_gbps, memcpy_gbps=mem, layer_ack_p50_ms=_percentile(acks, 50),
-        layer_ack_p99_ms=_percentile(acks, 99), mismatched_blocks=mismatched,
-        prefill_tp=cfg.prefill_tp, decode_tp=cfg.decode_tp, transport=cfg.transport,
-        layers=cfg.layers, requests=cfg.requests, prompt_tokens=cfg.prompt_tokens,
-        chunks=cfg.chunks, shared_buffers=cfg.shared_buffers,
-        descriptors=sum(p["descriptors"] for _, p in dec), leaked_state=leaked, errors=errors,
-        read_busy_seconds=max((p["read_seconds"] for _, p in dec), default=0.0),
-        network=network,
-        raw_seconds=raw_seconds,
-    )
+        acks = [ms for p in pre.values() for ms in p["ack_ms"]]
+        layer_errors = [f"{who}: {e}" for who, p in sorted(pre.items())
+                        for e in p["layer_errors"]]
+        verified = (
+            started and not self.errors and hung == 0 and corrupted == 0 and leaked == 0
+            and len(outcomes) == cfg.requests and (bool(cfg.faults) or ok == cfg.requests)
+        )
+        return DemoResult(
+            verified=verified, requests_ok=ok, requests_failed=cfg.requests - ok - hung,
+            bytes=total_bytes, seconds=seconds,
+            gbps=total_bytes / seconds / 1e9 if seconds > 0 else 0.0,
+            raw_gbps=raw_gbps, memcpy_gbps=memcpy_gbps(total_bytes) if dec else 0.0,
+            layer_ack_p50_ms=_percentile(acks, 50), layer_ack_p99_ms=_percentile(acks, 99),
+            mismatched_blocks=mismatched, prefill_tp=cfg.prefill_tp, decode_tp=cfg.decode_tp,
+            transport=cfg.transport, layers=cfg.layers, requests=cfg.requests,
+            prompt_tokens=cfg.prompt_tokens, chunks=cfg.chunks,
+            shared_buffers=cfg.shared_buffers,
+            descriptors=sum(p["descriptors"] for p in dec.values()), leaked_state=leaked,
+            errors=self.errors,
+            read_busy_seconds=max((p["read_seconds"] for p in dec.values()), default=0.0),
+            network=self.network, raw_seconds=raw_seconds,
+            faults=[str(f) for f in cfg.faults], outcomes=outcomes, requests_hung=hung,
+            corrupted_ok=corrupted, leaks=leaks, layer_errors=layer_errors,
+            exits={n: r.proc.exitcode for n, r in self.ranks.items()},
+            deadlines=cfg.deadlines().model_dump(),
+            prefill_driver="provider" if cfg.via_provider else "sender",
+            early_dispatches=(sum(p.get("early_dispatches", 0) for p in pre.values())
+                              if cfg.via_provider else None),
+        )
 
 
 def summary_text(res: DemoResult) -> str:
@@ -625,15 +472,28 @@ def summary_text(res: DemoResult) -> str:
     lines = [
         f"rd2h demo: P TP {res.prefill_tp} -> D TP {res.decode_tp} over {res.transport}, "
         f"{res.layers} layers x {res.requests} requests x {res.prompt_tokens} tokens, "
-        f"{res.chunks} chunk(s), shared buffers {res.shared_buffers or 'off'}; {res.network}",
-        f"  requests ok {res.requests_ok}, failed {res.requests_failed}; "
-        f"mismatched blocks {res.mismatched_blocks}; leaked state {res.leaked_state}",
+        f"{res.chunks} chunk(s), shared buffers {res.shared_buffers or 'off'}; {res.network}"
+        + ("; Prefill via the connector's provider interface"
+           if res.prefill_driver == "provider" else ""),
+    ]
+    if res.faults:
+        lines.append(f"  faults: {', '.join(res.faults)}")
+    lines += [
+        f"  requests ok {res.requests_ok}, failed {res.requests_failed}, hung "
+        f"{res.requests_hung}; mismatched blocks {res.mismatched_blocks} (corrupted ok "
+        f"requests {res.corrupted_ok}); leaked state {res.leaked_state}",
         f"  pulled {res.bytes / 2**20:.1f} MiB in {res.seconds:.3f} s = {f(res.gbps)} GB/s "
         f"({res.descriptors} descriptors)",
         f"  bare transport {f(res.raw_gbps)} GB/s; in-process memcpy {f(res.memcpy_gbps)} GB/s",
         f"  layer ack p50 {f(res.layer_ack_p50_ms, ' ms')}, p99 {f(res.layer_ack_p99_ms, ' ms')}",
-        f"  VERIFIED: {'yes' if res.verified else 'NO'}",
     ]
+    failed = [(rid, o) for rid, o in res.outcomes.items() if o["status"] != "ok"]
+    for rid, o in failed[:10]:
+        lines.append(f"  {o['status']}: {rid}: {o['reason']}")
+    if len(failed) > 10:
+        lines.append(f"  ... {len(failed) - 10} more not ok")
+    lines += [f"  layer error: {e.splitlines()[0]}" for e in res.layer_errors[:5]]
+    lines.append(f"  VERIFIED: {'yes' if res.verified else 'NO'}")
     lines += [f"  error: {e.splitlines()[0]}" for e in res.errors[:10]]
     return "\n".join(lines)
 

@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Hashable, Iterable, Mapping
 from dataclasses import dataclass, field
 
+from rd2h.app.tickets import AnnouncementTickets
 from rd2h.domain.completion import StorageSlotGates
 from rd2h.domain.errors import CompletionError, LayerSendError, ProtocolError
 from rd2h.domain.layout import SourceLayout
-from rd2h.domain.protocol import ACK, MfMeta, ReadDone, ReadFailed, ReadReadyBatch, ReadRequest
+from rd2h.domain.protocol import MfMeta, ReadDone, ReadFailed, ReadReadyBatch, ReadRequest
 from rd2h.ports.codec import WireCodec
 from rd2h.ports.control import ControlClients
 from rd2h.ports.runtime import Clock, DeviceEvent, Logger
@@ -43,6 +44,7 @@ class _Task:
     layer_idx: int
     event: DeviceEvent | None
     batches: Mapping[str, ReadReadyBatch]
+    epoch: int = 0  # the layer's gate epoch when announced; a later one means stale
 
 
 @dataclass(frozen=True)
@@ -102,6 +104,8 @@ class PrefillSender:
         event_timeout_s: float = 30.0,
         reconnect_after_s: float = 5.0,
         poll_interval_s: float = 0.02,
+        start_timeout_s: float = 10.0,
+        stop_timeout_s: float = 5.0,
     ) -> None:
         self._clients_factory = clients_factory
         self._codec = codec
@@ -112,6 +116,8 @@ class PrefillSender:
         self._event_timeout = event_timeout_s
         self._reconnect_after = reconnect_after_s
         self._poll = poll_interval_s
+        self._start_timeout = start_timeout_s
+        self._stop_timeout = stop_timeout_s
         self._layers = dict(layers)
         self._names = {idx: lay.layer_name for idx, lay in self._layers.items()}
         self._gates = StorageSlotGates()
@@ -127,8 +133,13 @@ class PrefillSender:
         self._dead: str | None = None
         self._meta_ok: set[str] = set()
         self._meta_failed: dict[str, tuple[float, str]] = {}
+        self._refused: dict[str, str] = {}  # endpoint -> why its ACK failed authentication
         self._sent_at: dict[tuple[int, str], list[float]] = {}
+        self._unfinished = 0  # tasks queued or being processed (under _cond)
+        self._lost_now: set[str] = set()  # endpoints the transport saw disconnect
+        self._started = threading.Event()
         self._clients: ControlClients | None = None
+        self._tickets = AnnouncementTickets()
         self.stats = SenderStats()
 
     # ------------------------------------------------------------ lifecycle
@@ -138,8 +149,16 @@ class PrefillSender:
         self._clients = self._clients_factory()
         self._thread = threading.Thread(target=self._run, name="rd2h-prefill-sender", daemon=True)
         self._thread.start()
+        if not self._started.wait(self._start_timeout):
+            self._stop.set()
+            raise TimeoutError(
+                f"prefill sender thread did not start within {self._start_timeout:g} s"
+            )
 
-    def stop(self, timeout: float = 5.0) -> bool:
+    def stop(self, timeout: float | None = None) -> bool:
+        """Stop the sender thread (pending layers fail, gates open); True if it ended
+        within ``timeout`` (default: the configured stop deadline)."""
+        timeout = self._stop_timeout if timeout is None else timeout
         self._stop.set()
         if self._thread is None:
             return True
@@ -152,8 +171,12 @@ class PrefillSender:
         layer_idx: int,
         event: DeviceEvent | None,
         targets: Iterable[LayerTarget],
+        ticket: Hashable | None = None,
     ) -> int:
-        """Queue a layer's announcements; returns the number of endpoints targeted."""
+        """Queue a layer's announcements; returns the number of endpoints targeted.
+
+        With a ``ticket``, ``take_resolved()`` later reports ``(ticket, error)`` once
+        every endpoint of this announcement replied or the layer failed."""
         name = self._names.get(layer_idx)
         if name is None:
             raise CompletionError(f"layer {layer_idx} has no storage slot mapping")
@@ -164,8 +187,13 @@ class PrefillSender:
                 raise LayerSendError(layer_idx, reason)
             budget = self._event_timeout + self._meta_timeout + self._ack_timeout
             self._gates.announce(layer_idx, list(batches), deadline=self._clock.now() + budget)
+            if ticket is not None:
+                self._tickets.open(ticket, layer_idx, batches)
             if batches:  # under the lock: the exiting thread drains the queue under it too
-                self._queue.put(_Task(layer_idx, event, batches))
+                self._unfinished += 1
+                self._queue.put(
+                    _Task(layer_idx, event, batches, self._gates.epoch(layer_idx))
+                )
         if batches and self._clients is not None:
             self._clients.wake()
         return len(batches)
@@ -187,30 +215,60 @@ class PrefillSender:
         return dict(job.errors)
 
     def wait_for_layer_send(self, layer_idx: int, timeout: float) -> None:
-        """Block until the layer's storage may be reused; raise ``LayerSendError`` if
-        the layer failed, the sender died, or ``timeout`` passed."""
+        """Block until the layer's storage may be reused; then raise ``LayerSendError``
+        if the layer failed (or the sender died). A failed layer still waits for its
+        open gate: another endpoint may still be reading that storage. Past ``timeout``
+        it raises with the storage still in use (the caller must not overwrite it)."""
         deadline = self._clock.now() + timeout
         with self._cond:
             while True:
                 state = self._gates.state(layer_idx)
-                if state.error is not None:
-                    raise LayerSendError(layer_idx, state.error)
                 if state.open:
+                    if state.error is not None:
+                        raise LayerSendError(layer_idx, state.error)
                     return
                 remaining = deadline - self._clock.now()
                 if remaining <= 0:
                     who = ", ".join(str(e) for e in state.waiting_on) or "?"
+                    failed = f"; it already failed: {state.error}" if state.error else ""
                     raise LayerSendError(
-                        layer_idx, f"no acknowledgement from {who} within {timeout:g} s"
+                        layer_idx,
+                        f"no acknowledgement from {who} within {timeout:g} s{failed}",
                     )
                 self._cond.wait(min(remaining, 1.0))
 
+    def take_resolved(self) -> list[tuple[Hashable, str | None]]:
+        """Tickets (see ``submit``) resolved since the last call, with their error."""
+        with self._cond:
+            return self._tickets.take_resolved()
+
+    def gate_open(self, layer_idx: int) -> bool:
+        """Whether the layer's storage may be written now (no endpoint still reading)."""
+        with self._cond:
+            return self._gates.state(layer_idx).open
+
+    def drain(self, timeout: float) -> bool:
+        """Wait until every queued announcement was processed and every layer resolved
+        (acknowledged, failed or expired); False if ``timeout`` passed first. Lets a
+        caller check that nothing is left before tearing down."""
+        deadline = self._clock.now() + timeout
+        with self._cond:
+            while self._unfinished or self._gates.pending_layers:
+                remaining = deadline - self._clock.now()
+                if remaining <= 0:
+                    return False
+                self._cond.wait(min(remaining, 0.1))
+            return True
+
     def counters(self) -> dict[str, int]:
+        """Leak accounting: every value is 0 when no announcement is in flight."""
         with self._cond:
             return {
                 "pending_layers": len(self._gates.pending_layers),
                 "closed_slots": self._gates.closed_slots,
-                "queued_tasks": self._queue.qsize(),
+                "queued_tasks": self._unfinished,
+                "unacked_sends": sum(len(v) for v in list(self._sent_at.values())),
+                "open_tickets": self._tickets.open_count,
             }
 
     @property
@@ -220,6 +278,7 @@ class PrefillSender:
     # ------------------------------------------------------------ sender thread
     def _run(self) -> None:
         reason = "prefill sender stopped"
+        self._started.set()
         try:
             while not self._stop.is_set():
                 self._drain(0 if not self._queue.empty() else self._poll)
@@ -230,20 +289,34 @@ class PrefillSender:
                     continue
                 if isinstance(task, _Handshake):
                     self._handshake(task)
-                else:
+                    continue
+                try:
                     self._process(task)
+                finally:
+                    with self._cond:
+                        self._unfinished -= 1
+                        self._cond.notify_all()
         except BaseException as exc:
             reason = f"prefill sender crashed: {exc!r}"
             self._log.error("prefill sender crashed", error=repr(exc))
         finally:
             with self._cond:
                 self._dead = reason
-                failed = self._gates.fail_all(reason)
+                # Name what each layer was waiting on: the caller learns layer and endpoint.
+                waiting = {lyr: self._gates.state(lyr).waiting_on
+                           for lyr in self._gates.pending_layers}
+                for lyr, eps in waiting.items():
+                    who = ", ".join(str(e) for e in eps) or "no endpoint"
+                    self._gates.fail_layer(lyr, f"{reason} (layer {lyr} awaited {who})")
+                failed = sorted(waiting)
+                self._tickets.fail_all(reason)
                 while not self._queue.empty():  # never processed; their gates failed above
                     left = self._queue.get_nowait()
                     if isinstance(left, _Handshake):
                         left.errors.update(dict.fromkeys(left.endpoints, reason))
                         left.done.set()
+                self._unfinished = 0
+                self._sent_at.clear()
                 self._cond.notify_all()
             if failed:
                 self._log.warning("failed pending layers on sender exit", layers=failed)
@@ -251,8 +324,11 @@ class PrefillSender:
                 self._clients.close()
 
     def _ack(self, layer_idx: int, endpoint: str, error: str | None) -> None:
+        if error is not None and endpoint not in error:
+            error = f"decode endpoint {endpoint}: {error}"  # the caller learns who failed
         with self._cond:
             completed = self._gates.acknowledge(layer_idx, endpoint, error)
+            self._tickets.reply(layer_idx, endpoint, error)
             if completed:
                 self._cond.notify_all()
         sent = self._sent_at.get((layer_idx, endpoint))
@@ -265,9 +341,44 @@ class PrefillSender:
             self._log.warning("layer not read by decode", layer=layer_idx, endpoint=endpoint,
                               error=error)
 
+    def _reset_endpoint(self, endpoint: str, reason: str, *, close: bool) -> None:
+        """No reply will come from ``endpoint`` for what was sent so far: fail every layer
+        still waiting on it (gates open, the compute path raises). With ``close`` the
+        connection is dropped as well, so that Decode fails the requests this rank was
+        contributing to (it must not complete them from storage Prefill may now reuse);
+        the next announcement to ``endpoint`` connects and handshakes again."""
+        with self._cond:
+            layers = self._gates.fail_endpoint(endpoint, reason)
+            self._tickets.fail_endpoint(endpoint, reason)
+            self._cond.notify_all()
+        self._meta_ok.discard(endpoint)
+        for key in [k for k in self._sent_at if k[1] == endpoint]:
+            del self._sent_at[key]
+        if close and self._clients is not None:
+            self._clients.disconnect(endpoint)
+        self.stats.layers_failed += len(layers)
+        log = self._log.warning if layers else self._log.info  # idle: e.g. Decode shut down
+        log("decode endpoint reset", endpoint=endpoint, failed_layers=layers, reason=reason)
+
     def _expire(self) -> None:
+        now = self._clock.now()
+        late: dict[str, int] = {}
+        for (layer_idx, endpoint), times in self._sent_at.items():
+            if times and times[0] + self._ack_timeout <= now:
+                late.setdefault(endpoint, layer_idx)
+        for endpoint, layer_idx in sorted(late.items()):
+            self._reset_endpoint(
+                endpoint,
+                f"no acknowledgement of layer {layer_idx} from decode endpoint {endpoint} "
+                f"within {self._ack_timeout:g} s",
+                close=True,
+            )
         with self._cond:
             expired = self._gates.expire(self._clock.now())
+            for item in expired:
+                self._tickets.fail_layer(
+                    item.layer_idx, f"no acknowledgement within {self._ack_timeout:g} s"
+                )
             if expired:
                 self._cond.notify_all()
         for item in expired:
@@ -281,8 +392,13 @@ class PrefillSender:
         assert self._clients is not None
         acks = []
         for endpoint, payload in self._clients.poll(timeout):
-            if payload == ACK:
-                acks.append((endpoint, payload))
+            try:
+                if self._codec.is_ack(payload):
+                    acks.append((endpoint, payload))
+                    continue
+            except ProtocolError as exc:  # an ACK without valid authentication
+                self._log.error("refusing acknowledgement", endpoint=endpoint, error=exc.detail)
+                self._refused[endpoint] = exc.detail
                 continue
             try:
                 msg = self._codec.decode(payload)
@@ -298,6 +414,15 @@ class PrefillSender:
                 self._ack(msg.layer_idx, endpoint, msg.error or "decode reported READ_FAILED")
             else:
                 self._log.warning("unexpected message from decode", endpoint=endpoint)
+        # After the replies: one that arrived before its connection closed still counts.
+        for endpoint in self._clients.disconnected():
+            self._lost_now.add(endpoint)
+            self._reset_endpoint(
+                endpoint,
+                f"decode endpoint {endpoint} disconnected (process gone, connection reset "
+                f"or heartbeat timeout)",
+                close=False,
+            )
         return acks
 
     def _ensure_meta(self, endpoint: str) -> None:
@@ -311,11 +436,20 @@ class PrefillSender:
                 raise ConnectionError(failed[1])
             del self._meta_failed[endpoint]
         self._clients.connect(endpoint)
+        self._lost_now.discard(endpoint)
         deadline = self._clock.now() + self._meta_timeout
+        self._refused.pop(endpoint, None)
         try:
             self._send(endpoint, self._meta_frame, self._meta_timeout)
             while True:
                 remaining = deadline - self._clock.now()
+                refused = self._refused.pop(endpoint, None)
+                if refused is not None:
+                    raise ConnectionError(f"decode endpoint {endpoint} refused: {refused}")
+                if endpoint in self._lost_now:
+                    raise ConnectionError(
+                        f"decode endpoint {endpoint} disconnected during the MF_META handshake"
+                    )
                 if self._stop.is_set():
                     raise ConnectionError(
                         f"prefill sender stopped while waiting for the MF_META "
@@ -324,7 +458,8 @@ class PrefillSender:
                 if remaining <= 0:
                     raise ConnectionError(
                         f"no MF_META acknowledgement from {endpoint} "
-                        f"within {self._meta_timeout:g} s"
+                        f"within {self._meta_timeout:g} s (decode down or unreachable, or "
+                        f"refusing this peer: is auth_secret the same on both sides?)"
                     )
                 if any(ep == endpoint for ep, _ in self._drain(min(remaining, self._poll))):
                     self._meta_ok.add(endpoint)
@@ -382,15 +517,21 @@ class PrefillSender:
                 self._ack(task.layer_idx, ep, reason)
             return
         for endpoint, batch in task.batches.items():
+            with self._cond:
+                live = self._gates.epoch(task.layer_idx) == task.epoch and (
+                    self._gates.is_pending(task.layer_idx, endpoint)
+                )
+            if not live:  # the layer failed or expired meanwhile: its storage is not ours
+                log.info("dropping a stale announcement", endpoint=endpoint)
+                continue
             try:
                 self._ensure_meta(endpoint)
-                assert self._clients is not None
-                self._sent_at.setdefault((task.layer_idx, endpoint), []).append(self._clock.now())
                 self._send(endpoint, self._codec.encode(batch), self._meta_timeout)
             except ConnectionError as exc:
-                self._sent_at.pop((task.layer_idx, endpoint), None)
                 self._ack(task.layer_idx, endpoint, str(exc))
                 continue
+            # The acknowledgement deadline (``_expire``) runs from here.
+            self._sent_at.setdefault((task.layer_idx, endpoint), []).append(self._clock.now())
             self.stats.layers_sent += 1
             log.debug("layer announced", endpoint=endpoint, requests=len(batch.read_reqs),
                       done=len(batch.done_ext_ids))

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
+from rd2h.adapters.memfabric.config import TransferTypeName, parse_ipv4, parse_store_url
 from rd2h.domain.errors import TopologyError
 from rd2h.domain.topology import MAX_PORT, plan_ports
 
 Transport = Literal["cma", "inproc", "memfabric", "mooncake"]
 Role = Literal["prefill", "decode"]
+MIN_SECRET_CHARS = 16
 
 
 class Deadlines(BaseModel):
@@ -25,12 +27,29 @@ class Deadlines(BaseModel):
     tp_exchange_s: float = Field(60.0, gt=0, description="one TP all-gather among Decode ranks")
     start_s: float = Field(10.0, gt=0, description="start of a sender / receiver")
     stop_s: float = Field(5.0, gt=0, description="stop (join) of a sender / receiver")
+    heartbeat_ivl_s: float = Field(
+        1.0, ge=0, description="control-connection heartbeat interval (0 = no heartbeats)"
+    )
+    heartbeat_timeout_s: float = Field(
+        5.0, gt=0, description="a silent control connection is dropped (and its pending "
+        "layers / requests failed) after this long"
+    )
+
+    @model_validator(mode="after")
+    def _check_heartbeat(self) -> Deadlines:
+        if self.heartbeat_ivl_s > 0 and self.heartbeat_timeout_s <= self.heartbeat_ivl_s:
+            raise ValueError(
+                f"heartbeat_timeout_s {self.heartbeat_timeout_s:g} must exceed "
+                f"heartbeat_ivl_s {self.heartbeat_ivl_s:g}"
+            )
+        return self
 
 
 class Rd2hSettings(BaseModel):
     """One rd2h endpoint (a Prefill or Decode TP rank)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # Errors name the field and the rule but never echo input: it may hold the secret.
+    model_config = ConfigDict(extra="forbid", frozen=True, hide_input_in_errors=True)
 
     role: Role
     transport: Transport = "cma"
@@ -49,12 +68,34 @@ class Rd2hSettings(BaseModel):
     mooncake_env: dict[str, str] = Field(
         default_factory=dict, description="MC_* tuning variables for the Mooncake engine"
     )
+    memfabric_store_url: str | None = Field(
+        None,
+        description="MemFabric config store shared by the deployment, 'tcp://<IPv4>:<port>' "
+        "(required with transport 'memfabric'); host must then be a numeric IPv4 address",
+    )
+    memfabric_transfer_type: TransferTypeName = Field(
+        "SDMA", description="MemFabric data path (TransDataOpType)"
+    )
+    memfabric_device_id: int = Field(0, ge=0, description="Ascend device this rank binds")
+    memfabric_nic: str = Field("", description="MemFabric NIC (RDMA transfer types), or empty")
     max_frame_bytes: int = Field(64 * 1024 * 1024, ge=1024)
+    auth_secret: SecretStr | None = Field(
+        None,
+        description="shared secret (>= 16 characters) for HMAC-SHA256 signing of every "
+        "control message; Prefill and Decode must configure the same one. Unset: "
+        "unsigned legacy messages. Set: unsigned or wrongly signed messages are refused",
+    )
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "WARNING"
     deadlines: Deadlines = Field(default_factory=Deadlines)
 
     @model_validator(mode="after")
     def _check(self) -> Rd2hSettings:
+        secret = self.auth_secret
+        if secret is not None and len(secret.get_secret_value()) < MIN_SECRET_CHARS:
+            raise ValueError(
+                f"auth_secret must have at least {MIN_SECRET_CHARS} characters "
+                f"(got {len(secret.get_secret_value())})"
+            )
         if self.tp_rank >= self.tp_size:
             raise ValueError(f"tp_rank {self.tp_rank} must be < tp_size {self.tp_size}")
         if self.role == "decode":
@@ -62,6 +103,16 @@ class Rd2hSettings(BaseModel):
                 plan_ports(self.kv_port, self.global_dp_rank, self.tp_size)
             except TopologyError as exc:
                 raise ValueError(str(exc)) from exc
+        return self
+
+    @model_validator(mode="after")
+    def _check_memfabric(self) -> Rd2hSettings:
+        if self.memfabric_store_url is not None:
+            parse_store_url(self.memfabric_store_url)
+        if self.transport == "memfabric":
+            if self.memfabric_store_url is None:
+                raise ValueError("memfabric_store_url is required with transport 'memfabric'")
+            parse_ipv4(self.host, "host (with transport 'memfabric')")
         return self
 
     @property

@@ -50,6 +50,9 @@ class StorageSlotGates:
         self._pending: dict[int, Counter[Hashable]] = {}
         self._deadline: dict[int, float] = {}
         self._errors: dict[int, str] = {}
+        # Bumped whenever a layer's gates are released: an announcement queued before the
+        # release (e.g. before its deadline expired) is stale and must not be sent.
+        self._epoch: dict[int, int] = {}
 
     # -- set-up
     def register_layer(
@@ -117,6 +120,19 @@ class StorageSlotGates:
             self.fail_layer(layer_idx, error)
         return layers
 
+    def fail_endpoint(self, endpoint: Hashable, error: str) -> list[int]:
+        """The connection to ``endpoint`` is gone: no reply from it will come. Fail every
+        layer still waiting on it (with ``error``); return those layers. A layer still
+        waiting on other endpoints as well keeps its gates closed for them."""
+        layers = sorted(lyr for lyr, pending in self._pending.items() if pending[endpoint] > 0)
+        for layer_idx in layers:
+            pending = self._pending[layer_idx]
+            del pending[endpoint]
+            self._errors[layer_idx] = error
+            if not pending:
+                self._release(layer_idx)
+        return layers
+
     def expire(self, now: float) -> list[ExpiredLayer]:
         """Fail layers whose acknowledgement deadline has passed."""
         expired = []
@@ -131,6 +147,7 @@ class StorageSlotGates:
         return expired
 
     def _release(self, layer_idx: int) -> None:
+        self._epoch[layer_idx] = self._epoch.get(layer_idx, 0) + 1
         self._pending.pop(layer_idx, None)
         self._deadline.pop(layer_idx, None)
         for slot in self._slots_of_layer.get(layer_idx, ()):
@@ -152,6 +169,14 @@ class StorageSlotGates:
 
     def next_deadline(self) -> float | None:
         return min(self._deadline.values(), default=None)
+
+    def epoch(self, layer_idx: int) -> int:
+        """How many times the layer's gates were released; see ``_epoch``."""
+        return self._epoch.get(layer_idx, 0)
+
+    def is_pending(self, layer_idx: int, endpoint: Hashable) -> bool:
+        pending = self._pending.get(layer_idx)
+        return bool(pending) and pending[endpoint] > 0
 
     @property
     def pending_layers(self) -> tuple[int, ...]:
@@ -235,6 +260,63 @@ class StepOutcome:
     reasons: Mapping[str, str] = field(default_factory=dict)
 
 
+class PeerContributions:
+    """Which unfinished requests each Prefill connection ("peer") has announced blocks
+    of and not yet reported final, so that a peer that disappears fails exactly the
+    requests it was still contributing to (liveness). Pure bookkeeping."""
+
+    def __init__(self) -> None:
+        self._by_peer: dict[Hashable, set[str]] = {}
+        self._by_request: dict[str, set[Hashable]] = {}
+
+    def note(self, peer: Hashable, ext_ids: Iterable[str]) -> None:
+        for ext in ext_ids:
+            self._by_peer.setdefault(peer, set()).add(ext)
+            self._by_request.setdefault(ext, set()).add(peer)
+
+    def done(self, peer: Hashable, ext_ids: Iterable[str]) -> None:
+        """``peer`` announced the final layer of ``ext_ids``: its part is complete."""
+        mine = self._by_peer.get(peer)
+        if not mine:
+            return
+        for ext in ext_ids:
+            if ext in mine:
+                mine.discard(ext)
+                self._drop_link(ext, peer)
+        if not mine:
+            del self._by_peer[peer]
+
+    def take_peer(self, peer: Hashable) -> set[str]:
+        """Forget ``peer``; the requests it was still contributing to."""
+        mine = self._by_peer.pop(peer, set())
+        for ext in mine:
+            self._drop_link(ext, peer)
+        return mine
+
+    def discard_request(self, ext: str) -> None:
+        for peer in self._by_request.pop(ext, ()):
+            mine = self._by_peer.get(peer)
+            if mine is not None:
+                mine.discard(ext)
+                if not mine:
+                    del self._by_peer[peer]
+
+    def _drop_link(self, ext: str, peer: Hashable) -> None:
+        peers = self._by_request.get(ext)
+        if peers is not None:
+            peers.discard(peer)
+            if not peers:
+                del self._by_request[ext]
+
+    @property
+    def peers(self) -> int:
+        return len(self._by_peer)
+
+    def __len__(self) -> int:
+        """(peer, request) pairs held."""
+        return sum(len(v) for v in self._by_peer.values())
+
+
 @dataclass
 class _Admitted:
     internal_id: str
@@ -259,6 +341,7 @@ class DecodeRequestBook:
         self._invalid_reported: set[str] = set()
         self._pending_finished: set[str] = set()
         self._orphan_since: dict[str, float] = {}
+        self.peer_contributions = PeerContributions()
 
     # -- admission
     def admit(
@@ -284,8 +367,14 @@ class DecodeRequestBook:
         return _DestinationView(self._admitted)
 
     # -- layer outcomes
-    def record_done(self, ext_ids: Iterable[str], member: int, ratio: int) -> list[str]:
-        """Final-layer reports of one contributor; returns requests now complete."""
+    def record_done(
+        self, ext_ids: Iterable[str], member: int, ratio: int, peer: Hashable | None = None
+    ) -> list[str]:
+        """Final-layer reports of one contributor (connection ``peer``, when known);
+        returns requests now complete."""
+        ext_ids = list(ext_ids)
+        if peer is not None:
+            self.peer_contributions.done(peer, ext_ids)
         completed = []
         for ext in ext_ids:
             if ext in self._terminal:
@@ -293,8 +382,24 @@ class DecodeRequestBook:
             if self.contributors.report(ext, member, ratio):
                 self._terminal.add(ext)
                 self.contributors.discard(ext)
+                self.peer_contributions.discard_request(ext)
                 completed.append(ext)
         return completed
+
+    def note_contribution(self, peer: Hashable, ext_ids: Iterable[str]) -> None:
+        """``peer`` announced blocks of ``ext_ids``; admitted, unfinished ones now depend
+        on it until it reports their final layer (see ``fail_peer``)."""
+        self.peer_contributions.note(
+            peer, (e for e in ext_ids if e in self._admitted and e not in self._terminal)
+        )
+
+    def fail_peer(self, peer: Hashable, reason: str, now: float | None = None) -> list[str]:
+        """The connection ``peer`` is gone: fail the unfinished requests it was still
+        contributing to (requests that never heard from it end at their deadline)."""
+        live = sorted(e for e in self.peer_contributions.take_peer(peer)
+                      if e not in self._terminal)
+        self.record_failed(live, reason, now)
+        return live
 
     def record_failed(
         self, ext_ids: Iterable[str], reason: str, now: float | None = None
@@ -305,6 +410,7 @@ class DecodeRequestBook:
             self._failed.setdefault(ext, reason)
             self._terminal.add(ext)
             self.contributors.discard(ext)
+            self.peer_contributions.discard_request(ext)
             if now is not None and ext not in self._admitted:
                 self._orphan_since.setdefault(ext, now)
 
@@ -334,14 +440,23 @@ class DecodeRequestBook:
         return RankReport(frozenset(self._terminal), frozenset(failed))
 
     def finish_step(
-        self, reports: Collection[RankReport], finished_by_vllm: Iterable[str] = ()
+        self,
+        reports: Collection[RankReport],
+        finished_by_vllm: Iterable[str] = (),
+        now: float | None = None,
     ) -> StepOutcome:
+        """Resolve this step. With ``now``, state about ids never admitted here (learned
+        from other ranks) expires like any orphan instead of waiting for an admission
+        that may never come."""
         merged = merge_tp_reports(reports)
         # Another rank's failure fails the request here too.
         for ext in merged.failed - self._failed.keys():
             self._failed[ext] = "failed on another decode rank"
             self._terminal.add(ext)
             self.contributors.discard(ext)
+            self.peer_contributions.discard_request(ext)
+            if now is not None and ext not in self._admitted:
+                self._orphan_since.setdefault(ext, now)
         invalid: set[int] = set()
         failed_internal: set[str] = set()
         reasons: dict[str, str] = {}
@@ -359,6 +474,8 @@ class DecodeRequestBook:
             if entry is None:
                 self._pending_finished.add(ext)
                 self._terminal.discard(ext)
+                if now is not None:
+                    self._orphan_since.setdefault(ext, now)
                 continue
             finished.add(entry.internal_id)
             if ext in self._failed:
@@ -372,6 +489,12 @@ class DecodeRequestBook:
             frozenset(finished), frozenset(failed_internal), frozenset(invalid), reasons
         )
 
+    def drop(self, internal_ids: Iterable[str]) -> None:
+        """Forget requests the engine gave up on outside a step (aborted, or the TP group
+        that would resolve them is gone)."""
+        for internal_id in internal_ids:
+            self._forget(self._int_to_ext.get(internal_id, external_request_id(internal_id)))
+
     def _forget(self, ext: str) -> None:
         entry = self._admitted.pop(ext, None)
         if entry is not None:
@@ -382,6 +505,7 @@ class DecodeRequestBook:
         self._pending_finished.discard(ext)
         self._orphan_since.pop(ext, None)
         self.contributors.discard(ext)
+        self.peer_contributions.discard_request(ext)
 
     # -- leak accounting
     def counters(self) -> dict[str, int]:
@@ -392,6 +516,7 @@ class DecodeRequestBook:
             "pending_finished": len(self._pending_finished),
             "contributors": len(self.contributors),
             "orphans": len(self._orphan_since),
+            "peer_contributions": len(self.peer_contributions),
         }
 
 

@@ -57,7 +57,16 @@ class UnknownMessageType(ProtocolError):
 
     def __init__(self, tag: bytes) -> None:
         self.tag = tag
-        super().__init__(f"unknown message type {tag!r}")
+        shown = repr(tag[:32]) + ("..." if len(tag) > 32 else "")  # a tag may be megabytes
+        super().__init__(f"unknown message type {shown}")
+
+
+class AuthenticationError(ProtocolError):
+    """A control message without a valid shared-secret signature (spec 12).
+
+    ``layer_idx`` is set when the unauthenticated message still names a layer, so
+    Decode can answer READ_FAILED for it without acting on anything it says.
+    """
 
 
 class CompletionError(Rd2hError):
@@ -75,3 +84,24 @@ class LayerSendError(CompletionError):
         self.layer_idx = layer_idx
         self.detail = detail
         super().__init__(f"layer {layer_idx}: {detail}")
+
+
+class TransportLibraryError(TransferError):
+    """A transport library call reported failure (a non-zero return code).
+
+    ``operation`` is the library call, ``rc`` what it returned and ``library_message``
+    the library's own explanation ('' when it gave none), so the operator sees why.
+    """
+
+    def __init__(
+        self, message: str, *, operation: str, rc: object, library_message: str = ""
+    ) -> None:
+        self.operation = operation
+        self.rc = rc
+        self.library_message = library_message
+        super().__init__(message)
+
+
+class TransportBindingError(TransferError):
+    """A process-wide transfer engine asked for again with a different configuration
+    (role, device, host, ...): the library binds one per process."""

@@ -18,12 +18,17 @@ MAX_MAIN_TENSORS = 2
 
 @dataclass(frozen=True)
 class TensorComponent:
-    """One source tensor of a Prefill layer."""
+    """One source tensor of a Prefill layer.
+
+    ``num_blocks`` is the size of the advertised region in blocks (None: not
+    advertised, a legacy peer); Decode refuses to read a block at or beyond it.
+    """
 
     base_addr: int
     block_len: int
     block_size_scale: int = 1
     group_idx: int = 0
+    num_blocks: int | None = None
 
     @property
     def bytes_per_block(self) -> int:
@@ -65,6 +70,7 @@ class SourceLayout:
 
     def to_metadata(self) -> LayerMetadata:
         tensors = self.tensors
+        sizes = tuple(t.num_blocks for t in tensors)
         return LayerMetadata(
             base_addrs=tuple(t.base_addr for t in tensors),
             block_len=tuple(t.block_len for t in tensors),
@@ -72,6 +78,8 @@ class SourceLayout:
             tensor_group_idx=tuple(t.group_idx for t in tensors),
             main_tensor_count=len(self.main),
             has_indexer=self.indexer is not None,
+            # all or nothing: a partly advertised layer stays in the legacy shape
+            num_blocks=() if None in sizes else sizes,  # type: ignore[arg-type]
         )
 
     @classmethod
@@ -85,10 +93,16 @@ class SourceLayout:
             raise LayoutMismatch(
                 layer_name, "main", f"main_tensor_count {mc} but only {count} base addresses"
             )
+        if meta.num_blocks and len(meta.num_blocks) != count:
+            raise LayoutMismatch(
+                layer_name, "main",
+                f"{len(meta.num_blocks)} region sizes for {count} base addresses",
+            )
+        sizes = meta.num_blocks or (None,) * count
         tensors = [
             TensorComponent(
                 meta.base_addrs[i], meta.block_len[i], meta.block_size_scale[i],
-                meta.tensor_group_idx[i],
+                meta.tensor_group_idx[i], sizes[i],
             )
             for i in range(count)
         ]

@@ -33,6 +33,7 @@ from rd2h.domain.layout import (
 from rd2h.domain.protocol import ReadReadyBatch, ReadRequest
 from rd2h.domain.topology import owned_ranges
 
+_INT64_MAX = (1 << 63) - 1
 _EMPTY = np.zeros(0, dtype=np.int64)
 _EMPTY.setflags(write=False)
 
@@ -152,13 +153,15 @@ def _own(
     """Owned blocks of every request, as flat source and destination id arrays."""
     n = len(reqs)
     room = np.fromiter(map(len, dst_lists), dtype=np.int64, count=n)
-    bad = np.flatnonzero((lens > 0) & (starts + lens > room))
+    # ``lens > room - starts``, not ``starts + lens > room``: a hostile start near
+    # 2**63 must not wrap around and pass.
+    bad = np.flatnonzero((lens > 0) & (lens > room - starts))
     if bad.size:
         i = int(bad[0])
         raise PlanningError(
             layer,
-            f"{what} blocks [{int(starts[i])}, {int(starts[i] + lens[i])}) do not fit the "
-            f"{int(room[i])} destination blocks",
+            f"{what} blocks [{int(starts[i])}, {int(starts[i]) + int(lens[i])}) do not fit "
+            f"the {int(room[i])} destination blocks",
             reqs[i].ext_req_id,
         )
     if k > 1:
@@ -177,6 +180,36 @@ def _own(
         list(map(getitem, dst_lists, map(slice, (starts + lo).tolist(), (starts + hi).tolist())))
     )
     return _Component(src, dst, counts)
+
+
+def _check_source(
+    layer: str,
+    what: str,
+    comp: _Component,
+    tensors: Sequence[TensorComponent],
+    reqs: Sequence[ReadRequest],
+) -> None:
+    """Refuse reads outside Prefill's advertised regions (when it advertised their size)
+    and source addresses beyond the 64-bit range, naming the first request at fault."""
+    if comp.src.size == 0:
+        return
+    highest = int(comp.src.max())
+    for tensor in tensors:
+        # (block + 1) * size + base <= 2**63 - 1, in exact integer arithmetic
+        room = (_INT64_MAX - tensor.base_addr) // max(1, tensor.bytes_per_block)
+        limit, where = room, "the 64-bit address space"
+        if tensor.num_blocks is not None and tensor.num_blocks <= room:
+            limit = tensor.num_blocks
+            where = f"the {tensor.num_blocks} blocks prefill advertised for its {what} tensor"
+        if highest < limit:
+            continue
+        at = int(np.argmax(comp.src >= limit))
+        owner = int(np.searchsorted(np.cumsum(comp.counts), at, side="right"))
+        raise PlanningError(
+            layer,
+            f"{what} source block {int(comp.src[at])} is beyond {where}",
+            reqs[owner].ext_req_id,
+        )
 
 
 def _runs(src: np.ndarray, dst: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -256,12 +289,15 @@ def plan_reads(
     *,
     d_rank: int,
     d_tp: int,
+    main_shared: bool = True,
 ) -> ReadPlan:
     """Plan this Decode rank's share of a READ_READY_BATCH.
 
     Main K/V is read only by contributor member 0 and split over the Decode TP
     ranks (rotated by the chunk's start); the indexer and LIC8 scale are split
     over the contributor members so every Decode rank ends with a full copy.
+    With ``main_shared=False`` (each Decode rank has its own main cache) this rank
+    reads every main block instead of its share.
     Raises ``LayoutMismatch`` or ``PlanningError``; either fails the whole layer.
     """
     validate_layout(src, dst)
@@ -291,7 +327,9 @@ def plan_reads(
             layer, "main", reqs, main_lists, main_lens,
             list(map(attrgetter("main_block_ids"), dests)),
             np.fromiter(map(attrgetter("main_start_block"), reqs), dtype=np.int64, count=n),
-            d_tp, d_rank,
+            # A shared main pool is split over the Decode ranks; a rank-local main
+            # cache (vanilla vLLM) needs every main block on every rank.
+            d_tp if main_shared else 1, d_rank if main_shared else 0,
         )
     if src.indexer is not None and n:
         index = _own(
@@ -300,6 +338,11 @@ def plan_reads(
             np.fromiter(map(attrgetter("indexer_start_block"), reqs), dtype=np.int64, count=n),
             ratio, member,
         )
+
+    _check_source(layer, "main", main, src.main, reqs)
+    _check_source(
+        layer, "indexer", index, [t for t in (src.indexer, src.scale) if t is not None], reqs
+    )
 
     idx_tensors = 1 + (src.scale is not None)
     built = main.counts * len(src.main) + index.counts * idx_tensors

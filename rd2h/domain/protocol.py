@@ -23,6 +23,11 @@ READ_FAILED = b"read_failed"
 ACK = b"ACK"
 
 _INT_ONLY = {int}
+# Block ids, start offsets and group positions feed int64 arrays on Decode: a value
+# above this is malformed (the planner never sees a number numpy cannot hold).
+MAX_WIRE_INT = (1 << 63) - 1
+# Longest error text Decode puts in a READ_FAILED or a log line about a hostile value.
+MAX_ERROR_CHARS = 1024
 
 LAYER_METADATA_KEYS = (
     "base_addrs",
@@ -32,13 +37,18 @@ LAYER_METADATA_KEYS = (
     "main_tensor_count",
     "has_indexer",
 )
+# Optional key (an extension: older peers neither send nor need it): blocks in each
+# tensor's advertised region, so Decode can refuse reads beyond it.
+NUM_BLOCKS_KEY = "num_blocks"
 
 
 @dataclass(frozen=True)
 class LayerMetadata:
     """One layer's source tensors as Prefill advertises them (spec 4.1).
 
-    Tensors are ordered main first, then indexer, then LIC8 scale.
+    Tensors are ordered main first, then indexer, then LIC8 scale. ``num_blocks``
+    (one per tensor, or empty when not advertised) bounds the source block ids
+    Decode may read; an empty tuple is the legacy shape and leaves the map unchanged.
     """
 
     base_addrs: tuple[int, ...]
@@ -47,9 +57,10 @@ class LayerMetadata:
     tensor_group_idx: tuple[int, ...]
     main_tensor_count: int
     has_indexer: bool
+    num_blocks: tuple[int, ...] = ()
 
     def to_map(self) -> dict[str, Any]:
-        return {
+        out: dict[str, Any] = {
             "base_addrs": list(self.base_addrs),
             "block_len": list(self.block_len),
             "block_size_scale": list(self.block_size_scale),
@@ -57,6 +68,9 @@ class LayerMetadata:
             "main_tensor_count": self.main_tensor_count,
             "has_indexer": self.has_indexer,
         }
+        if self.num_blocks:
+            out[NUM_BLOCKS_KEY] = list(self.num_blocks)
+        return out
 
 
 @dataclass(frozen=True)
@@ -113,11 +127,25 @@ Message = MfMeta | ReadReadyBatch | ReadDone | ReadFailed
 # ---------------------------------------------------------------- helpers
 
 
-def _int(value: Any, what: str, layer_idx: int | None = None, *, minimum: int | None = None) -> int:
+def clip(text: str, limit: int = MAX_ERROR_CHARS) -> str:
+    """``text`` cut to ``limit`` characters: hostile values must not become huge replies."""
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _int(
+    value: Any,
+    what: str,
+    layer_idx: int | None = None,
+    *,
+    minimum: int | None = None,
+    maximum: int | None = None,
+) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise ProtocolError(f"{what} must be an int, got {type(value).__name__}", layer_idx)
     if minimum is not None and value < minimum:
         raise ProtocolError(f"{what} must be >= {minimum}, got {value}", layer_idx)
+    if maximum is not None and value > maximum:
+        raise ProtocolError(f"{what} must be <= {maximum}, got {value}", layer_idx)
     return value
 
 
@@ -135,12 +163,16 @@ def _seq(value: Any, what: str, layer_idx: int | None = None) -> Sequence[Any]:
 
 def _block_ids(value: Any, what: str, layer_idx: int) -> tuple[int, ...]:
     items = _seq(value, what, layer_idx)
-    # type() is int excludes bool and every other type; map/set/min run in C.
-    if items and (set(map(type, items)) != _INT_ONLY or min(items) < 0):
+    # type() is int excludes bool and every other type; map/set/min/max run in C.
+    if items and (
+        set(map(type, items)) != _INT_ONLY or min(items) < 0 or max(items) > MAX_WIRE_INT
+    ):
         bad = next(
-            (i for i in items if type(i) is not int or i < 0), None
+            (i for i in items if type(i) is not int or not 0 <= i <= MAX_WIRE_INT), None
         )
-        raise ProtocolError(f"{what} must hold ints >= 0, got {bad!r}", layer_idx)
+        raise ProtocolError(
+            f"{what} must hold ints in [0, 2**63), got {clip(repr(bad), 80)}", layer_idx
+        )
     return tuple(items)
 
 
@@ -149,23 +181,35 @@ def _block_ids(value: Any, what: str, layer_idx: int) -> tuple[int, ...]:
 
 def decode_layer_metadata(name: Any, value: Any) -> LayerMetadata:
     """Validate one entry of MF_META's layer map."""
-    layer = _str(name, "MF_META layer name")
+    layer = clip(repr(_str(name, "MF_META layer name")), 80)
     if not isinstance(value, Mapping):
-        raise ProtocolError(f"MF_META layer {layer!r} must be a map, got {type(value).__name__}")
+        raise ProtocolError(f"MF_META layer {layer} must be a map, got {type(value).__name__}")
     missing = [k for k in LAYER_METADATA_KEYS if k not in value]
     if missing:
-        raise ProtocolError(f"MF_META layer {layer!r} lacks {', '.join(missing)}")
+        raise ProtocolError(f"MF_META layer {layer} lacks {', '.join(missing)}")
     lists = {}
     for key in ("base_addrs", "block_len", "block_size_scale", "tensor_group_idx"):
-        items = _seq(value[key], f"MF_META {layer!r} {key}")
-        lists[key] = tuple(_int(v, f"MF_META {layer!r} {key} item", minimum=0) for v in items)
+        items = _seq(value[key], f"MF_META {layer} {key}")
+        lists[key] = tuple(_int(v, f"MF_META {layer} {key} item", minimum=0) for v in items)
     sizes = {len(v) for v in lists.values()}
     if len(sizes) != 1:
-        raise ProtocolError(f"MF_META layer {layer!r}: per-tensor lists differ in length")
-    main_count = _int(value["main_tensor_count"], f"MF_META {layer!r} main_tensor_count", minimum=0)
+        raise ProtocolError(f"MF_META layer {layer}: per-tensor lists differ in length")
+    num_blocks: tuple[int, ...] = ()
+    if NUM_BLOCKS_KEY in value:
+        items = _seq(value[NUM_BLOCKS_KEY], f"MF_META {layer} {NUM_BLOCKS_KEY}")
+        num_blocks = tuple(
+            _int(v, f"MF_META {layer} {NUM_BLOCKS_KEY} item", minimum=0, maximum=MAX_WIRE_INT)
+            for v in items
+        )
+        if len(num_blocks) != len(lists["base_addrs"]):
+            raise ProtocolError(
+                f"MF_META layer {layer}: {NUM_BLOCKS_KEY} has {len(num_blocks)} items "
+                f"for {len(lists['base_addrs'])} tensors"
+            )
+    main_count = _int(value["main_tensor_count"], f"MF_META {layer} main_tensor_count", minimum=0)
     has_indexer = value["has_indexer"]
     if not isinstance(has_indexer, bool):
-        raise ProtocolError(f"MF_META {layer!r} has_indexer must be a bool")
+        raise ProtocolError(f"MF_META {layer} has_indexer must be a bool")
     return LayerMetadata(
         base_addrs=lists["base_addrs"],
         block_len=lists["block_len"],
@@ -173,6 +217,7 @@ def decode_layer_metadata(name: Any, value: Any) -> LayerMetadata:
         tensor_group_idx=lists["tensor_group_idx"],
         main_tensor_count=main_count,
         has_indexer=has_indexer,
+        num_blocks=num_blocks,
     )
 
 
@@ -197,8 +242,12 @@ def decode_read_request(entry: Any, layer_idx: int) -> ReadRequest:
         ext_req_id=_str(fields[0], "read request id", layer_idx),
         p_main_block_ids=_block_ids(fields[1], "main block ids", layer_idx),
         p_indexer_block_ids=_block_ids(fields[2], "indexer block ids", layer_idx),
-        main_start_block=_int(fields[3], "main start block", layer_idx, minimum=0),
-        indexer_start_block=_int(fields[4], "indexer start block", layer_idx, minimum=0),
+        main_start_block=_int(
+            fields[3], "main start block", layer_idx, minimum=0, maximum=MAX_WIRE_INT
+        ),
+        indexer_start_block=_int(
+            fields[4], "indexer start block", layer_idx, minimum=0, maximum=MAX_WIRE_INT
+        ),
     )
 
 
@@ -217,8 +266,8 @@ def _decode_read_ready(fields: Sequence[Any]) -> ReadReadyBatch:
         )
     member, ratio = 0, 1
     if len(fields) > 6:
-        member = _int(fields[5], "group member index", layer_idx, minimum=0)
-        ratio = max(1, _int(fields[6], "tp ratio", layer_idx))
+        member = _int(fields[5], "group member index", layer_idx, minimum=0, maximum=MAX_WIRE_INT)
+        ratio = max(1, _int(fields[6], "tp ratio", layer_idx, maximum=MAX_WIRE_INT))
         if member >= ratio:
             raise ProtocolError(
                 f"group member index {member} is outside its group of ratio {ratio}", layer_idx

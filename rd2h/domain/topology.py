@@ -139,6 +139,9 @@ def plan_ports(kv_port: int, global_dp_rank: int, d_tp: int) -> PortPlan:
 
 def remote_port(base_port: int, d_rank: int) -> int:
     """The Decode rank port a Prefill rank connects to; validated to lie in 1..65535."""
+    for name, value in (("base_port", base_port), ("d_rank", d_rank)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TopologyError(f"{name} must be an int, got {value!r}")
     port = base_port + d_rank
     if d_rank < 0 or not 1 <= port <= MAX_PORT:
         raise TopologyError(

@@ -13,5 +13,15 @@ class WireCodec(Protocol):
         ...
 
     def decode(self, frame: bytes) -> Message:
-        """The message in ``frame``; anything malformed raises ``ProtocolError`` only."""
+        """The message in ``frame``; anything malformed raises ``ProtocolError`` only
+        (``AuthenticationError`` when a configured signature is missing or wrong)."""
+        ...
+
+    def encode_ack(self) -> bytes:
+        """Decode's MF_META acknowledgement frame (raw ``b"ACK"`` without authentication)."""
+        ...
+
+    def is_ack(self, frame: bytes) -> bool:
+        """Whether ``frame`` is an acknowledgement; raises ``AuthenticationError`` for an
+        acknowledgement that lacks or fails the configured signature."""
         ...

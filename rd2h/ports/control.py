@@ -1,5 +1,10 @@
 """Control channel ports (spec 4): Decode binds one ROUTER per rank; Prefill
-connects one DEALER per Decode endpoint. Payloads are already-encoded frames."""
+connects one DEALER per Decode endpoint. Payloads are already-encoded frames.
+
+Liveness: both sides report connections the transport saw close (peer process
+gone, TCP reset, heartbeat timeout) through ``disconnected()``, so the app can
+fail the work that depended on them at once instead of waiting out a deadline.
+"""
 
 from __future__ import annotations
 
@@ -18,6 +23,11 @@ class ControlServer(Protocol):
 
     def send(self, identity: bytes, payload: bytes) -> bool:
         """Reply; False when the reply cannot be delivered."""
+        ...
+
+    def disconnected(self) -> list[bytes]:
+        """Identities (as ``recv`` returned them) whose connection closed since the last
+        call. ``recv`` returns early (None) when one is seen, so the loop reacts at once."""
         ...
 
     def close(self) -> None: ...
@@ -39,6 +49,12 @@ class ControlClients(Protocol):
     def poll(self, timeout: float) -> list[tuple[str, bytes]]:
         """Replies that arrived, as ``(endpoint, payload)``; waits at most ``timeout``
         (also with no connection), or less when ``wake`` is called."""
+        ...
+
+    def disconnected(self) -> list[str]:
+        """Endpoints whose established connection closed since the last call (Decode
+        gone or silent past the heartbeat timeout). Replies that arrived before the
+        loss are returned by ``poll`` first; ``poll`` returns early when one is seen."""
         ...
 
     def wake(self) -> None:

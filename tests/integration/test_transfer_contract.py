@@ -1,6 +1,8 @@
 """One contract for every TransferEngine adapter: inproc (same process), cma (a real
-second process read with process_vm_readv) and mooncake (a real second process read over
-Mooncake TCP on loopback). Plus unit checks of the shared helpers."""
+second process read with process_vm_readv), mooncake (a real second process read over
+Mooncake TCP on loopback) and memfabric (the MemFabric adapter over the recording fake of
+``memfabric_hybrid``: two fake processes in this one, real bytes moved by address). Plus
+unit checks of the shared helpers."""
 
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from multiprocessing.connection import Connection
 
 import numpy as np
 import pytest
+from fakes.memfabric import FakeMemFabricNetwork
 
 from rd2h.adapters.inproc import InprocTransferEngine
 from rd2h.adapters.regions import RegionTable, validate_batch
@@ -175,7 +178,42 @@ def _mooncake_setup() -> Iterator[Setup]:
             proc.join(5.0)
 
 
-_SETUPS = {"inproc": _inproc_setup, "cma": _cma_setup, "mooncake": _mooncake_setup}
+def _memfabric_setup() -> Iterator[Setup]:
+    """Prefill peer and Decode reader as two fake processes sharing one fake network (the
+    library's engine is one per process, so one process cannot hold both roles)."""
+    from rd2h.adapters.memfabric import (
+        MemFabricConfig,
+        MemFabricTransferEngine,
+        start_config_store,
+    )
+
+    network = FakeMemFabricNetwork()
+    store = "tcp://127.0.0.1:7100"
+    start_config_store(store, network.process())
+    peer = MemFabricTransferEngine(
+        MemFabricConfig(store, "Prefill", device_id=0), library=network.process()
+    )
+    reader = MemFabricTransferEngine(
+        MemFabricConfig(store, "Decode", device_id=1), library=network.process()
+    )
+    buf = _pattern(PEER_SIZE)
+    peer.register_memory(buf.ctypes.data, buf.nbytes)
+    try:
+        # Port 1 is never a MemFabric session: the library cannot reach it.
+        yield Setup(
+            "memfabric", reader, peer.session_id, buf.ctypes.data, buf, "127.0.0.1:1", peer.close
+        )
+    finally:
+        reader.close()
+        peer.close()
+
+
+_SETUPS = {
+    "inproc": _inproc_setup,
+    "cma": _cma_setup,
+    "mooncake": _mooncake_setup,
+    "memfabric": _memfabric_setup,
+}
 
 
 @pytest.fixture(
@@ -183,13 +221,14 @@ _SETUPS = {"inproc": _inproc_setup, "cma": _cma_setup, "mooncake": _mooncake_set
         "inproc",
         pytest.param("cma", marks=linux_only),
         pytest.param("mooncake", marks=linux_only),
+        "memfabric",
     ]
 )
 def setup(request: pytest.FixtureRequest) -> Iterator[Setup]:
     yield from _SETUPS[request.param]()
 
 
-@pytest.fixture(params=["inproc", pytest.param("mooncake", marks=linux_only)])
+@pytest.fixture(params=["inproc", pytest.param("mooncake", marks=linux_only), "memfabric"])
 def confining_setup(request: pytest.FixtureRequest) -> Iterator[Setup]:
     """Adapters that refuse remote ranges outside the peer's registration (cma cannot:
     the kernel lets it read any mapped page of the peer)."""
@@ -350,7 +389,8 @@ def test_dead_peer_fails_quickly(setup: Setup) -> None:
             setup.peer_session, dst.ctypes.data * one, setup.peer_address * one, 4096 * one
         )
     assert time.monotonic() - started < 1.0
-    assert {"cma": "ESRCH", "mooncake": "gone"}.get(setup.kind, "closed") in str(info.value)
+    expected = {"cma": "ESRCH", "mooncake": "gone", "memfabric": "gone"}
+    assert expected.get(setup.kind, "closed") in str(info.value)
 
 
 def test_registering_the_same_region_twice_is_fine(setup: Setup) -> None:

@@ -14,7 +14,7 @@ from rd2h.adapters.logging import make_logger
 from rd2h.adapters.msgpack import MsgpackCodec
 from rd2h.adapters.torch.exchange import InMemoryExchangeGroup
 from rd2h.app.clock import MonotonicClock
-from rd2h.app.container import TransportUnavailable, build_container
+from rd2h.app.container import build_container
 from rd2h.app.decode import DecodeReceiver
 from rd2h.app.prefill import LayerTarget, PrefillSender, group_batches
 from rd2h.app.settings import Rd2hSettings
@@ -49,8 +49,8 @@ def test_container_builds_only_the_selected_transport() -> None:
     assert isinstance(engine, InprocTransferEngine)
     assert c.transport() is engine  # one engine per process
     engine.close()
-    with pytest.raises(TransportUnavailable, match="memfabric"):
-        build_container(Rd2hSettings(role="decode", transport="memfabric")).transport()
+    with pytest.raises(pydantic.ValidationError, match="memfabric_store_url is required"):
+        Rd2hSettings(role="decode", transport="memfabric")
 
 
 def test_container_transport_can_be_overridden_with_a_fake() -> None:
@@ -104,6 +104,9 @@ class MemoryWire:
             self.to_client.put((identity.decode(), payload))
         return True
 
+    def disconnected(self) -> list[bytes]:
+        return []
+
     def close(self) -> None:
         pass
 
@@ -131,6 +134,9 @@ class MemoryClients:
                 out.append(self.wire.to_client.get_nowait())
             except queue.Empty:
                 return [(ep, payload) for ep, payload in out if payload]
+
+    def disconnected(self) -> list[str]:
+        return []
 
     def wake(self) -> None:
         self.wire.to_client.put(("", b""))  # an empty frame: ignored, like ZMQ delimiters
@@ -198,7 +204,7 @@ def test_in_memory_pull_lands_bytes_and_completes(pair) -> None:
     out = receiver.step(InMemoryExchangeGroup(1).member(0), (), timeout=5)
     assert out.finished == {"req-a" + "X" * 9} and not out.failed
     assert all(v == 0 for k, v in receiver.counters().items() if k != "peers")
-    assert sender.counters() == {"pending_layers": 0, "closed_slots": 0, "queued_tasks": 0}
+    assert all(v == 0 for v in sender.counters().values()), sender.counters()
 
 
 def test_read_failure_is_reported_to_prefill_and_blocks_invalidated(pair) -> None:

@@ -12,7 +12,7 @@ from typing import Any
 import msgpack
 
 from rd2h.domain.errors import ProtocolError
-from rd2h.domain.protocol import Message, fields_of, message_from_fields
+from rd2h.domain.protocol import ACK, Message, fields_of, message_from_fields
 
 DEFAULT_MAX_FRAME_BYTES = 64 * 1024 * 1024
 DEFAULT_MAX_ITEMS = 4 * 1024 * 1024
@@ -40,6 +40,14 @@ class MsgpackCodec:
     # -- encode
     def encode(self, message: Message) -> bytes:
         return self._pack(fields_of(message, encode_nested_metadata=self._pack))
+
+    @staticmethod
+    def encode_ack() -> bytes:
+        return ACK
+
+    @staticmethod
+    def is_ack(frame: bytes) -> bool:
+        return bytes(frame) == ACK
 
     @staticmethod
     def _pack(value: Any) -> bytes:

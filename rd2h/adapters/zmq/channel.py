@@ -4,16 +4,28 @@ Prefill sends one frame holding the encoded tuple. The ROUTER sees
 ``[identity, payload]``, possibly with empty delimiter frames, which are
 dropped. Decode replies ``[identity, b"", payload]``; Prefill drops empty
 frames. Sockets are not thread-safe: each object is used by one thread.
+
+Liveness: ZMTP heartbeats (``HEARTBEAT_IVL`` / ``HEARTBEAT_TIMEOUT`` /
+``HEARTBEAT_TTL``) close a connection whose peer went silent, and a socket
+monitor reports every closed connection (``EVENT_DISCONNECTED``). On Prefill
+each DEALER has its own monitor, so a loss names the Decode endpoint. On Decode
+the ROUTER's monitor names a file descriptor; each message's source descriptor
+(``SRCFD``) maps it to the peer identity the receiver knows.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import time
 
 import zmq
+from zmq.utils.monitor import parse_monitor_message
 
 from rd2h.domain.errors import Rd2hError
+
+DEFAULT_HEARTBEAT_IVL_S = 1.0
+DEFAULT_HEARTBEAT_TIMEOUT_S = 5.0
 
 
 class BindError(Rd2hError):
@@ -30,6 +42,44 @@ def _non_empty(frames: list[bytes]) -> list[bytes]:
     return [f for f in frames if f]
 
 
+def _set_heartbeat(sock: zmq.Socket, ivl_s: float, timeout_s: float) -> None:
+    """Ping every ``ivl_s``; drop the connection when nothing came back within
+    ``timeout_s`` (and ask the peer to do the same: TTL). ``ivl_s`` 0 disables."""
+    if ivl_s <= 0:
+        return
+    if timeout_s <= ivl_s:
+        raise ValueError(f"heartbeat timeout {timeout_s:g} s must exceed the interval {ivl_s:g} s")
+    sock.setsockopt(zmq.HEARTBEAT_IVL, max(1, int(ivl_s * 1000)))
+    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, max(1, int(timeout_s * 1000)))
+    sock.setsockopt(zmq.HEARTBEAT_TTL, min(6_553_500, max(100, int(timeout_s * 1000))))
+
+
+def _monitor_events(monitor: zmq.Socket) -> list[tuple[int, int]]:
+    """Every queued ``(event, value)`` of a monitor socket, without blocking."""
+    out = []
+    while True:
+        try:
+            frames = monitor.recv_multipart(zmq.NOBLOCK)
+        except zmq.Again:
+            return out
+        event = parse_monitor_message(frames)
+        out.append((int(event["event"]), int(event["value"])))
+
+
+def _close_monitor(sock: zmq.Socket, monitor: zmq.Socket) -> None:
+    with contextlib.suppress(zmq.ZMQError):
+        sock.disable_monitor()
+    monitor.close(0)
+
+
+def _source_fd(frame: zmq.Frame) -> int | None:
+    try:
+        fd = frame.get(zmq.SRCFD)
+    except (zmq.ZMQError, AttributeError, TypeError):
+        return None
+    return fd if isinstance(fd, int) and fd >= 0 else None
+
+
 class ZmqControlServer:
     """A bound ROUTER socket. Binding happens in the constructor so that a port
     clash is reported to the caller at once."""
@@ -40,13 +90,25 @@ class ZmqControlServer:
         port: int,
         *,
         max_frame_bytes: int = 64 * 1024 * 1024,
+        heartbeat_ivl_s: float = DEFAULT_HEARTBEAT_IVL_S,
+        heartbeat_timeout_s: float = DEFAULT_HEARTBEAT_TIMEOUT_S,
         context: zmq.Context | None = None,
     ) -> None:
+        if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535:
+            raise BindError(
+                f"cannot bind decode control socket on {host!r}: port {port!r} is outside "
+                "1..65535 (check kv_port, global_dp_rank and tp_size)"
+            )
         self._ctx = context or zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes)
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        try:
+            _set_heartbeat(self._sock, heartbeat_ivl_s, heartbeat_timeout_s)
+        except ValueError:
+            self._sock.close(0)
+            raise
         if ":" in host:
             self._sock.setsockopt(zmq.IPV6, 1)
         self._endpoint = tcp_endpoint(host, port)
@@ -55,29 +117,73 @@ class ZmqControlServer:
         except zmq.ZMQError as exc:
             self._sock.close(0)
             raise BindError(f"cannot bind decode control socket {self._endpoint}: {exc}") from exc
+        self._monitor = self._sock.get_monitor_socket(
+            zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED
+        )
         self._poller = zmq.Poller()
         self._poller.register(self._sock, zmq.POLLIN)
+        self._poller.register(self._monitor, zmq.POLLIN)
+        self._peer_of_fd: dict[int, bytes] = {}
+        self._lost: list[bytes] = []
 
     @property
     def endpoint(self) -> str:
         return self._endpoint
 
+    def _drain_monitor(self) -> set[int]:
+        """Apply queued connection events in order; the descriptors that closed (and
+        were not accepted again since). Known peers on them are queued as lost."""
+        gone: set[int] = set()
+        for event, fd in _monitor_events(self._monitor):
+            if event == zmq.EVENT_DISCONNECTED:
+                gone.add(fd)
+                identity = self._peer_of_fd.pop(fd, None)
+                if identity is not None:
+                    self._lost.append(identity)
+            elif event == zmq.EVENT_ACCEPTED:
+                gone.discard(fd)
+                self._peer_of_fd.pop(fd, None)  # a reused descriptor: the mapping is stale
+        return gone
+
     def recv(self, timeout: float) -> tuple[bytes, bytes] | None:
+        deadline = time.monotonic() + max(0.0, timeout)
         while True:
-            if not self._poller.poll(max(0, int(timeout * 1000))):
-                return None
-            frames = self._sock.recv_multipart(zmq.NOBLOCK)
-            if len(frames) < 2:
-                timeout = 0
+            self._drain_monitor()
+            if self._lost:
+                return None  # let the caller handle the loss at once
+            wait_ms = max(0, int((deadline - time.monotonic()) * 1000))
+            events = dict(self._poller.poll(wait_ms))
+            if self._sock not in events:
+                if not events:
+                    return None
+                continue  # connection events only: apply them and keep waiting
+            try:
+                frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
                 continue
-            identity, rest = frames[0], _non_empty(frames[1:])
+            # Events queued before this message (a closed or reused descriptor) first.
+            gone = self._drain_monitor()
+            if len(frames) < 2:
+                continue
+            identity = frames[0].bytes
+            rest = _non_empty([f.bytes for f in frames[1:]])
+            fd = _source_fd(frames[-1])
+            if fd is not None:
+                if fd in gone:  # sent just before its connection closed
+                    self._lost.append(identity)
+                else:
+                    self._peer_of_fd[fd] = identity
             if not rest:
-                timeout = 0
                 continue
             # Exactly one payload frame is the contract; extra frames make it
             # malformed, which the decoder reports (we pass the joined bytes on).
             payload = rest[0] if len(rest) == 1 else b"".join(rest)
             return identity, payload
+
+    def disconnected(self) -> list[bytes]:
+        self._drain_monitor()  # also losses that happened since the last ``recv``
+        lost, self._lost = list(dict.fromkeys(self._lost)), []
+        return lost
 
     def send(self, identity: bytes, payload: bytes) -> bool:
         """Reply to ``identity``; False if it cannot be delivered (peer gone, queue full).
@@ -90,16 +196,30 @@ class ZmqControlServer:
 
     def close(self) -> None:
         if not self._sock.closed:
+            _close_monitor(self._sock, self._monitor)
             self._sock.close(0)
 
 
 class ZmqControlClients:
     """DEALER sockets, one per Decode endpoint, polled together."""
 
-    def __init__(self, *, context: zmq.Context | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        heartbeat_ivl_s: float = DEFAULT_HEARTBEAT_IVL_S,
+        heartbeat_timeout_s: float = DEFAULT_HEARTBEAT_TIMEOUT_S,
+        context: zmq.Context | None = None,
+    ) -> None:
+        if heartbeat_ivl_s > 0 and heartbeat_timeout_s <= heartbeat_ivl_s:
+            raise ValueError(f"heartbeat timeout {heartbeat_timeout_s:g} s must exceed the "
+                             f"interval {heartbeat_ivl_s:g} s")
         self._ctx = context or zmq.Context.instance()
+        self._heartbeat = (heartbeat_ivl_s, heartbeat_timeout_s)
         self._by_endpoint: dict[str, zmq.Socket] = {}
         self._by_socket: dict[zmq.Socket, str] = {}
+        self._monitor_of: dict[zmq.Socket, zmq.Socket] = {}
+        self._by_monitor: dict[zmq.Socket, str] = {}
+        self._lost: list[str] = []
         self._poller = zmq.Poller()
         # Self-pipe: wake() interrupts a poll from any thread (e.g. a new task queued).
         self._wake_r, self._wake_w = os.pipe()
@@ -115,10 +235,16 @@ class ZmqControlClients:
         sock.setsockopt(zmq.IMMEDIATE, 1)
         if endpoint.startswith("tcp://["):
             sock.setsockopt(zmq.IPV6, 1)
+        _set_heartbeat(sock, *self._heartbeat)
+        # One monitor per DEALER: a closed connection names its endpoint.
+        monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         sock.connect(endpoint)
         self._by_endpoint[endpoint] = sock
         self._by_socket[sock] = endpoint
+        self._monitor_of[sock] = monitor
+        self._by_monitor[monitor] = endpoint
         self._poller.register(sock, zmq.POLLIN)
+        self._poller.register(monitor, zmq.POLLIN)
 
     def disconnect(self, endpoint: str) -> None:
         sock = self._by_endpoint.pop(endpoint, None)
@@ -126,7 +252,13 @@ class ZmqControlClients:
             return
         self._by_socket.pop(sock, None)
         self._poller.unregister(sock)
+        monitor = self._monitor_of.pop(sock)
+        self._by_monitor.pop(monitor, None)
+        self._poller.unregister(monitor)
+        _close_monitor(sock, monitor)
         sock.close(0)
+        # A loss seen before must not fail work sent over a later connection.
+        self._lost = [ep for ep in self._lost if ep != endpoint]
 
     def send(self, endpoint: str, payload: bytes, timeout: float = 5.0) -> None:
         """Queue one frame; waits at most ``timeout`` for the connection to exist."""
@@ -159,8 +291,13 @@ class ZmqControlClients:
                     pass
             except BlockingIOError:
                 pass
-        for sock in list(events):
-            if not isinstance(sock, zmq.Socket):
+        # Losses first: a reply that arrived before its connection closed is already
+        # queued on the DEALER, so reading the sockets afterwards returns it too.
+        for monitor, endpoint in self._by_monitor.items():
+            if any(ev == zmq.EVENT_DISCONNECTED for ev, _ in _monitor_events(monitor)):
+                self._lost.append(endpoint)
+        for sock in self._by_socket:
+            if sock not in events and not self._lost:
                 continue
             endpoint = self._by_socket.get(sock)
             if endpoint is None:
@@ -173,6 +310,10 @@ class ZmqControlClients:
                 for frame in _non_empty(frames):
                     out.append((endpoint, frame))
         return out
+
+    def disconnected(self) -> list[str]:
+        lost, self._lost = list(dict.fromkeys(self._lost)), []
+        return lost
 
     def close(self) -> None:
         for endpoint in list(self._by_endpoint):

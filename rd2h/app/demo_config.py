@@ -1,0 +1,151 @@
+"""``rd2h demo``'s configuration and the facts every demo process shares: names,
+chunk bounds, the layout of the shared main pool, and byte verification."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from rd2h.app.faults import Fault, check_faults
+from rd2h.app.settings import Deadlines
+from rd2h.app.synthetic import Allocation, Shapes, block_pattern
+from rd2h.domain.topology import check_topology
+
+ENGINE_SUFFIX = "-e0000001"  # vLLM appends 9 characters to request ids
+SENTINEL = 0xEE  # destination bytes before any pull
+STEP_INTERVAL_S = 0.05  # longest pause between Decode worker steps
+
+# DemoConfig field -> Deadlines field it overrides (None keeps the library default)
+DEADLINE_FLAGS = {
+    "request_timeout_s": ("request_s", "--request-timeout"),
+    "layer_ack_timeout_s": ("layer_ack_s", "--layer-ack-timeout"),
+    "meta_ack_timeout_s": ("meta_ack_s", "--meta-ack-timeout"),
+    "exchange_timeout_s": ("tp_exchange_s", "--exchange-timeout"),
+}
+
+
+@dataclass(frozen=True)
+class DemoConfig:
+    prefill_tp: int = 4
+    decode_tp: int = 2
+    layers: int = 8
+    requests: int = 8
+    prompt_tokens: int = 8000
+    block_size: int = 128
+    chunks: int = 2
+    shared_buffers: int = 0
+    via_provider: bool = False  # Prefill drives rd2h's connector worker (rd2h.app.demo_provider)
+    indexer: bool = True
+    scale: bool = True
+    transport: str = "cma"
+    cma_threads: int = 1
+    mooncake_protocol: str = "tcp"
+    host: str = "127.0.0.1"  # Decode's address
+    prefill_host: str = "127.0.0.1"
+    netns: bool = False  # Prefill and Decode in two network namespaces (veth pair)
+    prefill_netns: str = ""  # set by run_demo when namespaces are in use
+    decode_netns: str = ""
+    kv_port: int = 0
+    seed: int = 0
+    timeout_s: float = 300.0
+    replay: bool = True
+    log_level: str = "WARNING"
+    faults: tuple[Fault, ...] = ()
+    request_timeout_s: float | None = None
+    layer_ack_timeout_s: float | None = None
+    meta_ack_timeout_s: float | None = None
+    exchange_timeout_s: float | None = None
+
+    def validate(self) -> None:
+        check_topology(self.prefill_tp, self.decode_tp)
+        for name in ("layers", "requests", "prompt_tokens", "block_size", "chunks"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+        if self.block_size % 2:
+            raise ValueError("--block-size must be even (the LIC8 scale block is 4 B/token)")
+        if self.shared_buffers < 0 or self.shared_buffers > self.layers:
+            raise ValueError("--shared-buffers must be between 0 (off) and --layers")
+        if self.scale and not self.indexer:
+            raise ValueError("the LIC8 scale needs the indexer (add --no-scale)")
+        if self.transport not in ("cma", "mooncake"):
+            raise ValueError(
+                f"--transport {self.transport!r}: the multi-process demo runs on 'cma' or "
+                "'mooncake' ('inproc' only connects peers inside one process)"
+            )
+        if self.chunks > -(-self.prompt_tokens // self.block_size):
+            raise ValueError("--chunks must not exceed the number of blocks of a prompt")
+        if self.timeout_s <= 0:
+            raise ValueError("--timeout must be > 0")
+        for name, (_, flag) in DEADLINE_FLAGS.items():
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"{flag} must be > 0 seconds, got {value:g}")
+        check_faults(self.faults, layers=self.layers, prefill_tp=self.prefill_tp,
+                     decode_tp=self.decode_tp)
+
+    def deadlines(self) -> Deadlines:
+        """The library defaults with this run's overrides."""
+        values = Deadlines().model_dump()
+        for name, (field, _) in DEADLINE_FLAGS.items():
+            if getattr(self, name) is not None:
+                values[field] = getattr(self, name)
+        return Deadlines(**values)
+
+    @property
+    def shapes(self) -> Shapes:
+        return Shapes(block_size=self.block_size, indexer=self.indexer, scale=self.scale)
+
+
+def layer_name(layer: int) -> str:
+    return f"model.layers.{layer}.self_attn"
+
+
+def internal_id(request: int) -> str:
+    return f"req-{request:05d}{ENGINE_SUFFIX}"
+
+
+def chunk_bounds(cfg: DemoConfig) -> list[int]:
+    """Computed-token counts after each chunk (the last is the whole prompt)."""
+    step = -(-cfg.prompt_tokens // cfg.chunks)
+    return [min(cfg.prompt_tokens, step * (i + 1)) for i in range(cfg.chunks)]
+
+
+def main_pool_offsets(cfg: DemoConfig, alloc: Allocation, layer: int) -> tuple[int, int]:
+    """Byte offsets of layer ``layer``'s K and V regions inside the shared main pool."""
+    shapes = cfg.shapes
+    k, v = shapes.bytes_per_block("main_k"), shapes.bytes_per_block("main_v")
+    per_layer = alloc.d_pool_blocks * (k + v)
+    return layer * per_layer, layer * per_layer + alloc.d_pool_blocks * k
+
+
+def main_pool_bytes(cfg: DemoConfig, alloc: Allocation) -> int:
+    shapes = cfg.shapes
+    per = shapes.bytes_per_block("main_k") + shapes.bytes_per_block("main_v")
+    return cfg.layers * alloc.d_pool_blocks * per
+
+
+def main_pool_mismatches(
+    cfg: DemoConfig, alloc: Allocation, pool: np.ndarray, requests: list[int] | None = None
+) -> dict[int, int]:
+    """Per request: main K/V blocks in the shared pool that differ from what Prefill
+    computed (all requests, or ``requests``)."""
+    shapes = cfg.shapes
+    which = range(cfg.requests) if requests is None else requests
+    bad = dict.fromkeys(which, 0)
+    blocks = np.arange(alloc.blocks_per_request)
+    for layer in range(cfg.layers):
+        k_off, v_off = main_pool_offsets(cfg, alloc, layer)
+        for c, off in (("main_k", k_off), ("main_v", v_off)):
+            bpb = shapes.bytes_per_block(c)
+            view = pool[off : off + alloc.d_pool_blocks * bpb].reshape(alloc.d_pool_blocks, bpb)
+            for r in bad:
+                got = view[np.asarray(alloc.d_main_blocks[r], dtype=np.int64)]
+                want = block_pattern(r, layer, c, blocks, bpb)
+                bad[r] += int((got != want).any(axis=1).sum())
+    return bad
+
+
+def verify_main_pool(cfg: DemoConfig, alloc: Allocation, pool: np.ndarray) -> int:
+    """Count main K/V blocks in the shared pool that differ from what Prefill computed."""
+    return sum(main_pool_mismatches(cfg, alloc, pool).values())

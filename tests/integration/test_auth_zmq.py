@@ -1,0 +1,256 @@
+"""Shared-secret authentication end to end over real ZeroMQ sockets.
+
+Matching secrets: transfers work. A missing or different secret on either side: the
+peer is refused with a message that says so, on both sides, and no byte moves.
+Every wait has a short deadline; a refusal never waits out more than one of them.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import pytest
+import zmq
+from control_rig import (
+    HOST,
+    WAIT,
+    DecodeSide,
+    PrefillSide,
+    RecordingLogger,
+    Transfer,
+    assert_landed,
+    assert_untouched,
+    internal,
+    layer_name,
+    make_prefill,
+    recv_frames,
+    run_transfer,
+    start_decode,
+    start_sender,
+    step,
+    targets,
+)
+
+from rd2h.adapters.msgpack import AuthenticatedCodec, MsgpackCodec
+from rd2h.app.container import build_container
+from rd2h.app.prefill import PrefillSender
+from rd2h.app.settings import Rd2hSettings
+from rd2h.domain.errors import LayerSendError
+from rd2h.domain.protocol import MfMeta, ReadDone, ReadFailed, ReadReadyBatch, ReadRequest
+from rd2h.ports.codec import WireCodec
+
+pytestmark = pytest.mark.integration
+
+SECRET = "shared-secret-for-the-auth-tests"
+PLAIN = MsgpackCodec()
+SIGNED = AuthenticatedCodec(PLAIN, SECRET.encode())
+OTHER = AuthenticatedCodec(PLAIN, b"some-other-secret-of-length")
+SHORT = 0.5  # deadline where a test expects the wait to run out
+LAYERS = (0, 1)
+NOTHING = {"main": (), "indexer": ()}
+
+
+class Rig:
+    def __init__(self) -> None:
+        self._close: list = []
+
+    def prefill(self) -> PrefillSide:
+        p = make_prefill(LAYERS, seed=3)
+        self._close.append(p.engine.close)
+        return p
+
+    def decode(self, codec: WireCodec) -> DecodeSide:
+        d = start_decode(LAYERS, codec)
+        self._close.append(d.stop)
+        return d
+
+    def sender(
+        self, p: PrefillSide, codec: WireCodec, log: RecordingLogger | None = None,
+        **timeouts: float,
+    ) -> PrefillSender:
+        s = start_sender(p, codec, log, **timeouts)
+        self._close.append(lambda: s.stop(2.0))
+        return s
+
+    def dealer(self, endpoint: str) -> zmq.Socket:
+        sock = zmq.Context.instance().socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(endpoint)
+        self._close.append(lambda: sock.close(0))
+        return sock
+
+    def router(self) -> tuple[zmq.Socket, str]:
+        sock = zmq.Context.instance().socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        port = sock.bind_to_random_port(f"tcp://{HOST}")
+        self._close.append(lambda: sock.close(0))
+        return sock, f"tcp://{HOST}:{port}"
+
+    def close(self) -> None:
+        for fn in reversed(self._close):
+            fn()
+
+
+@pytest.fixture
+def rig() -> Iterator[Rig]:
+    r = Rig()
+    try:
+        yield r
+    finally:
+        r.close()
+
+
+REQ = Transfer("req-auth", (5, 1, 6), (2, 7, 0), (9, 3, 4), (0, 7, 2))
+
+
+def announce_all(sender: PrefillSender, d: DecodeSide, t: Transfer) -> list[LayerSendError]:
+    """Announce every layer of ``t`` in one chunk; the errors the layers ended with."""
+    errors = []
+    for layer in LAYERS:
+        done = [t.ext] if layer == LAYERS[-1] else []
+        sender.submit(layer, None, targets(d.endpoint, [t.read(0, len(t.p_main))], done))
+    for layer in LAYERS:
+        try:
+            sender.wait_for_layer_send(layer, WAIT)
+        except LayerSendError as exc:
+            errors.append(exc)
+    return errors
+
+
+# ====================================================================== matching secrets
+
+
+def test_matching_secrets_transfer_and_verify(rig: Rig) -> None:
+    # Prefill's codec comes from the settings, as in production.
+    p_codec = build_container(Rd2hSettings(role="prefill", auth_secret=SECRET)).codec()
+    p = rig.prefill()
+    d = rig.decode(SIGNED)
+    sender = rig.sender(p, p_codec)
+    out = run_transfer(p, d, sender, REQ, [(0, 2), (2, 3)])
+    assert out.finished == {internal(REQ.ext)} and out.failed == frozenset()
+    assert_landed(p, d, REQ)
+    assert_untouched(d, {"main": REQ.d_main, "indexer": REQ.d_idx})
+    assert d.receiver.stats.auth_refused == 0
+    assert d.receiver.stats.layers_done == 4
+
+
+# ====================================================================== Decode holds a secret
+
+
+def test_decode_with_secret_refuses_prefill_without_one(rig: Rig) -> None:
+    p = rig.prefill()
+    d = rig.decode(SIGNED)
+    sender = rig.sender(p, PLAIN, meta_ack_timeout_s=SHORT)
+    d.receiver.admit(internal(REQ.ext), REQ.d_main, REQ.d_idx)
+    t0 = time.monotonic()
+    errors = announce_all(sender, d, REQ)
+    assert time.monotonic() - t0 < SHORT + 2.0
+    assert len(errors) == 2
+    assert "no MF_META acknowledgement" in str(errors[0]) and "auth_secret" in str(errors[0])
+    # Decode says why, stored nothing, read nothing and failed nothing.
+    refusals = [line for line in d.log.lines("error") if "refusing unauthenticated" in line]
+    assert refusals and "not signed" in refusals[0]
+    assert d.receiver.stats.auth_refused >= 1
+    assert d.receiver.counters()["peers"] == 0
+    assert d.receiver.stats.bytes_read == 0
+    assert_untouched(d, NOTHING)
+    assert step(d.receiver).failed == frozenset()
+    assert d.receiver.counters()["admitted"] == 1
+
+
+def test_unsigned_ready_batch_gets_read_failed_naming_authentication_and_changes_nothing(
+    rig: Rig,
+) -> None:
+    """A peer without the secret, skipping MF_META, names an admitted request: it is told
+    READ_FAILED (authentication), the request is not failed, and the real Prefill's
+    signed transfer of the same request still succeeds."""
+    p = rig.prefill()
+    d = rig.decode(SIGNED)
+    d.receiver.admit(internal(REQ.ext), REQ.d_main, REQ.d_idx)
+    intruder = rig.dealer(d.endpoint)
+    read = REQ.read(0, 3)
+    for codec in (PLAIN, OTHER):
+        intruder.send(codec.encode(p.meta()))  # no ACK for either
+        intruder.send(codec.encode(ReadReadyBatch(7, layer_name(0), (read,), (REQ.ext,))))
+        (reply,) = recv_frames(intruder)
+        msg = PLAIN.decode(reply)  # readable without the secret (appended field ignored)
+        assert isinstance(msg, ReadFailed) and msg.layer_idx == 7
+        assert "authentication failed" in msg.error and "auth_secret" in msg.error
+    assert not intruder.poll(100)  # and nothing else (no ACK)
+    assert d.receiver.stats.auth_refused == 4
+    assert_untouched(d, NOTHING)
+    assert step(d.receiver).failed == frozenset()
+
+    sender = rig.sender(p, SIGNED)
+    out = run_transfer(p, d, sender, REQ, [(0, 3)])
+    assert out.failed == frozenset() and internal(REQ.ext) in out.finished
+    assert_landed(p, d, REQ)
+
+
+def test_different_secrets_are_refused_on_both_sides(rig: Rig) -> None:
+    p = rig.prefill()
+    d = rig.decode(SIGNED)
+    sender = rig.sender(p, OTHER, meta_ack_timeout_s=SHORT)
+    errors = sender.prepare([d.endpoint], WAIT)
+    assert "no MF_META acknowledgement" in errors[d.endpoint]
+    refusals = [line for line in d.log.lines("error") if "refusing unauthenticated" in line]
+    assert refusals and "does not match" in refusals[0]
+    d.receiver.admit(internal(REQ.ext), REQ.d_main, REQ.d_idx)
+    assert len(announce_all(sender, d, REQ)) == 2
+    assert d.receiver.stats.bytes_read == 0
+    assert_untouched(d, NOTHING)
+
+
+# ====================================================================== Prefill holds a secret
+
+
+def test_prefill_with_secret_refuses_decode_without_one_at_once(rig: Rig) -> None:
+    p = rig.prefill()
+    d = rig.decode(PLAIN)
+    sender = rig.sender(p, SIGNED, meta_ack_timeout_s=WAIT)
+    t0 = time.monotonic()
+    errors = sender.prepare([d.endpoint], WAIT)
+    assert time.monotonic() - t0 < 2.0  # refused on the ACK, not by the deadline
+    assert "refused" in errors[d.endpoint] and "not signed" in errors[d.endpoint]
+    assert "auth_secret" in errors[d.endpoint]
+    # Its announcements fail with the same reason; no READ_READY ever reaches Decode.
+    d.receiver.admit(internal(REQ.ext), REQ.d_main, REQ.d_idx)
+    errors_ = announce_all(sender, d, REQ)
+    assert len(errors_) == 2 and all("not signed" in str(e) for e in errors_)
+    assert d.receiver.stats.layers_done == 0 and d.receiver.stats.layers_failed == 0
+    assert d.receiver.stats.bytes_read == 0
+    assert_untouched(d, NOTHING)
+
+
+def test_prefill_drops_unsigned_replies(rig: Rig) -> None:
+    """A fake Decode that signs its ACK but then answers READ_DONE unsigned: the reply is
+    dropped (logged), so the layer ends by its deadline, not as acknowledged."""
+    router, endpoint = rig.router()
+    p = rig.prefill()
+    log = RecordingLogger(role="prefill")
+    sender = rig.sender(p, SIGNED, log, layer_ack_timeout_s=SHORT, meta_ack_timeout_s=SHORT)
+    sender.submit(0, None, targets(endpoint, [ReadRequest("r", (1,), (1,))]))
+    frames = router.recv_multipart()
+    identity = frames[0]
+    router.send_multipart([identity, b"", SIGNED.encode_ack()])
+    frames = recv_frames(router)
+    batch = SIGNED.decode(frames[-1])
+    assert isinstance(batch, ReadReadyBatch) and batch.layer_idx == 0
+    router.send_multipart([identity, b"", PLAIN.encode(ReadDone(0))])
+    with pytest.raises(LayerSendError, match="no acknowledgement"):
+        sender.wait_for_layer_send(0, WAIT)
+    assert any("not signed" in line for line in log.lines("warning")), log.lines()
+    # a signed reply for the next announcement is accepted (after a new handshake, if
+    # the sender started one)
+    sender.submit(0, None, targets(endpoint, [ReadRequest("r", (1,), (1,))]))
+    while True:
+        frames = recv_frames(router)
+        msg = SIGNED.decode(frames[-1])
+        if isinstance(msg, MfMeta):
+            router.send_multipart([frames[0], b"", SIGNED.encode_ack()])
+            continue
+        assert isinstance(msg, ReadReadyBatch)
+        break
+    router.send_multipart([frames[0], b"", SIGNED.encode(ReadDone(0))])
+    sender.wait_for_layer_send(0, WAIT)

@@ -1,0 +1,418 @@
+"""Liveness and deadline logic, without sockets: the pure state (gates, per-peer
+contributions, orphan expiry) and the Prefill sender / Decode receiver driven through
+in-memory control channels that report lost connections like the ZMQ adapter does.
+Every wait has a deadline; nothing sleeps for a fixed time."""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+
+from rd2h.adapters.inproc import InprocTransferEngine
+from rd2h.adapters.logging import make_logger
+from rd2h.adapters.msgpack import MsgpackCodec
+from rd2h.adapters.torch.exchange import InMemoryExchangeGroup
+from rd2h.app.clock import MonotonicClock
+from rd2h.app.decode import DecodeReceiver
+from rd2h.app.prefill import LayerTarget, PrefillSender
+from rd2h.domain.completion import DecodeRequestBook, PeerContributions, StorageSlotGates
+from rd2h.domain.errors import LayerSendError
+from rd2h.domain.layout import DestinationLayout, DestTensor, SourceLayout, TensorComponent
+from rd2h.domain.protocol import (
+    ACK,
+    MfMeta,
+    ReadDone,
+    ReadFailed,
+    ReadReadyBatch,
+    ReadRequest,
+)
+
+CODEC = MsgpackCodec()
+WAIT = 5.0
+X9 = "X" * 9  # vLLM's engine suffix stand-in
+
+
+def wait_until(pred: Callable[[], bool], timeout: float = WAIT) -> None:
+    deadline = time.monotonic() + timeout
+    pause = threading.Event()
+    while not pred():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"condition not met within {timeout:g} s")
+        pause.wait(0.005)
+
+
+# ====================================================================== pure state
+
+
+def test_fail_endpoint_fails_only_the_layers_waiting_on_it() -> None:
+    gates = StorageSlotGates()
+    for layer in range(3):
+        gates.register_layer(layer, (1000 * (layer + 1),))
+    gates.announce(0, ["A", "B"])
+    gates.announce(1, ["A", "A"])  # two announcements (chunks) to A
+    gates.announce(2, ["B"])
+    epochs = [gates.epoch(n) for n in range(3)]
+    assert gates.is_pending(1, "A") and not gates.is_pending(1, "B")
+    assert gates.fail_endpoint("A", "A is gone") == [0, 1]
+    # Layer 1 waited on A only: open, failed. Layer 0 still waits on B: closed, failed.
+    assert gates.state(1).open and gates.state(1).error == "A is gone"
+    assert not gates.state(0).open and gates.state(0).error == "A is gone"
+    assert gates.state(0).waiting_on == ("B",)
+    assert gates.state(2).open is False and gates.state(2).error is None
+    assert [gates.epoch(n) for n in range(3)] == [epochs[0], epochs[1] + 1, epochs[2]]
+    assert gates.fail_endpoint("A", "again") == []  # nothing left on A
+    assert gates.acknowledge(0, "B") and gates.acknowledge(2, "B")
+    assert gates.pending_layers == () and gates.closed_slots == 0
+
+
+def test_peer_contributions_index_both_ways() -> None:
+    pc = PeerContributions()
+    pc.note("p1", ["a", "b"])
+    pc.note("p2", ["b"])
+    assert len(pc) == 3 and pc.peers == 2
+    pc.done("p1", ["a"])
+    pc.discard_request("b")
+    assert len(pc) == 0 and pc.peers == 0
+    pc.note("p1", ["c"])
+    assert pc.take_peer("p1") == {"c"} and pc.take_peer("p1") == set()
+    assert len(pc) == 0
+
+
+def _step(*books: DecodeRequestBook, now: float = 0.0):
+    reports = [b.local_report() for b in books]
+    return [b.finish_step(reports, (), now=now) for b in books]
+
+
+def test_lost_peer_fails_exactly_the_requests_it_was_still_contributing_to() -> None:
+    book = DecodeRequestBook()
+    for name, blocks in (("a", [1]), ("b", [2]), ("c", [3]), ("d", [4])):
+        book.admit(name + X9, blocks, [10 + blocks[0]], now=0.0)
+    book.note_contribution("p1", ["a", "b", "ghost"])  # "ghost" is not admitted: ignored
+    book.note_contribution("p2", ["b", "c"])
+    assert book.record_done(["a"], 0, 1, peer="p1") == ["a"]  # p1 finished a
+    assert book.fail_peer("p1", "p1 gone", now=1.0) == ["b"]
+    assert book.fail_peer("p2", "p2 gone", now=1.0) == ["c"]  # b already failed
+    assert book.fail_peer("p3", "never seen", now=1.0) == []  # d never heard: deadline
+    (out,) = _step(book)
+    assert out.finished == {"a" + X9, "b" + X9, "c" + X9}
+    assert out.failed == {"b" + X9, "c" + X9}
+    assert out.reasons == {"b" + X9: "p1 gone", "c" + X9: "p2 gone"}
+    assert out.invalid_block_ids == {2, 12, 3, 13}
+    assert book.expire(now=200.0, timeout=120.0) == ["d"]
+    (out,) = _step(book)
+    assert out.failed == {"d" + X9} and "within 120 s" in out.reasons["d" + X9]
+    assert all(v == 0 for v in book.counters().values()), book.counters()
+
+
+def test_lost_member_of_a_contributor_group_fails_the_request() -> None:
+    book = DecodeRequestBook()
+    book.admit("r" + X9, [1], [2], now=0.0)
+    book.note_contribution("member0", ["r"])
+    book.note_contribution("member1", ["r"])
+    assert book.record_done(["r"], 0, 2, peer="member0") == []  # waits for member 1
+    assert book.fail_peer("member0", "gone", now=1.0) == []  # its part was complete
+    assert book.fail_peer("member1", "member 1 gone", now=1.0) == ["r"]
+    (out,) = _step(book)
+    assert out.failed == {"r" + X9} and out.reasons["r" + X9] == "member 1 gone"
+    assert all(v == 0 for v in book.counters().values())
+
+
+def test_failure_learned_from_another_rank_for_an_unknown_request_expires() -> None:
+    """A late announcement for a request both ranks already forgot: rank 0 fails it;
+    rank 1 learns that in the exchange. Neither may keep that state forever."""
+    r0, r1 = DecodeRequestBook(), DecodeRequestBook()
+    r0.record_failed(["late"], "unknown request", now=0.0)
+    _step(r0, r1, now=0.0)
+    _step(r0, r1, now=0.1)
+    assert r1.counters()["orphans"] == 1
+    for book in (r0, r1):
+        book.expire(now=10.0, timeout=5.0)
+        assert all(v == 0 for v in book.counters().values()), book.counters()
+
+
+# ====================================================================== Prefill sender
+
+
+class FakeClients:
+    """Acknowledges MF_META at once; replies to ready messages only when the test says
+    so; reports lost endpoints like the ZMQ monitor does."""
+
+    def __init__(self) -> None:
+        self.replies: queue.Queue[tuple[str, bytes]] = queue.Queue()
+        self.ready: queue.Queue[tuple[str, ReadReadyBatch]] = queue.Queue()
+        self.metas: list[str] = []
+        self.disconnects: list[str] = []
+        self._lost: list[str] = []
+        self._lock = threading.Lock()
+
+    def connect(self, endpoint: str) -> None:
+        pass
+
+    def disconnect(self, endpoint: str) -> None:
+        with self._lock:
+            self.disconnects.append(endpoint)
+
+    def send(self, endpoint: str, payload: bytes, timeout: float = 5.0) -> None:
+        msg = CODEC.decode(payload)
+        if isinstance(msg, MfMeta):
+            self.metas.append(endpoint)
+            self.replies.put((endpoint, ACK))
+        else:
+            assert isinstance(msg, ReadReadyBatch)
+            self.ready.put((endpoint, msg))
+
+    def poll(self, timeout: float) -> list[tuple[str, bytes]]:
+        try:
+            out = [self.replies.get(timeout=timeout)]
+        except queue.Empty:
+            return []
+        while True:
+            try:
+                out.append(self.replies.get_nowait())
+            except queue.Empty:
+                return [(ep, p) for ep, p in out if p]
+
+    def disconnected(self) -> list[str]:
+        with self._lock:
+            lost, self._lost = self._lost, []
+        return lost
+
+    def lose(self, endpoint: str) -> None:
+        with self._lock:
+            self._lost.append(endpoint)
+        self.wake()
+
+    def reply(self, endpoint: str, message: ReadDone | ReadFailed) -> None:
+        self.replies.put((endpoint, CODEC.encode(message)))
+
+    def wake(self) -> None:
+        self.replies.put(("", b""))
+
+    def close(self) -> None:
+        pass
+
+
+class NeverEvent:
+    def wait(self, timeout: float) -> bool:
+        threading.Event().wait(min(timeout, 0.01))
+        return False
+
+
+def _sender(clients: FakeClients, layers: int = 2, **deadlines: float) -> PrefillSender:
+    srcs = {n: SourceLayout(f"model.layers.{n}.attn", (TensorComponent(4096 * (n + 1), 64, 1),))
+            for n in range(layers)}
+    sender = PrefillSender(
+        clients_factory=lambda: clients, codec=CODEC, p_session="s", layers=srcs,
+        clock=MonotonicClock(), log=make_logger("prefill", 0), **deadlines,
+    )
+    sender.start()
+    return sender
+
+
+REQ = ReadRequest("r", (0,), (0,), 0, 0)
+
+
+def _target(endpoint: str) -> list[LayerTarget]:
+    return [LayerTarget(endpoint, REQ, False, 0, 1)]
+
+
+def _clean(sender: PrefillSender) -> bool:
+    return sender.drain(WAIT) and all(v == 0 for v in sender.counters().values())
+
+
+def test_lost_endpoint_fails_its_pending_layers_at_once() -> None:
+    clients = FakeClients()
+    sender = _sender(clients, layer_ack_timeout_s=30.0)
+    try:
+        sender.submit(0, None, _target("A"))
+        sender.submit(1, None, _target("B"))
+        sent = {clients.ready.get(timeout=WAIT)[0] for _ in range(2)}
+        assert sent == {"A", "B"}
+        t0 = time.monotonic()
+        clients.lose("A")
+        with pytest.raises(LayerSendError) as info:
+            sender.wait_for_layer_send(0, timeout=WAIT)
+        assert time.monotonic() - t0 < 2.0  # not the 30 s acknowledgement deadline
+        assert "layer 0" in str(info.value) and "A disconnected" in str(info.value)
+        assert not sender.gate_open(1)  # B is still reading layer 1
+        clients.reply("B", ReadDone(1))
+        sender.wait_for_layer_send(1, timeout=WAIT)
+        assert _clean(sender), sender.counters()
+        assert clients.disconnects == []  # the transport reconnects by itself
+        sender.submit(0, None, _target("A"))  # a new announcement handshakes again
+        assert clients.ready.get(timeout=WAIT)[0] == "A"
+        assert clients.metas.count("A") == 2
+    finally:
+        assert sender.stop(WAIT)
+
+
+def test_acknowledgement_deadline_fails_the_endpoints_layers_and_resets_it() -> None:
+    clients = FakeClients()
+    sender = _sender(clients, layer_ack_timeout_s=0.3)
+    try:
+        sender.submit(0, None, _target("A"))
+        sender.submit(1, None, _target("A"))
+        t0 = time.monotonic()
+        for layer in (0, 1):
+            with pytest.raises(LayerSendError) as info:
+                sender.wait_for_layer_send(layer, timeout=WAIT)
+            assert "no acknowledgement of layer 0 from decode endpoint A within 0.3 s" in str(
+                info.value
+            )
+        assert time.monotonic() - t0 < 2.0
+        assert clients.disconnects == ["A"]  # Decode learns it through the lost peer
+        assert _clean(sender), sender.counters()
+    finally:
+        assert sender.stop(WAIT)
+
+
+def test_a_failed_layer_is_reported_only_once_its_storage_is_free() -> None:
+    clients = FakeClients()
+    sender = _sender(clients)
+    try:
+        sender.submit(0, None, _target("A"))  # two chunks of layer 0 to the same endpoint
+        sender.submit(0, None, _target("A"))
+        clients.ready.get(timeout=WAIT)
+        clients.ready.get(timeout=WAIT)
+        clients.reply("A", ReadFailed(0, "boom"))
+        with pytest.raises(LayerSendError, match=r"within 0\.3 s; it already failed: .*boom"):
+            sender.wait_for_layer_send(0, timeout=0.3)
+        assert not sender.gate_open(0)  # the second announcement may still be read
+        clients.reply("A", ReadDone(0))
+        with pytest.raises(LayerSendError, match="decode endpoint A: boom"):
+            sender.wait_for_layer_send(0, timeout=WAIT)
+        assert sender.gate_open(0)
+        assert _clean(sender)
+    finally:
+        assert sender.stop(WAIT)
+
+
+def test_an_announcement_whose_layer_already_failed_is_never_sent() -> None:
+    clients = FakeClients()
+    sender = _sender(clients, event_timeout_s=0.3)
+    try:
+        sender.submit(0, NeverEvent(), _target("A"))  # blocks the sender for 0.3 s
+        sender.submit(1, None, _target("A"))  # queued behind it
+        clients.lose("A")  # layer 1 fails while still queued
+        for layer in (0, 1):
+            with pytest.raises(LayerSendError):
+                sender.wait_for_layer_send(layer, timeout=WAIT)
+        assert _clean(sender), sender.counters()
+        with pytest.raises(queue.Empty):
+            clients.ready.get(timeout=0.2)
+    finally:
+        assert sender.stop(WAIT)
+
+
+# ====================================================================== Decode receiver
+
+
+class FakeServer:
+    endpoint = "mem://d0"
+
+    def __init__(self) -> None:
+        self.inbound: queue.Queue[tuple[bytes, bytes]] = queue.Queue()
+        self.sent: list[tuple[bytes, object]] = []
+        self._lost: list[bytes] = []
+        self._lock = threading.Lock()
+
+    def recv(self, timeout: float) -> tuple[bytes, bytes] | None:
+        try:
+            return self.inbound.get(timeout=timeout)
+        except queue.Empty:
+            return None
+
+    def send(self, identity: bytes, payload: bytes) -> bool:
+        self.sent.append((identity, "ACK" if payload == ACK else CODEC.decode(payload)))
+        return True
+
+    def disconnected(self) -> list[bytes]:
+        with self._lock:
+            lost, self._lost = self._lost, []
+        return lost
+
+    def lose(self, identity: bytes) -> None:
+        with self._lock:
+            self._lost.append(identity)
+
+    def close(self) -> None:
+        pass
+
+
+def test_decode_fails_the_requests_of_a_vanished_prefill_peer() -> None:
+    nb, bpb = 8, 64
+    p_engine, d_engine = InprocTransferEngine(), InprocTransferEngine()
+    src_arr = np.arange(nb * bpb, dtype=np.uint8).reshape(nb, bpb)
+    dst_arr = np.zeros((nb, bpb), dtype=np.uint8)
+    p_engine.register_memory(src_arr.ctypes.data, src_arr.nbytes)
+    d_engine.register_memory(dst_arr.ctypes.data, dst_arr.nbytes)
+    name = "model.layers.0.attn"
+    src = SourceLayout(name, (TensorComponent(src_arr.ctypes.data, bpb, 1),))
+    dst = DestinationLayout(name, (DestTensor(dst_arr.ctypes.data, bpb, nb),))
+    server = FakeServer()
+    receiver = DecodeReceiver(
+        server_factory=lambda: server, codec=CODEC, transfer=d_engine,
+        destinations={name: dst}, d_rank=0, d_tp=1, clock=MonotonicClock(),
+        log=make_logger("decode", 0), poll_interval_s=0.01,
+    )
+    receiver.start()
+    try:
+        receiver.admit("a" + X9, [1], [])
+        receiver.admit("b" + X9, [2], [])
+        receiver.admit("c" + X9, [3], [])  # never announced: ends at its deadline
+        peer = b"peer-1"
+        server.inbound.put((peer, CODEC.encode(MfMeta(p_engine.session_id,
+                                                      {name: src.to_metadata()}))))
+        batch = ReadReadyBatch(0, name, (ReadRequest("a", (5,), (), 0, 0),
+                                         ReadRequest("b", (6,), (), 0, 0)), ("a",))
+        server.inbound.put((peer, CODEC.encode(batch)))
+        wait_until(lambda: any(isinstance(m, ReadDone) for _, m in server.sent))
+        assert np.array_equal(dst_arr[[1, 2]], src_arr[[5, 6]])
+        server.lose(peer)
+        wait_until(lambda: receiver.counters()["peers"] == 0)
+        out = receiver.step(InMemoryExchangeGroup(1).member(0), (), timeout=WAIT)
+        assert out.finished == {"a" + X9, "b" + X9}
+        assert out.failed == {"b" + X9}
+        assert "disconnected before announcing the final layer" in out.reasons["b" + X9]
+        assert out.invalid_block_ids == {2}
+        counters = receiver.counters()
+        assert counters["admitted"] == 1 and counters["peer_contributions"] == 0
+    finally:
+        assert receiver.stop(WAIT)
+        p_engine.close()
+        d_engine.close()
+
+
+def test_stopping_the_sender_fails_pending_layers_naming_their_endpoints() -> None:
+    clients = FakeClients()
+    sender = _sender(clients)
+    sender.submit(0, None, _target("A"))
+    clients.ready.get(timeout=WAIT)
+    assert sender.stop(WAIT)
+    with pytest.raises(LayerSendError, match=r"layer 0: prefill sender stopped \(layer 0 "
+                                             r"awaited A\)"):
+        sender.wait_for_layer_send(0, timeout=WAIT)
+    assert all(v == 0 for v in sender.counters().values()), sender.counters()
+
+
+def test_heartbeat_deadlines_are_validated_and_wired() -> None:
+    import pydantic
+
+    from rd2h.app.container import build_container
+    from rd2h.app.settings import Deadlines, Rd2hSettings
+
+    with pytest.raises(pydantic.ValidationError, match="heartbeat_timeout_s 2 must exceed"):
+        Deadlines(heartbeat_ivl_s=3, heartbeat_timeout_s=2)
+    Deadlines(heartbeat_ivl_s=0, heartbeat_timeout_s=1)  # 0: heartbeats off
+    settings = Rd2hSettings(role="prefill", deadlines=Deadlines(heartbeat_ivl_s=0.5,
+                                                                heartbeat_timeout_s=2))
+    clients = build_container(settings).control_clients()
+    try:
+        assert clients._heartbeat == (0.5, 2.0)
+    finally:
+        clients.close()
