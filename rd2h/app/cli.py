@@ -6,10 +6,14 @@ import argparse
 import sys
 
 from rd2h import __version__
+from rd2h.app.probe import add_probe_parser
+from rd2h.app.proxy_cli import add_proxy_parser
 
 
 def _demo_parser(sub: argparse._SubParsersAction) -> None:
     from rd2h.app.demo import DemoConfig
+    from rd2h.app.faults import fault_help
+    from rd2h.app.settings import Deadlines
 
     d = DemoConfig()
     p = sub.add_parser(
@@ -20,8 +24,14 @@ def _demo_parser(sub: argparse._SubParsersAction) -> None:
             "on loopback with synthetic KV in DeepSeek-V3.2-like shapes (main K/V, indexer, "
             "LIC8 scale). Decode pulls every layer with the embedded same-host transport, "
             "completes requests through a real torch.distributed (gloo) exchange and verifies "
-            "every destination byte. Exit status 0 only if every request completed and every "
-            "byte matched. Rates are in 10^9 bytes/s."
+            "every destination byte. Rates are in 10^9 bytes/s. "
+            "With --fault, real components fail on purpose (a rank process exits, reads "
+            "fail, replies are dropped, reads are slow); the summary still appears and "
+            "reports every request as ok or failed with its reason. "
+            "Exit status: 0 when the run kept rd2h's promises (verified): every request "
+            "ended (none hanging), every ok request carries exactly the right bytes, no "
+            "request state was left on any rank, and, without --fault, every request was "
+            "ok; 1 when it did not; 2 for a bad configuration."
         ),
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
@@ -37,6 +47,11 @@ def _demo_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--shared-buffers", type=int, default=d.shared_buffers, metavar="K",
                    help="Prefill writes layer L into physical buffer L mod K after waiting on "
                         "its reuse gate (0 = one buffer per layer)")
+    p.add_argument("--via-provider", action="store_true",
+                   help="Prefill ranks drive rd2h's connector roles (PrefillScheduler, "
+                        "PrefillWorker) as vLLM does, through the buffer-reuse provider "
+                        "interface: wait_for_layer_reuse before overwriting a buffer, "
+                        "on_kv_cache_written to announce, save_kv_layer skipping it")
     p.add_argument("--no-indexer", action="store_true", help="main K/V only")
     p.add_argument("--no-scale", action="store_true", help="no LIC8 indexer scale")
     p.add_argument("--transport", default=d.transport, choices=["cma", "mooncake"],
@@ -55,6 +70,23 @@ def _demo_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--timeout", type=float, default=d.timeout_s, help="whole-run deadline (s)")
     p.add_argument("--no-replay", action="store_true",
                    help="skip the bare-transport replay (raw_gbps)")
+    p.add_argument("--fault", action="append", default=[], metavar="KIND@KEY=VALUE",
+                   help="inject a fault (repeatable): " + fault_help() + ". Each also takes "
+                        "rank=R (default: rank 0 for kill-*, every Decode rank otherwise), "
+                        "e.g. --fault kill-decode@layer=3,rank=1")
+    lib = Deadlines()
+    # "%(default).0s" prints nothing: it only stops the formatter adding "(default: None)".
+    for flag, text, seconds in (
+        ("--request-timeout", "Decode request deadline, admission -> all KV", lib.request_s),
+        ("--layer-ack-timeout", "Prefill: a layer's reply deadline per Decode endpoint "
+         "(then the endpoint is reset)", lib.layer_ack_s),
+        ("--meta-ack-timeout", "Prefill: MF_META acknowledgement deadline (also bounds "
+         "one send)", lib.meta_ack_s),
+        ("--exchange-timeout", "one TP all-gather among Decode ranks", lib.tp_exchange_s),
+    ):
+        p.add_argument(flag, type=float, default=None, metavar="S",
+                       help=f"{text} (unset: the library default, {seconds:g} s; "
+                            "see README 'Deadlines')%(default).0s")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     p.add_argument("--log-level", default=d.log_level,
                    choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="rd2h log level (stderr)")
@@ -64,15 +96,25 @@ def _demo_parser(sub: argparse._SubParsersAction) -> None:
 
 def _run_demo(args: argparse.Namespace) -> int:
     from rd2h.app.demo import DemoConfig, run_demo, summary_text, to_json
+    from rd2h.app.faults import FaultSpecError, parse_fault
 
+    try:
+        faults = tuple(parse_fault(spec) for spec in args.fault)
+    except FaultSpecError as exc:
+        print(f"rd2h demo: {exc}", file=sys.stderr)
+        return 2
     cfg = DemoConfig(
         prefill_tp=args.prefill_tp, decode_tp=args.decode_tp, layers=args.layers,
         requests=args.requests, prompt_tokens=args.prompt_tokens, block_size=args.block_size,
         chunks=args.chunks, shared_buffers=args.shared_buffers, indexer=not args.no_indexer,
+        via_provider=args.via_provider,
         scale=not (args.no_scale or args.no_indexer), transport=args.transport,
         cma_threads=args.cma_threads, kv_port=args.kv_port, seed=args.seed,
         mooncake_protocol=args.mooncake_protocol, netns=args.netns,
         timeout_s=args.timeout, replay=not args.no_replay, log_level=args.log_level,
+        faults=faults, request_timeout_s=args.request_timeout,
+        layer_ack_timeout_s=args.layer_ack_timeout, meta_ack_timeout_s=args.meta_ack_timeout,
+        exchange_timeout_s=args.exchange_timeout,
     )
     try:
         cfg.validate()
@@ -92,6 +134,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"rd2h {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     _demo_parser(sub)
+    add_probe_parser(sub)
+    add_proxy_parser(sub)
     return parser
 
 

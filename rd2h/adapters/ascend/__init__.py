@@ -1,0 +1,1 @@
+"""Ascend-side adapters (duck-typed over vllm-ascend objects; nothing imported here)."""

@@ -1,0 +1,17 @@
+"""Runs an ASGI app under uvicorn (kept here so only adapters import uvicorn)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import uvicorn
+
+
+def serve(app: Any, host: str, port: int, *, log_level: str = "info",
+          graceful_shutdown_s: int = 5) -> None:
+    """Serve until SIGINT/SIGTERM; open connections get ``graceful_shutdown_s`` to finish."""
+    config = uvicorn.Config(
+        app, host=host, port=port, log_level=log_level.lower(),
+        timeout_graceful_shutdown=graceful_shutdown_s,
+    )
+    uvicorn.Server(config).run()

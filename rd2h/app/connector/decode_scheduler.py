@@ -1,0 +1,160 @@
+"""Decode scheduler role (spec 3.1): async external match, destination blocks kept
+locally, rendezvous post to the proxy's metaserver once every Decode rank has
+admitted the request, cancellation when the request finishes."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, MutableMapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from rd2h.app.connector.plans import DecodeLoad
+from rd2h.domain.chunks import external_request_id
+from rd2h.ports.runtime import Logger
+
+
+class Metaserver(Protocol):
+    """The rendezvous poster (``rd2h.adapters.http.metaserver``)."""
+
+    def post(self, request_id: str, url: str, payload: dict[str, Any]) -> None: ...
+
+    def cancel(self, request_id: str) -> None: ...
+
+    def shutdown(self, timeout: float) -> Any: ...
+
+
+@dataclass
+class _Waiting:
+    url: str | None
+    payload: dict[str, Any]
+    admitted: int = 0
+    posted: bool = False
+
+
+class DecodeScheduler:
+    """Keeps ``(main, indexer)`` destination ids per request; they never leave Decode.
+
+    The post to the metaserver waits until all ``tp_size`` workers reported the
+    request admitted (``on_admitted``): Prefill may announce blocks as soon as it
+    learns the contact info, and every Decode rank must know the destinations by then.
+    """
+
+    def __init__(
+        self,
+        *,
+        metaserver: Metaserver,
+        host: str,
+        base_port: int,
+        tp_size: int,
+        engine_id: str,
+        log: Logger,
+    ) -> None:
+        self._metaserver = metaserver
+        self._host = host
+        self._base_port = base_port
+        self._tp = tp_size
+        self._engine_id = engine_id
+        self._log = log
+        # request -> tokens computed locally when matched (vLLM updates the request's
+        # num_computed_tokens only after update_state_after_alloc).
+        self._remote: dict[str, int] = {}
+        self._loads: list[DecodeLoad] = []
+        self._waiting: dict[str, _Waiting] = {}
+        self.posts = 0
+
+    # -- vLLM scheduler hooks, in plain values
+    def match(
+        self, request_id: str, prompt_len: int, num_computed: int,
+        params: Mapping[str, Any] | None,
+    ) -> tuple[int, bool]:
+        """``get_num_new_matched_tokens``: the rest of the prompt, loaded async."""
+        if not params or not params.get("do_remote_prefill"):
+            return 0, False
+        count = max(0, prompt_len - num_computed)
+        if count:
+            self._remote[request_id] = num_computed
+        return count, count > 0
+
+    def after_alloc(
+        self,
+        request_id: str,
+        block_ids: Sequence[Sequence[int]],
+        main_group: int,
+        indexer_group: int,
+        num_external_tokens: int,
+        num_computed_tokens: int,
+        params: MutableMapping[str, Any] | None,
+    ) -> None:
+        """``update_state_after_alloc``: record destinations, clear do_remote_prefill."""
+        if params is None or not params.get("do_remote_prefill"):
+            return
+        params["do_remote_prefill"] = False
+        if request_id not in self._remote or num_external_tokens <= 0:
+            self._remote.pop(request_id, None)
+            return
+        num_computed_tokens = max(int(num_computed_tokens), self._remote[request_id])
+        main = tuple(int(b) for b in block_ids[main_group])
+        indexer = tuple(int(b) for b in block_ids[indexer_group])
+        self._loads.append(DecodeLoad(request_id, main, indexer))
+        ext = external_request_id(request_id)
+        url = None if params.get("do_virtual") else params.get("metaserver")
+        if url is not None and not isinstance(url, str):
+            self._log.warning("ignoring a metaserver that is not a URL", request=request_id)
+            url = None
+        self._waiting[request_id] = _Waiting(url, {
+            "request_id": ext,
+            "do_remote_prefill": False,
+            "do_remote_decode": True,
+            "remote_engine_id": self._engine_id,
+            "remote_host": self._host,
+            "remote_port": self._base_port,
+            "remote_tp_size": self._tp,
+            "remote_pcp_size": 1,
+            "remote_dcp_size": 1,
+            "remote_cached_tokens": int(num_computed_tokens),
+        })
+
+    def build(self) -> tuple[DecodeLoad, ...]:
+        """This step's new loads (every worker admits them)."""
+        loads, self._loads = tuple(self._loads), []
+        return loads
+
+    def on_admitted(self, counts: Mapping[str, int]) -> list[str]:
+        """Workers' admission reports (summed over ranks); post the complete ones."""
+        posted = []
+        for request_id, n in counts.items():
+            w = self._waiting.get(request_id)
+            if w is None or w.posted:
+                continue
+            w.admitted += n
+            if w.admitted < self._tp:
+                continue
+            w.posted = True
+            if w.url is None:
+                continue
+            try:
+                self._metaserver.post(w.payload["request_id"], w.url, dict(w.payload))
+            except ValueError as exc:  # a URL or payload that can never be posted
+                self._log.error("cannot post to the metaserver; the request will time out",
+                                request=request_id, error=str(exc))
+                continue
+            self.posts += 1
+            posted.append(request_id)
+        return posted
+
+    def finished(self, request_id: str) -> None:
+        """``request_finished``: cancel pending posts and forget the request."""
+        self._remote.pop(request_id, None)
+        self._loads = [ld for ld in self._loads if ld.internal_id != request_id]
+        w = self._waiting.pop(request_id, None)
+        if w is not None:
+            self._metaserver.cancel(w.payload["request_id"])
+
+    def shutdown(self, timeout: float) -> None:
+        self._waiting.clear()
+        self._loads.clear()
+        self._metaserver.shutdown(timeout)
+
+    def counters(self) -> dict[str, int]:
+        return {"remote": len(self._remote), "waiting_post": len(self._waiting),
+                "queued_loads": len(self._loads)}

@@ -1,0 +1,48 @@
+"""What a connector scheduler hands its workers each step (plain, picklable)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class DecodeLoad:
+    """Decode: a request whose KV will be pulled into these destination blocks."""
+
+    internal_id: str
+    main_block_ids: tuple[int, ...]
+    indexer_block_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class DecodeEndpoint:
+    """Where a Prefill rank finds a request's Decode instance (spec 3.1, 9)."""
+
+    host: str
+    base_port: int
+    tp_size: int
+    engine_id: str = ""
+
+
+@dataclass(frozen=True)
+class PrefillSend:
+    """Prefill: this step completed blocks ``[start, start + len)`` of a request."""
+
+    internal_id: str
+    ext_id: str
+    decode: DecodeEndpoint
+    main_block_ids: tuple[int, ...]
+    indexer_block_ids: tuple[int, ...]
+    main_start: int
+    indexer_start: int
+    final: bool
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """One step's connector metadata (scheduler -> every worker of the engine)."""
+
+    loads: tuple[DecodeLoad, ...] = ()
+    sends: tuple[PrefillSend, ...] = ()
+    # Prefill requests that finished on the scheduler and wait for their sends.
+    finished_sending_wait: tuple[str, ...] = field(default=())

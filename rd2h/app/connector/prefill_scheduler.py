@@ -1,0 +1,169 @@
+"""Prefill scheduler role (spec 3.2): per request, which completed blocks to
+announce this step, to which Decode instance; cleanup when a request ends."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from rd2h.app.connector.plans import DecodeEndpoint, PrefillSend
+from rd2h.domain.chunks import chunk_block_range, external_request_id
+from rd2h.domain.errors import ChunkError, Rd2hError
+from rd2h.domain.topology import MAX_PORT, check_topology
+from rd2h.ports.runtime import Logger
+
+
+class TransferParamsError(Rd2hError, ValueError):
+    """A request's kv_transfer_params cannot be used by Prefill."""
+
+
+def _int_param(params: Mapping[str, Any], key: str, default: int | None = None) -> int:
+    value = params.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TransferParamsError(f"kv_transfer_params[{key!r}] must be an int, got {value!r}")
+    return value
+
+
+def resolve_params(ext_id: str, params: Mapping[str, Any] | None) -> Mapping[str, Any] | None:
+    """This request's own params; a prompt-list dispatch carries every child's params
+    under ``batch_kv_transfer_params`` keyed by external id. None: not a remote decode."""
+    if not params or not params.get("do_remote_decode"):
+        return None
+    batch = params.get("batch_kv_transfer_params")
+    if batch is None:
+        return params
+    if not isinstance(batch, Mapping):
+        raise TransferParamsError("batch_kv_transfer_params must be an object")
+    child = batch.get(ext_id)
+    if child is None:
+        raise TransferParamsError(
+            f"batch_kv_transfer_params has no entry for request {ext_id!r} "
+            f"(it names {sorted(batch)[:8]})"
+        )
+    if not isinstance(child, Mapping):
+        raise TransferParamsError(f"batch_kv_transfer_params[{ext_id!r}] must be an object")
+    return child
+
+
+def decode_endpoint(params: Mapping[str, Any], p_tp: int) -> tuple[DecodeEndpoint, int]:
+    """D's contact info from the rendezvous params; also the remote cached tokens."""
+    host = params.get("remote_host")
+    if not isinstance(host, str) or not host:
+        raise TransferParamsError("kv_transfer_params['remote_host'] must be a host name")
+    port = _int_param(params, "remote_port")
+    if not 1 <= port <= MAX_PORT:
+        raise TransferParamsError(f"remote_port {port} is outside 1..{MAX_PORT}")
+    d_tp = _int_param(params, "remote_tp_size", 1)
+    for key in ("remote_pcp_size", "remote_dcp_size"):
+        if _int_param(params, key, 1) != 1:
+            raise TransferParamsError(
+                f"{key} must be 1: rd2h supports tensor parallel Decode only"
+            )
+    check_topology(p_tp, d_tp)
+    cached = _int_param(params, "remote_cached_tokens", 0)
+    if cached < 0:
+        raise TransferParamsError(f"remote_cached_tokens must be >= 0, got {cached}")
+    engine = params.get("remote_engine_id", "")
+    return DecodeEndpoint(host, port, d_tp, str(engine or "")), cached
+
+
+@dataclass
+class _Tracked:
+    ext_id: str
+    decode: DecodeEndpoint
+    total_tokens: int
+    remote_cached: int
+    blocks: list[list[int]] = field(default_factory=list)
+    transferred: int = 0
+    final_sent: bool = False
+    sent_any: bool = False
+
+
+class PrefillScheduler:
+    def __init__(
+        self, *, block_size: int, main_group: int, indexer_group: int, p_tp: int,
+        log: Logger,
+    ) -> None:
+        self._bs = block_size
+        self._main = main_group
+        self._indexer = indexer_group
+        self._p_tp = p_tp
+        self._log = log
+        self._tracked: dict[str, _Tracked] = {}
+        self.rejected = 0
+
+    def track(
+        self, request_id: str, total_tokens: int, params: Mapping[str, Any] | None
+    ) -> bool:
+        """Start tracking a request sent with ``do_remote_decode`` (idempotent)."""
+        if request_id in self._tracked:
+            return True
+        ext = external_request_id(request_id)
+        try:
+            own = resolve_params(ext, params)
+            if own is None:
+                return False
+            decode, cached = decode_endpoint(own, self._p_tp)
+        except (TransferParamsError, ValueError) as exc:
+            self.rejected += 1
+            self._log.error("request cannot be transferred to decode", request=request_id,
+                            error=str(exc))
+            return False
+        self._tracked[request_id] = _Tracked(ext, decode, total_tokens, cached)
+        return True
+
+    def schedule(
+        self,
+        request_id: str,
+        new_block_ids: Sequence[Sequence[int]] | None,
+        computed_before: int,
+        scheduled_tokens: int,
+        *,
+        replace_blocks: bool = False,
+    ) -> PrefillSend | None:
+        """One scheduled step of a tracked request: its newly completed blocks."""
+        t = self._tracked.get(request_id)
+        if t is None or t.final_sent:
+            return None
+        if new_block_ids is not None:
+            if replace_blocks or not t.blocks:
+                t.blocks = [list(map(int, g)) for g in new_block_ids]
+            else:
+                for group, ids in zip(t.blocks, new_block_ids):
+                    group.extend(int(b) for b in ids)
+        computed = computed_before + scheduled_tokens
+        final = computed >= t.total_tokens
+        main_ids = t.blocks[self._main] if t.blocks else []
+        idx_ids = t.blocks[self._indexer] if t.blocks else []
+        try:
+            start, end = chunk_block_range(
+                block_size=self._bs, computed_tokens=min(computed, t.total_tokens),
+                transferred_tokens=t.transferred, remote_cached_tokens=t.remote_cached,
+                final=final, allocated_blocks=len(main_ids),
+            )
+        except ChunkError as exc:
+            self._log.error("cannot announce request blocks", request=request_id,
+                            error=str(exc))
+            if t.sent_any:  # Decode may still read earlier blocks: keep them until
+                t.final_sent = True  # finished_sending (``finished`` must say wait)
+            else:
+                self._tracked.pop(request_id, None)
+            return None
+        if end <= start and not final:
+            return None
+        t.transferred = end * self._bs
+        t.final_sent = final
+        t.sent_any = True
+        return PrefillSend(
+            request_id, t.ext_id, t.decode,
+            tuple(main_ids[start:end]), tuple(idx_ids[start:end]), start, start, final,
+        )
+
+    def finished(self, request_id: str) -> bool:
+        """``request_finished``: drop state; True if blocks must wait for the sends."""
+        t = self._tracked.pop(request_id, None)
+        return t is not None and t.sent_any
+
+    def counters(self) -> dict[str, int]:
+        return {"tracked": len(self._tracked), "rejected": self.rejected}

@@ -1,0 +1,184 @@
+"""``rd2h demo --via-provider``: a Prefill rank driven the way vLLM drives rd2h's
+connector, through its buffer-reuse provider interface (spec 11), instead of calling
+``PrefillSender.submit`` / ``wait_for_layer_send`` directly.
+
+Per chunk (one engine step) the connector's scheduler role (``PrefillScheduler``) turns
+each request's progress into this step's sends, and the worker role
+(``PrefillWorker``) gets them in ``start_step``. Per layer, the rank plays a forward
+pass under a multi-connector with a layer-wise offload sink:
+
+1. ``wait_for_layer_reuse(layer)``: the waiter a sink calls before it overwrites a
+   shared physical buffer (with ``--shared-buffers``);
+2. the KV write (the scatter into the buffer);
+3. ``layer_written(name)``: Ascend's ``on_kv_cache_written`` early dispatch, which
+   announces the layer;
+4. ``layer_written(name)`` again: ``save_kv_layer``, which must skip the layer already
+   dispatched this step (a second announcement is an error).
+
+At the end, ``get_finished`` must release every request (all announcements answered),
+which is what lets vLLM free a finished request's blocks.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+
+from rd2h.app.demo_config import DemoConfig, chunk_bounds, internal_id, layer_name
+from rd2h.app.faults import KILLED_EXIT_CODE, prefill_kill_layer
+from rd2h.app.synthetic import Allocation, block_pattern
+from rd2h.domain.layout import SourceLayout, TensorComponent
+
+ENGINE_ID = "demo-decode"
+
+
+def _killed() -> None:
+    import os
+
+    os._exit(KILLED_EXIT_CODE)  # an injected kill: no cleanup, no goodbye
+
+
+def prefill_rank_via_provider(cfg: DemoConfig, p_rank: int, base_port: int,
+                              alloc: Allocation, go: Any, release: Any, out: Any) -> None:
+    """One Prefill rank process (reports ``ready`` and ``prefill_done`` like the direct
+    path, so the demo parent treats both alike)."""
+    from rd2h.adapters.zmq.channel import tcp_endpoint
+    from rd2h.app.connector.prefill_scheduler import PrefillScheduler
+    from rd2h.app.connector.prefill_worker import PrefillWorker
+    from rd2h.app.container import build_container
+    from rd2h.app.settings import Rd2hSettings
+    from rd2h.domain.errors import LayerSendError
+    from rd2h.domain.topology import compute_mapping, remote_port
+
+    shapes = cfg.shapes
+    deadlines = cfg.deadlines()
+    settings = Rd2hSettings(role="prefill", transport=cfg.transport, tp_size=cfg.prefill_tp,
+                            host=cfg.prefill_host, mooncake_protocol=cfg.mooncake_protocol,
+                            tp_rank=p_rank, cma_threads=cfg.cma_threads, log_level=cfg.log_level,
+                            deadlines=deadlines)
+    container = build_container(settings)
+    transport = container.transport()
+    n_phys = cfg.shared_buffers or cfg.layers
+    comps = shapes.components
+    buffers = {
+        (b, c): np.zeros((alloc.p_pool_blocks, shapes.bytes_per_block(c)), dtype=np.uint8)
+        for b in range(n_phys) for c in comps
+    }
+    for arr in buffers.values():
+        transport.register_memory(arr.ctypes.data, arr.nbytes)
+
+    def tc(b: int, c: str) -> TensorComponent:
+        return TensorComponent(buffers[(b, c)].ctypes.data, shapes.bytes_per_block(c), 1, 0)
+
+    layouts = {
+        layer: SourceLayout(
+            layer_name(layer),
+            main=(tc(layer % n_phys, "main_k"), tc(layer % n_phys, "main_v")),
+            indexer=tc(layer % n_phys, "indexer") if shapes.indexer else None,
+            scale=tc(layer % n_phys, "scale") if shapes.scale else None,
+        )
+        for layer in range(cfg.layers)
+    }
+    p_ids = [np.asarray(ids, dtype=np.int64) for ids in alloc.p_blocks]
+    request_of = {internal_id(r): r for r in range(cfg.requests)}
+
+    def write(layer: int, r: int, start: int, end: int) -> None:
+        idx = np.arange(start, end)
+        for c in comps:
+            buffers[(layer % n_phys, c)][p_ids[r][start:end]] = block_pattern(
+                r, layer, c, idx, shapes.bytes_per_block(c)
+            )
+
+    # A layer's gate resolves (acknowledged, failed or expired) within this budget.
+    gate_s = deadlines.device_event_s + deadlines.meta_ack_s + deadlines.layer_ack_s + 1.0
+    log = container.logger()
+    sender = container.prefill_sender(p_session=transport.session_id, layers=layouts)
+    worker = PrefillWorker(
+        sender=sender, events=container.device_events(), p_rank=p_rank, p_tp=cfg.prefill_tp,
+        layer_names={i: layer_name(i) for i in range(cfg.layers)}, clock=container.clock(),
+        log=log, buffer_reuse=cfg.shared_buffers > 0, reuse_timeout_s=gate_s,
+        stop_timeout_s=deadlines.stop_s,
+    )
+    scheduler = PrefillScheduler(block_size=cfg.block_size, main_group=0, indexer_group=1,
+                                 p_tp=cfg.prefill_tp, log=log)
+    params = {"do_remote_decode": True, "remote_host": cfg.host, "remote_port": base_port,
+              "remote_tp_size": cfg.decode_tp, "remote_engine_id": ENGINE_ID}
+    for rid in request_of:
+        if not scheduler.track(rid, cfg.prompt_tokens, params):
+            raise RuntimeError(f"the Prefill scheduler refused request {rid}")
+    if not cfg.shared_buffers:  # every (layer, block) is written once: before timing
+        for layer in range(cfg.layers):
+            for r in range(cfg.requests):
+                write(layer, r, 0, alloc.blocks_per_request)
+
+    mapping = compute_mapping(cfg.prefill_tp, cfg.decode_tp, p_rank)
+    endpoint = tcp_endpoint(cfg.host, remote_port(base_port, mapping.d_rank))
+    kill_layer = prefill_kill_layer(cfg.faults, p_rank)
+    worker.start()
+    failed = sender.prepare([endpoint], deadlines.meta_ack_s)  # connect before timing
+    if failed:
+        raise ConnectionError(f"decode endpoint handshake failed: {failed}")
+    out.put(("ready", f"prefill {p_rank}", None))
+    if not go.wait(cfg.timeout_s):
+        raise TimeoutError("no start signal from the demo parent")
+    layer_errors: dict[str, None] = {}
+
+    def reuse(layer: int) -> None:
+        """The sink's waiter: the buffer may be overwritten once Decode read it."""
+        try:
+            worker.wait_for_layer_reuse(layer)
+        except LayerSendError as exc:
+            layer_errors[str(exc)] = None
+            if not sender.gate_open(layer):  # never reuse storage Decode may still read
+                raise RuntimeError(f"layer {layer}'s gate still closed after {gate_s:g} s") from exc
+
+    computed = 0
+    early = 0
+    for chunk, upto in enumerate(chunk_bounds(cfg)):
+        sends = []
+        for rid, r in request_of.items():
+            ids = [int(b) for b in p_ids[r]]
+            s = scheduler.schedule(rid, [ids, ids] if chunk == 0 else None, computed,
+                                   upto - computed, replace_blocks=chunk == 0)
+            if s is not None:
+                sends.append(s)
+        computed = upto
+        worker.start_step(sends)
+        for layer in range(cfg.layers):
+            if chunk == 0 and layer == kill_layer:
+                for earlier in range(layer):  # die once Decode acknowledged these
+                    reuse(earlier)
+                _killed()
+            if cfg.shared_buffers:
+                reuse(layer)
+                for s in sends:
+                    start = s.main_start
+                    write(layer, request_of[s.internal_id], start, start + len(s.main_block_ids))
+            name = layer_name(layer)
+            early += worker.layer_written(name)  # on_kv_cache_written
+            if worker.layer_written(name):  # save_kv_layer
+                raise RuntimeError(f"save_kv_layer announced {name} a second time this step")
+    for layer in range(cfg.layers):
+        reuse(layer)
+    drained = sender.drain(gate_s)
+    released: set[str] = set()
+    end = container.clock().now() + gate_s
+    while len(released) < len(request_of) and container.clock().now() < end:
+        released |= worker.get_finished(request_of)  # vLLM finished every request
+        if len(released) < len(request_of):
+            time.sleep(0.01)
+    out.put(("prefill_done", f"prefill {p_rank}", {
+        "ack_ms": sender.stats.ack_latencies_ms,
+        "layers_sent": sender.stats.layers_sent,
+        "layers_failed": sender.stats.layers_failed,
+        "layer_errors": list(layer_errors),
+        "drained": drained,
+        "counters": worker.counters(),  # requests and tickets left, with the sender's
+        "early_dispatches": early,
+        "released": len(released),
+    }))
+    release.wait(cfg.timeout_s)  # keep memory alive for the raw replay
+    worker.shutdown()
+    transport.close()

@@ -1,0 +1,113 @@
+"""``rd2h proxy``: the rendezvous proxy a P/D deployment puts in front of its engines."""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import sys
+
+_WILDCARD_HOSTS = {"0.0.0.0", "::", ""}
+
+_DESCRIPTION = """\
+Serve the OpenAI endpoints /v1/completions and /v1/chat/completions in front of
+vLLM engines running the rd2h connector (Decode: kv_consumer, Prefill: kv_producer).
+
+Each client request goes to a Decode instance first (round robin) with
+kv_transfer_params {"do_remote_prefill": true, "metaserver": "<public-url>/v1/metaserver"}
+and the header X-Request-Id. Decode's connector posts its contact information to
+that metaserver URL; the proxy then sends the same request to a Prefill instance
+(round robin; one output token, not streamed) with Decode's contact information as
+kv_transfer_params, and streams Decode's answer back to the client. A prompt list
+goes to Prefill once, after every prompt's post arrived, with
+batch_kv_transfer_params. GET /healthcheck reports the instance lists and the
+requests in flight.
+"""
+
+
+def _port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"port must be an integer, not {text!r}") from None
+    if not 1 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"port must be within 1..65535, not {value}")
+    return value
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds, not {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"seconds must be > 0, not {text}")
+    return value
+
+
+def add_proxy_parser(sub: argparse._SubParsersAction) -> None:
+    """Register the ``proxy`` subcommand on the ``rd2h`` parser."""
+    p = sub.add_parser(
+        "proxy",
+        help="rendezvous proxy in front of Prefill and Decode vLLM engines",
+        description=_DESCRIPTION,
+        formatter_class=lambda prog: argparse.RawDescriptionHelpFormatter(prog, width=100),
+    )
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (default: %(default)s)")
+    p.add_argument("--port", type=_port, default=8000,
+                   help="port to listen on (default: %(default)s)")
+    p.add_argument("--prefill", nargs="+", required=True, metavar="URL",
+                   help="Prefill instance base URLs, e.g. http://10.0.0.1:8100")
+    p.add_argument("--decode", nargs="+", required=True, metavar="URL",
+                   help="Decode instance base URLs, e.g. http://10.0.0.2:8200")
+    p.add_argument("--public-url", metavar="URL",
+                   help="base URL at which the engines reach this proxy's metaserver "
+                        "(default: http://HOST:PORT; 127.0.0.1 when HOST is a wildcard)")
+    p.add_argument("--connect-timeout", type=_seconds, default=10.0, metavar="S",
+                   help="deadline to connect to an engine (default: %(default)s)")
+    p.add_argument("--decode-timeout", type=_seconds, default=600.0, metavar="S",
+                   help="longest wait for Decode's next bytes, including its first answer "
+                        "(default: %(default)s)")
+    p.add_argument("--prefill-timeout", type=_seconds, default=600.0, metavar="S",
+                   help="deadline for a whole Prefill dispatch (default: %(default)s)")
+    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+                   help="log level for rd2h and uvicorn (stderr; default: %(default)s)")
+    p.set_defaults(func=_run_proxy)
+
+
+def default_public_url(host: str, port: int) -> str:
+    """Where engines on this host reach the proxy when --public-url is not given."""
+    if host in _WILDCARD_HOSTS:
+        host = "127.0.0.1"
+    try:
+        if ipaddress.ip_address(host).version == 6:
+            host = f"[{host}]"
+    except ValueError:
+        pass  # a host name
+    return f"http://{host}:{port}"
+
+
+def _run_proxy(args: argparse.Namespace) -> int:
+    from rd2h.adapters.http.proxy import ProxyConfig, create_app
+    from rd2h.adapters.http.server import serve
+    from rd2h.adapters.logging import configure_logging, make_logger
+
+    public_url = args.public_url or default_public_url(args.host, args.port)
+    try:
+        config = ProxyConfig(
+            prefill=tuple(args.prefill), decode=tuple(args.decode), public_url=public_url,
+            connect_timeout_s=args.connect_timeout, decode_timeout_s=args.decode_timeout,
+            prefill_timeout_s=args.prefill_timeout,
+        )
+    except ValueError as exc:
+        print(f"rd2h proxy: {exc}", file=sys.stderr)
+        return 2
+    if args.public_url is None and args.host in _WILDCARD_HOSTS:
+        print(f"rd2h proxy: engines are told {config.metaserver_url}; pass --public-url if they "
+              "run on other hosts", file=sys.stderr)
+    configure_logging(args.log_level)
+    log = make_logger("proxy", 0)
+    log.info("proxy starting", listen=f"{args.host}:{args.port}", prefill=config.prefill,
+             decode=config.decode, metaserver=config.metaserver_url)
+    serve(create_app(config, log=log), args.host, args.port, log_level=args.log_level)
+    return 0

@@ -1,0 +1,135 @@
+"""Start and stop real `vllm serve` engines and `rd2h proxy` for the end-to-end tests.
+
+Every wait has a deadline; every process runs in its own process group and is
+killed with its children at teardown; logs go to files that a failing test
+prints the tail of.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+VENV_BIN = Path(sys.executable).parent
+STARTUP_S = float(os.environ.get("RD2H_VLLM_STARTUP_S", "420"))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def free_port_block(n: int) -> int:
+    """A base port with ``n`` consecutive free ports."""
+    for _ in range(200):
+        base = free_port()
+        if base + n >= 65535:
+            continue
+        ok = True
+        for p in range(base, base + n):
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", p))
+                except OSError:
+                    ok = False
+                    break
+        if ok:
+            return base
+    raise RuntimeError(f"no {n} consecutive free ports")
+
+
+@dataclass
+class Server:
+    name: str
+    cmd: list[str]
+    port: int
+    log: Path
+    env: dict[str, str] = field(default_factory=dict)
+    proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> Server:
+        env = {**os.environ, **self.env}
+        self._fh = open(self.log, "ab")  # noqa: SIM115 (closed in stop)
+        self.proc = subprocess.Popen(
+            self.cmd, stdout=self._fh, stderr=subprocess.STDOUT, env=env,
+            start_new_session=True,
+        )
+        return self
+
+    def wait_ready(self, path: str, deadline: float) -> None:
+        assert self.proc is not None
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(
+                    f"{self.name} exited with {self.proc.returncode}:\n{self.tail()}"
+                )
+            try:
+                if httpx.get(self.url + path, timeout=2.0).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(1.0)
+        raise TimeoutError(f"{self.name} not ready within the deadline:\n{self.tail()}")
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        try:
+            os.killpg(self.proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
+
+    def stop(self) -> None:
+        self.kill(signal.SIGTERM)
+        self.kill(signal.SIGKILL)
+        fh = getattr(self, "_fh", None)
+        if fh is not None:
+            fh.close()
+
+    def tail(self, n: int = 60) -> str:
+        try:
+            lines = self.log.read_text(errors="replace").splitlines()
+        except OSError:
+            return "(no log)"
+        return "\n".join(lines[-n:])
+
+
+def vllm_server(
+    name: str, model: Path, port: int, log: Path, *, kv: dict | None = None,
+    max_num_batched_tokens: int = 64,
+) -> Server:
+    cmd = [
+        str(VENV_BIN / "vllm"), "serve", str(model), "--port", str(port), "--host", "127.0.0.1",
+        "--enforce-eager", "--block-size", "32", "--max-model-len", "512",
+        "--max-num-batched-tokens", str(max_num_batched_tokens), "--dtype", "float32",
+        "--skip-tokenizer-init", "--seed", "0", "--disable-log-stats",
+    ]
+    if kv is not None:
+        cmd += ["--kv-transfer-config", json.dumps(kv)]
+    env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_LOGGING_LEVEL": "INFO"}
+    return Server(name, cmd, port, log, env)
+
+
+def proxy_server(port: int, prefill: list[str], decode: list[str], log: Path) -> Server:
+    cmd = [str(VENV_BIN / "rd2h"), "proxy", "--port", str(port), "--prefill", *prefill,
+           "--decode", *decode]
+    return Server("rd2h proxy", cmd, port, log)

@@ -1,0 +1,146 @@
+"""Disaggregated serving on real vLLM: a Prefill engine and a Decode engine with
+``SfaRemoteD2HConnector`` over the ``cma`` transport, ``rd2h proxy`` in front,
+and a single non-disaggregated engine as the reference.
+
+Run alone with ``pytest tests/integration/vllm``. The engines are real ``vllm
+serve`` processes on a tiny random-weight DeepSeek-V2 (MLA) model; greedy tokens
+through the proxy must equal the reference engine's for the same prompts. Then
+Prefill is killed while a request waits for its KV: Decode must fail that request
+within its deadline, and serve again once a Prefill is back.
+"""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import pytest
+
+from tests.integration.vllm.servers import free_port, free_port_block, proxy_server, vllm_server
+from tests.integration.vllm.tiny_model import VOCAB, make_tiny_deepseek
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(1500)]
+
+REQUEST_DEADLINE_S = 25.0
+MAX_TOKENS = 8
+
+
+def _prompt(n: int, seed: int) -> list[int]:
+    # Ids 2.. (0 and 1 are bos/eos), varied so requests differ.
+    return [2 + (seed * 131 + i * 17) % (VOCAB - 2) for i in range(n)]
+
+
+# Lengths in 16-token cache blocks (vLLM's CPU MLA backend uses 16): a partial last
+# block (40), exact blocks (64), several blocks with a partial tail (150), and one
+# longer than --max-num-batched-tokens (200 > 64; see the note on chunking below).
+PROMPTS = [_prompt(40, 1), _prompt(64, 2), _prompt(150, 3), _prompt(200, 4), _prompt(17, 5)]
+PROMPT_LIST = [_prompt(33, 6), _prompt(90, 7), _prompt(48, 8)]
+
+
+def _complete(url: str, model: str, prompt, timeout: float = 120.0) -> httpx.Response:
+    body = {"model": model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
+            "return_token_ids": True}
+    return httpx.post(url + "/v1/completions", json=body, timeout=timeout)
+
+
+def _tokens(resp: httpx.Response) -> list[list[int]]:
+    assert resp.status_code == 200, resp.text
+    choices = sorted(resp.json()["choices"], key=lambda c: c["index"])
+    return [list(c["token_ids"]) for c in choices]
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    root = tmp_path_factory.mktemp("vllm-e2e")
+    model = make_tiny_deepseek(root / "model")
+    kv_port = free_port_block(4)
+    extra = {"transport": "cma", "log_level": "INFO",
+             "deadlines": {"request_s": REQUEST_DEADLINE_S, "layer_ack_s": 10.0,
+                           "meta_ack_s": 5.0}}
+    p_cfg = {"kv_connector": "SfaRemoteD2HConnector",
+             "kv_connector_module_path": "rd2h.adapters.vllm.connector",
+             "kv_role": "kv_producer", "kv_port": kv_port, "kv_connector_extra_config": extra}
+    d_cfg = {**p_cfg, "kv_role": "kv_consumer"}
+    servers = {
+        "base": vllm_server("reference engine", model, free_port(), root / "base.log"),
+        "prefill": vllm_server("prefill engine", model, free_port(), root / "prefill.log",
+                               kv=p_cfg),
+        "decode": vllm_server("decode engine", model, free_port(), root / "decode.log",
+                              kv=d_cfg),
+    }
+    servers["proxy"] = proxy_server(
+        free_port(), [servers["prefill"].url], [servers["decode"].url], root / "proxy.log"
+    )
+    try:
+        for s in servers.values():
+            s.start()
+        deadline = time.monotonic() + 420
+        for key in ("base", "prefill", "decode"):
+            servers[key].wait_ready("/health", deadline)
+        servers["proxy"].wait_ready("/healthcheck", deadline)
+        yield {"model": str(model), **servers}
+    finally:
+        for s in servers.values():
+            s.stop()
+
+
+def _logs(cluster) -> str:
+    return "\n".join(f"--- {k}\n{cluster[k].tail(40)}" for k in ("prefill", "decode", "proxy"))
+
+
+def test_greedy_tokens_match_a_single_engine(cluster):
+    model, proxy, base = cluster["model"], cluster["proxy"], cluster["base"]
+    for prompt in PROMPTS:
+        want = _tokens(_complete(base.url, model, prompt))
+        got = _tokens(_complete(proxy.url, model, prompt))
+        assert got == want, f"prompt of {len(prompt)} tokens\n{_logs(cluster)}"
+        assert len(got[0]) == MAX_TOKENS
+
+
+def test_prompt_list_goes_to_prefill_once_and_matches(cluster):
+    model, proxy, base = cluster["model"], cluster["proxy"], cluster["base"]
+    want = _tokens(_complete(base.url, model, PROMPT_LIST))
+    got = _tokens(_complete(proxy.url, model, PROMPT_LIST))
+    assert got == want, _logs(cluster)
+    health = httpx.get(proxy.url + "/healthcheck", timeout=10).json()
+    assert health["pending"] == 0, health
+
+
+def test_streaming_through_the_proxy(cluster):
+    model, proxy, base = cluster["model"], cluster["proxy"], cluster["base"]
+    prompt = PROMPTS[0]
+    want = _tokens(_complete(base.url, model, prompt))[0]
+    body = {"model": model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
+            "return_token_ids": True, "stream": True}
+    got: list[int] = []
+    with httpx.stream("POST", proxy.url + "/v1/completions", json=body, timeout=120) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                import json
+
+                for choice in json.loads(line[6:]).get("choices", []):
+                    got.extend(choice.get("token_ids") or [])
+    assert got == want, _logs(cluster)
+
+
+def test_dead_prefill_fails_the_waiting_request_then_serving_resumes(cluster):
+    model, proxy, base, prefill = (cluster["model"], cluster["proxy"], cluster["base"],
+                                   cluster["prefill"])
+    prefill.kill()
+    t0 = time.monotonic()
+    resp = _complete(proxy.url, model, PROMPTS[1], timeout=REQUEST_DEADLINE_S + 90)
+    elapsed = time.monotonic() - t0
+    failed = resp.status_code != 200 or any(
+        c.get("finish_reason") not in ("length", "stop") for c in resp.json()["choices"]
+    )
+    assert failed, f"request succeeded without a Prefill: {resp.text}"
+    assert elapsed < REQUEST_DEADLINE_S + 30, f"failure took {elapsed:.1f} s"
+    decode_log = cluster["decode"].log.read_text(errors="replace")
+    assert "no KV arrived within" in decode_log, _logs(cluster)
+
+    prefill.start()
+    prefill.wait_ready("/health", time.monotonic() + 420)
+    want = _tokens(_complete(base.url, model, PROMPTS[2]))
+    got = _tokens(_complete(proxy.url, model, PROMPTS[2]))
+    assert got == want, _logs(cluster)

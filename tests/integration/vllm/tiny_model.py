@@ -1,0 +1,62 @@
+"""A tiny DeepSeek-V2 (MLA) checkpoint with random weights, made locally.
+
+vLLM's CPU MLA kernels need a latent head dim of 576 (kv_lora_rank 512 +
+qk_rope_head_dim 64), so those two stay at DeepSeek's sizes; everything else
+is shrunk so the model loads in seconds. ``initializer_range`` 0.2 makes the
+greedy tokens varied rather than one repeated id.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+VOCAB = 1024
+NUM_LAYERS = 4
+MARKER = "rd2h-tiny-dsv2-v1"
+
+
+def make_tiny_deepseek(path: str | os.PathLike[str], seed: int = 1234) -> Path:
+    """Write the checkpoint to ``path`` once (idempotent); return the path."""
+    out = Path(path)
+    stamp = out / "rd2h-marker.json"
+    if stamp.exists() and json.loads(stamp.read_text()).get("marker") == MARKER:
+        return out
+    import torch
+    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = DeepseekV2Config(
+        vocab_size=VOCAB,
+        hidden_size=256,
+        intermediate_size=512,
+        moe_intermediate_size=128,
+        num_hidden_layers=NUM_LAYERS,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        kv_lora_rank=512,
+        q_lora_rank=None,
+        qk_rope_head_dim=64,
+        qk_nope_head_dim=64,
+        v_head_dim=64,
+        n_routed_experts=4,
+        n_shared_experts=1,
+        num_experts_per_tok=2,
+        first_k_dense_replace=NUM_LAYERS,
+        max_position_embeddings=2048,
+        initializer_range=0.2,
+        torch_dtype="bfloat16",
+        bos_token_id=0,
+        eos_token_id=1,
+    )
+    model = DeepseekV2ForCausalLM(cfg).to(torch.bfloat16)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out, safe_serialization=True)
+    stamp.write_text(json.dumps({"marker": MARKER}))
+    return out
+
+
+if __name__ == "__main__":
+    print(make_tiny_deepseek(sys.argv[1] if len(sys.argv) > 1 else "/tmp/rd2h-tiny-dsv2"))

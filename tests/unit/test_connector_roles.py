@@ -1,0 +1,1024 @@
+"""The connector's four roles as plain services (no vLLM): Decode scheduler (spec 3.1),
+Prefill scheduler (3.2), Prefill worker over a real ``PrefillSender`` and Decode worker
+over a real ``DecodeReceiver``, wired in memory (no sockets); plus the per-announcement
+tickets that tell Prefill when a finished request's blocks may be freed.
+
+Waits are on conditions with deadlines; the clock is controllable (real time plus an
+offset a test can jump forward), so deadlines are reached without sleeping."""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+
+from rd2h.adapters.inproc import InprocTransferEngine
+from rd2h.adapters.msgpack import MsgpackCodec
+from rd2h.adapters.torch.exchange import InMemoryExchangeGroup
+from rd2h.app.connector.decode_scheduler import DecodeScheduler
+from rd2h.app.connector.decode_worker import DecodeWorker
+from rd2h.app.connector.plans import DecodeEndpoint, DecodeLoad, PrefillSend
+from rd2h.app.connector.prefill_scheduler import (
+    PrefillScheduler,
+    TransferParamsError,
+    decode_endpoint,
+    resolve_params,
+)
+from rd2h.app.connector.prefill_worker import PrefillWorker
+from rd2h.app.decode import DecodeReceiver
+from rd2h.app.prefill import PrefillSender
+from rd2h.app.tickets import AnnouncementTickets
+from rd2h.domain.errors import LayerSendError, TopologyError
+from rd2h.domain.layout import DestinationLayout, DestTensor, SourceLayout, TensorComponent
+from rd2h.domain.protocol import MfMeta, ReadDone, ReadFailed, ReadReadyBatch, ReadRequest
+
+SUFFIX = "-0a1b2c3d"  # vLLM's 9-character engine suffix
+assert len(SUFFIX) == 9
+WAIT = 5.0  # deadline of every wait in these tests (they normally take milliseconds)
+
+
+# ================================================================ fakes
+
+
+class ManualClock:
+    """Monotonic time that a test can jump forward (deadlines without sleeping)."""
+
+    def __init__(self) -> None:
+        self.offset = 0.0
+
+    def now(self) -> float:
+        return time.monotonic() + self.offset
+
+    def advance(self, seconds: float) -> None:
+        self.offset += seconds
+
+
+class RecordingLog:
+    def __init__(self, records: list[tuple[str, str, dict[str, Any]]] | None = None,
+                 context: dict[str, Any] | None = None) -> None:
+        self.records = [] if records is None else records
+        self._context = context or {}
+
+    def bind(self, **context: Any) -> RecordingLog:
+        return RecordingLog(self.records, {**self._context, **context})
+
+    def _add(self, level: str, event: str, kw: dict[str, Any]) -> None:
+        self.records.append((level, event, {**self._context, **kw}))
+
+    def debug(self, event: str, **kw: Any) -> None:
+        self._add("debug", event, kw)
+
+    def info(self, event: str, **kw: Any) -> None:
+        self._add("info", event, kw)
+
+    def warning(self, event: str, **kw: Any) -> None:
+        self._add("warning", event, kw)
+
+    def error(self, event: str, **kw: Any) -> None:
+        self._add("error", event, kw)
+
+    def at(self, level: str) -> list[tuple[str, dict[str, Any]]]:
+        return [(e, kw) for lvl, e, kw in self.records if lvl == level]
+
+
+class RecordingMetaserver:
+    def __init__(self, fail_with: Exception | None = None) -> None:
+        self.posts: list[tuple[str, str, dict[str, Any]]] = []
+        self.cancels: list[str] = []
+        self.shutdowns: list[float] = []
+        self.fail_with = fail_with
+
+    def post(self, request_id: str, url: str, payload: dict[str, Any]) -> None:
+        if self.fail_with is not None:
+            raise self.fail_with
+        self.posts.append((request_id, url, payload))
+
+    def cancel(self, request_id: str) -> None:
+        self.cancels.append(request_id)
+
+    def shutdown(self, timeout: float) -> None:
+        self.shutdowns.append(timeout)
+
+
+class ImmediateEvents:
+    """Device events of CPU tensors: complete when recorded."""
+
+    class _Done:
+        def wait(self, timeout: float) -> bool:
+            return True
+
+    def record(self) -> ImmediateEvents._Done:
+        return self._Done()
+
+
+class ScriptedDecode:
+    """``ControlClients`` answering like Decode endpoints would, per endpoint:
+    ``done`` (READ_DONE), ``fail`` (READ_FAILED) or ``hold`` (answer later)."""
+
+    def __init__(self, default: str = "done") -> None:
+        self.codec = MsgpackCodec()
+        self.mode: dict[str, str] = {}
+        self.default = default
+        self.metas: list[str] = []
+        self.batches: list[tuple[str, ReadReadyBatch]] = []
+        self.held: list[tuple[str, int]] = []
+        self.disconnects: list[str] = []
+        self._replies: queue.Queue[tuple[str, bytes]] = queue.Queue()
+        self._cond = threading.Condition()
+
+    def connect(self, endpoint: str) -> None:
+        pass
+
+    def disconnect(self, endpoint: str) -> None:
+        self.disconnects.append(endpoint)
+
+    def send(self, endpoint: str, payload: bytes, timeout: float = 5.0) -> None:
+        msg = self.codec.decode(payload)
+        with self._cond:
+            if isinstance(msg, MfMeta):
+                self.metas.append(endpoint)
+                self._replies.put((endpoint, self.codec.encode_ack()))
+            else:
+                assert isinstance(msg, ReadReadyBatch)
+                self.batches.append((endpoint, msg))
+                mode = self.mode.get(endpoint, self.default)
+                if mode == "done":
+                    self._replies.put((endpoint, self.codec.encode(ReadDone(msg.layer_idx))))
+                elif mode == "fail":
+                    self._replies.put((endpoint, self.codec.encode(
+                        ReadFailed(msg.layer_idx, "destination blocks do not fit"))))
+                else:
+                    self.held.append((endpoint, msg.layer_idx))
+            self._cond.notify_all()
+
+    def answer_held(self, error: str | None = None) -> None:
+        with self._cond:
+            held, self.held = self.held, []
+        for endpoint, layer in held:
+            msg = ReadDone(layer) if error is None else ReadFailed(layer, error)
+            self._replies.put((endpoint, self.codec.encode(msg)))
+
+    def wait_batches(self, n: int) -> list[tuple[str, ReadReadyBatch]]:
+        with self._cond:
+            assert self._cond.wait_for(lambda: len(self.batches) >= n, WAIT), self.batches
+            return list(self.batches)
+
+    def poll(self, timeout: float) -> list[tuple[str, bytes]]:
+        try:
+            out = [self._replies.get(timeout=timeout)]
+        except queue.Empty:
+            return []
+        while True:
+            try:
+                out.append(self._replies.get_nowait())
+            except queue.Empty:
+                return [(ep, p) for ep, p in out if p]
+
+    def disconnected(self) -> list[str]:
+        return []
+
+    def wake(self) -> None:
+        self._replies.put(("", b""))
+
+    def close(self) -> None:
+        pass
+
+
+# ================================================================ Decode scheduler
+
+RID = "cmpl-42-0" + SUFFIX
+EXT = "cmpl-42-0"
+URL = "http://proxy:8000/v1/metaserver"
+
+
+def _params(**extra: Any) -> dict[str, Any]:
+    return {"do_remote_prefill": True, "metaserver": URL, **extra}
+
+
+@pytest.fixture
+def dsched():
+    ms = RecordingMetaserver()
+    log = RecordingLog()
+    sched = DecodeScheduler(metaserver=ms, host="10.1.2.3", base_port=31004, tp_size=2,
+                            engine_id="decode-engine", log=log)
+    return sched, ms, log
+
+
+def test_match_reports_the_rest_of_the_prompt_as_async(dsched) -> None:
+    sched, _, _ = dsched
+    assert sched.match(RID, 100, 0, _params()) == (100, True)
+    assert sched.match("other" + SUFFIX, 100, 32, _params()) == (68, True)
+    assert sched.counters()["remote"] == 2
+
+
+@pytest.mark.parametrize("params", [None, {}, {"do_remote_prefill": False}, {"metaserver": URL}])
+def test_match_ignores_requests_without_remote_prefill(dsched, params) -> None:
+    sched, _, _ = dsched
+    assert sched.match(RID, 100, 0, params) == (0, False)
+    assert sched.counters()["remote"] == 0
+
+
+def test_match_with_everything_computed_loads_nothing(dsched) -> None:
+    sched, ms, _ = dsched
+    params = _params()
+    assert sched.match(RID, 64, 64, params) == (0, False)
+    sched.after_alloc(RID, ([1, 2],), 0, 0, 0, 64, params)
+    assert params["do_remote_prefill"] is False
+    assert sched.build() == () and sched.counters() == {
+        "remote": 0, "waiting_post": 0, "queued_loads": 0}
+    assert sched.on_admitted({RID: 2}) == [] and ms.posts == []
+
+
+def test_after_alloc_records_destinations_and_clears_the_flag(dsched) -> None:
+    sched, ms, _ = dsched
+    params = _params()
+    sched.match(RID, 70, 0, params)
+    sched.after_alloc(RID, ([7, 8, 9], [3, 4, 5]), 0, 1, 70, 0, params)
+    assert params["do_remote_prefill"] is False
+    assert sched.build() == (DecodeLoad(RID, (7, 8, 9), (3, 4, 5)),)
+    assert sched.build() == ()  # handed to the workers once
+    assert ms.posts == []  # nothing posted before the workers admitted it
+
+
+def test_after_alloc_with_one_group_uses_it_for_the_indexer_too(dsched) -> None:
+    sched, _, _ = dsched
+    params = _params()
+    sched.match(RID, 70, 0, params)
+    sched.after_alloc(RID, ([7, 8, 9],), 0, 0, 70, 0, params)
+    assert sched.build() == (DecodeLoad(RID, (7, 8, 9), (7, 8, 9)),)
+
+
+def test_after_alloc_ignores_requests_it_did_not_match(dsched) -> None:
+    sched, ms, _ = dsched
+    sched.after_alloc(RID, ([1],), 0, 0, 32, 0, None)  # not a remote prefill at all
+    params = _params()
+    sched.after_alloc(RID, ([1],), 0, 0, 32, 0, params)  # never matched
+    assert params["do_remote_prefill"] is False
+    assert sched.build() == () and sched.on_admitted({RID: 2}) == [] and ms.posts == []
+
+
+def test_post_waits_for_every_tp_rank_and_carries_the_spec_payload(dsched) -> None:
+    sched, ms, _ = dsched
+    params = _params()
+    sched.match(RID, 100, 32, params)  # 32 tokens hit D's local prefix cache
+    # vLLM calls update_state_after_alloc before it sets request.num_computed_tokens:
+    # the local hit known from the match is what D already has.
+    sched.after_alloc(RID, ([5, 6, 7, 8],), 0, 0, 68, 0, params)
+    sched.build()
+    assert sched.on_admitted({RID: 1}) == [] and ms.posts == []  # rank 0 only
+    assert sched.on_admitted({"unknown" + SUFFIX: 2}) == []
+    assert sched.on_admitted({RID: 1}) == [RID]  # rank 1: everyone admitted
+    assert ms.posts == [(EXT, URL, {
+        "request_id": EXT,
+        "do_remote_prefill": False,
+        "do_remote_decode": True,
+        "remote_engine_id": "decode-engine",
+        "remote_host": "10.1.2.3",
+        "remote_port": 31004,
+        "remote_tp_size": 2,
+        "remote_pcp_size": 1,
+        "remote_dcp_size": 1,
+        "remote_cached_tokens": 32,
+    })]
+    assert sched.on_admitted({RID: 2}) == [] and len(ms.posts) == 1  # posted once
+    assert sched.posts == 1
+
+
+def test_admission_counts_summed_over_ranks_in_one_report(dsched) -> None:
+    sched, ms, _ = dsched
+    params = _params()
+    sched.match(RID, 64, 0, params)
+    sched.after_alloc(RID, ([1, 2],), 0, 0, 64, 0, params)
+    assert sched.on_admitted({RID: 2}) == [RID] and len(ms.posts) == 1
+
+
+def test_do_virtual_suppresses_the_post(dsched) -> None:
+    sched, ms, _ = dsched
+    params = _params(do_virtual=True)
+    sched.match(RID, 64, 0, params)
+    sched.after_alloc(RID, ([1, 2],), 0, 0, 64, 0, params)
+    assert sched.build() == (DecodeLoad(RID, (1, 2), (1, 2)),)  # still loaded
+    assert sched.on_admitted({RID: 2}) == [] and ms.posts == [] and sched.posts == 0
+
+
+def test_a_metaserver_that_is_not_a_url_is_logged_not_posted(dsched) -> None:
+    sched, ms, log = dsched
+    params = _params(metaserver=1234)
+    sched.match(RID, 64, 0, params)
+    sched.after_alloc(RID, ([1, 2],), 0, 0, 64, 0, params)
+    assert sched.on_admitted({RID: 2}) == [] and ms.posts == []
+    assert any(kw.get("request") == RID for _, kw in log.at("warning"))
+
+
+def test_an_unpostable_request_is_logged_and_others_still_post() -> None:
+    ms = RecordingMetaserver(fail_with=ValueError("bad URL scheme"))
+    log = RecordingLog()
+    sched = DecodeScheduler(metaserver=ms, host="h", base_port=1, tp_size=1, engine_id="e",
+                            log=log)
+    params = _params()
+    sched.match(RID, 64, 0, params)
+    sched.after_alloc(RID, ([1, 2],), 0, 0, 64, 0, params)
+    assert sched.on_admitted({RID: 1}) == []
+    (_, kw), = log.at("error")
+    assert kw["request"] == RID and "bad URL scheme" in kw["error"]
+
+
+def test_finished_cancels_the_post_and_forgets_the_request(dsched) -> None:
+    sched, ms, _ = dsched
+    params = _params()
+    sched.match(RID, 64, 0, params)
+    sched.after_alloc(RID, ([1, 2],), 0, 0, 64, 0, params)
+    sched.finished(RID)  # before the workers saw it
+    assert ms.cancels == [EXT]
+    assert sched.build() == ()
+    assert sched.counters() == {"remote": 0, "waiting_post": 0, "queued_loads": 0}
+    assert sched.on_admitted({RID: 2}) == [] and ms.posts == []
+    sched.finished("never-seen" + SUFFIX)
+    assert ms.cancels == [EXT]  # nothing to cancel for a request never waiting
+
+
+def test_shutdown_drops_everything_and_stops_the_metaserver(dsched) -> None:
+    sched, ms, _ = dsched
+    params = _params()
+    sched.match(RID, 64, 0, params)
+    sched.after_alloc(RID, ([1, 2],), 0, 0, 64, 0, params)
+    sched.shutdown(2.5)
+    assert ms.shutdowns == [2.5]
+    assert sched.build() == () and sched.on_admitted({RID: 2}) == [] and ms.posts == []
+
+
+# ================================================================ Prefill scheduler
+
+D_PARAMS = {
+    "do_remote_decode": True, "remote_host": "10.0.0.9", "remote_port": 31000,
+    "remote_tp_size": 1, "remote_engine_id": "d0", "remote_cached_tokens": 0,
+}
+
+
+def _psched(block_size: int = 4, *, indexer_group: int = 0, p_tp: int = 1):
+    log = RecordingLog()
+    return PrefillScheduler(block_size=block_size, main_group=0, indexer_group=indexer_group,
+                            p_tp=p_tp, log=log), log
+
+
+def test_track_only_remote_decode_requests() -> None:
+    sched, _ = _psched()
+    assert not sched.track("a" + SUFFIX, 10, None)
+    assert not sched.track("a" + SUFFIX, 10, {"do_remote_decode": False})
+    assert sched.track("a" + SUFFIX, 10, D_PARAMS)
+    assert sched.track("a" + SUFFIX, 10, None)  # idempotent: already tracked
+    assert sched.counters() == {"tracked": 1, "rejected": 0}
+
+
+def test_chunked_prefill_announces_completed_blocks_then_the_partial_last_one() -> None:
+    sched, _ = _psched(block_size=4)
+    rid = "chunky" + SUFFIX
+    sched.track(rid, 14, D_PARAMS)
+    ep = DecodeEndpoint("10.0.0.9", 31000, 1, "d0")
+    # step 1: 6 tokens -> block 0 complete, block 1 half written
+    s1 = sched.schedule(rid, ([10, 11],), 0, 6, replace_blocks=True)
+    assert s1 == PrefillSend(rid, "chunky", ep, (10,), (10,), 0, 0, False)
+    # step 2: 1 token -> still inside block 1: nothing new completed
+    assert sched.schedule(rid, None, 6, 1) is None
+    # step 3: 5 tokens (12) -> blocks 1, 2 complete
+    s3 = sched.schedule(rid, ([12],), 7, 5)
+    assert (s3.main_block_ids, s3.main_start, s3.final) == ((11, 12), 1, False)
+    # step 4: the final 2 tokens (14) -> the partial block 3 goes with the final chunk
+    s4 = sched.schedule(rid, ([13],), 12, 2)
+    assert (s4.main_block_ids, s4.main_start, s4.indexer_start, s4.final) == (
+        (13,), 3, 3, True)
+    assert sched.schedule(rid, None, 14, 1) is None  # decode steps after the final chunk
+    assert sched.finished(rid) is True
+    assert sched.counters()["tracked"] == 0
+
+
+def test_indexer_blocks_come_from_the_indexer_group() -> None:
+    sched, _ = _psched(block_size=4, indexer_group=1)
+    sched.track("r" + SUFFIX, 8, D_PARAMS)
+    s = sched.schedule("r" + SUFFIX, ([1, 2], [101, 102]), 0, 8, replace_blocks=True)
+    assert (s.main_block_ids, s.indexer_block_ids, s.final) == ((1, 2), (101, 102), True)
+
+
+def test_remote_cached_tokens_are_not_sent_again() -> None:
+    sched, _ = _psched(block_size=4)
+    sched.track("r" + SUFFIX, 10, {**D_PARAMS, "remote_cached_tokens": 8})
+    s = sched.schedule("r" + SUFFIX, ([1, 2, 3],), 0, 10, replace_blocks=True)
+    assert (s.main_block_ids, s.main_start, s.final) == ((3,), 2, True)
+
+
+def test_everything_cached_remotely_still_sends_the_final_marker() -> None:
+    sched, _ = _psched(block_size=4)
+    sched.track("r" + SUFFIX, 8, {**D_PARAMS, "remote_cached_tokens": 8})
+    s = sched.schedule("r" + SUFFIX, ([1, 2],), 0, 8, replace_blocks=True)
+    assert s is not None and s.final and s.main_block_ids == () and s.main_start == 2
+
+
+def test_resumed_request_replaces_its_blocks() -> None:
+    sched, _ = _psched(block_size=4)
+    rid = "pre" + SUFFIX
+    sched.track(rid, 12, D_PARAMS)
+    assert sched.schedule(rid, ([1, 2],), 0, 8, replace_blocks=True).main_block_ids == (1, 2)
+    # preempted, then resumed with new blocks for the whole request so far
+    s = sched.schedule(rid, ([7, 8, 9],), 8, 4, replace_blocks=True)
+    assert (s.main_block_ids, s.main_start, s.final) == ((9,), 2, True)
+
+
+def test_appended_blocks_extend_every_group() -> None:
+    sched, _ = _psched(block_size=2, indexer_group=1)
+    rid = "g" + SUFFIX
+    sched.track(rid, 6, D_PARAMS)
+    sched.schedule(rid, ([1], [11]), 0, 2, replace_blocks=True)
+    s = sched.schedule(rid, ([2, 3], [12, 13]), 2, 4)
+    assert (s.main_block_ids, s.indexer_block_ids) == ((2, 3), (12, 13))
+
+
+def test_a_chunk_beyond_the_allocated_blocks_drops_the_request_with_an_error() -> None:
+    sched, log = _psched(block_size=4)
+    rid = "short" + SUFFIX
+    sched.track(rid, 16, D_PARAMS)
+    assert sched.schedule(rid, ([1],), 0, 8, replace_blocks=True) is None
+    (_, kw), = log.at("error")
+    assert kw["request"] == rid and "only 1 blocks are allocated" in kw["error"]
+    assert sched.counters()["tracked"] == 0 and sched.finished(rid) is False
+
+
+def test_a_chunk_error_after_earlier_sends_keeps_the_blocks_until_sent() -> None:
+    sched, log = _psched(block_size=4)
+    rid = "cut" + SUFFIX
+    sched.track(rid, 16, D_PARAMS)
+    assert sched.schedule(rid, ([1, 2],), 0, 8, replace_blocks=True) is not None
+    assert sched.schedule(rid, None, 8, 8) is None  # ends at block 4, only 2 allocated
+    assert "only 2 blocks are allocated" in log.at("error")[0][1]["error"]
+    assert sched.schedule(rid, ([3, 4],), 16, 1) is None  # no more announcements
+    # Block 0..1 were announced: vLLM must wait for finished_sending before freeing them
+    # (and the worker will report it: vLLM asserts the request still exists then).
+    assert sched.finished(rid) is True
+    assert sched.counters()["tracked"] == 0
+
+
+def test_untracked_requests_are_not_scheduled() -> None:
+    sched, _ = _psched()
+    assert sched.schedule("local" + SUFFIX, ([1],), 0, 4, replace_blocks=True) is None
+    assert sched.finished("local" + SUFFIX) is False
+
+
+def test_finished_before_any_send_frees_at_once() -> None:
+    sched, _ = _psched(block_size=4)
+    sched.track("r" + SUFFIX, 16, D_PARAMS)
+    assert sched.schedule("r" + SUFFIX, ([1],), 0, 2, replace_blocks=True) is None
+    assert sched.finished("r" + SUFFIX) is False  # nothing announced: nothing to wait for
+    assert sched.counters()["tracked"] == 0
+
+
+def test_batch_params_resolved_by_external_id() -> None:
+    sched, _ = _psched(block_size=4)
+    batch = {
+        "do_remote_decode": True,
+        "batch_kv_transfer_params": {
+            "list-0": {**D_PARAMS, "remote_port": 31000},
+            "list-1": {**D_PARAMS, "remote_port": 32000, "remote_cached_tokens": 4},
+        },
+    }
+    assert sched.track("list-0" + SUFFIX, 8, batch)
+    assert sched.track("list-1" + SUFFIX, 8, batch)
+    s0 = sched.schedule("list-0" + SUFFIX, ([1, 2],), 0, 8, replace_blocks=True)
+    s1 = sched.schedule("list-1" + SUFFIX, ([3, 4],), 0, 8, replace_blocks=True)
+    assert (s0.ext_id, s0.decode.base_port, s0.main_block_ids) == ("list-0", 31000, (1, 2))
+    assert (s1.ext_id, s1.decode.base_port, s1.main_block_ids) == ("list-1", 32000, (4,))
+
+
+def test_missing_batch_entry_is_a_clear_error() -> None:
+    batch = {"do_remote_decode": True, "batch_kv_transfer_params": {"list-0": D_PARAMS}}
+    with pytest.raises(TransferParamsError, match=r"no entry for request 'list-7'.*list-0"):
+        resolve_params("list-7", batch)
+    with pytest.raises(TransferParamsError, match="must be an object"):
+        resolve_params("x", {"do_remote_decode": True, "batch_kv_transfer_params": [1]})
+    sched, log = _psched()
+    assert not sched.track("list-7" + SUFFIX, 8, batch)
+    (_, kw), = log.at("error")
+    assert kw["request"] == "list-7" + SUFFIX and "'list-7'" in kw["error"]
+    assert sched.counters() == {"tracked": 0, "rejected": 1}
+
+
+@pytest.mark.parametrize("key", ["remote_pcp_size", "remote_dcp_size"])
+def test_context_parallel_decode_is_rejected(key) -> None:
+    with pytest.raises(TransferParamsError, match=f"{key} must be 1"):
+        decode_endpoint({**D_PARAMS, key: 2}, 1)
+    sched, log = _psched()
+    assert not sched.track("r" + SUFFIX, 8, {**D_PARAMS, key: 2})
+    assert key in log.at("error")[0][1]["error"]
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        ({"remote_host": ""}, "remote_host"),
+        ({"remote_port": "31000"}, "remote_port"),
+        ({"remote_port": 70000}, "outside"),
+        ({"remote_tp_size": True}, "remote_tp_size"),
+        ({"remote_cached_tokens": -1}, "remote_cached_tokens"),
+    ],
+)
+def test_bad_contact_info_is_rejected_naming_the_key(change, match) -> None:
+    with pytest.raises(TransferParamsError, match=match):
+        decode_endpoint({**D_PARAMS, **change}, 1)
+
+
+def test_decode_tp_larger_than_prefill_tp_is_rejected() -> None:
+    with pytest.raises(TopologyError, match="prefill TP 1 < decode TP 2"):
+        decode_endpoint({**D_PARAMS, "remote_tp_size": 2}, 1)
+    sched, _ = _psched(p_tp=1)
+    assert not sched.track("r" + SUFFIX, 8, {**D_PARAMS, "remote_tp_size": 2})
+
+
+# ================================================================ Prefill worker
+
+LAYERS = 3
+NAMES = {i: f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)}
+
+
+def _send(rid: str, blocks: tuple[int, ...], start: int, final: bool, *,
+          port: int = 31000, d_tp: int = 1) -> PrefillSend:
+    ext = rid[: -len(SUFFIX)]
+    return PrefillSend(rid, ext, DecodeEndpoint("10.0.0.9", port, d_tp), blocks, blocks,
+                       start, start, final)
+
+
+@pytest.fixture
+def pworker():
+    made: list[PrefillWorker] = []
+
+    def make(decode: ScriptedDecode, *, p_rank: int = 0, p_tp: int = 1,
+             buffer_reuse: bool = False, clock: ManualClock | None = None,
+             log: RecordingLog | None = None) -> PrefillWorker:
+        clock = clock or ManualClock()
+        layouts = {i: SourceLayout(NAMES[i], (TensorComponent(0x100000 * (i + 1), 64),))
+                   for i in NAMES}
+        sender = PrefillSender(
+            clients_factory=lambda: decode, codec=MsgpackCodec(), p_session="p-session",
+            layers=layouts, clock=clock, log=log or RecordingLog(), meta_ack_timeout_s=5,
+            layer_ack_timeout_s=5, event_timeout_s=5, poll_interval_s=0.005,
+        )
+        worker = PrefillWorker(
+            sender=sender, events=ImmediateEvents(), p_rank=p_rank, p_tp=p_tp,
+            layer_names=NAMES, clock=clock, log=log or RecordingLog(),
+            buffer_reuse=buffer_reuse, reuse_timeout_s=0.05, stop_timeout_s=2,
+        )
+        worker.start()
+        made.append(worker)
+        return worker
+
+    yield make
+    for w in made:
+        w.shutdown()
+
+
+def _sender(worker: PrefillWorker) -> PrefillSender:
+    return worker._sender  # the test drains it to know every reply was handled
+
+
+def _write_all_layers(worker: PrefillWorker) -> list[bool]:
+    return [worker.layer_written(NAMES[i]) for i in range(LAYERS)]
+
+
+def test_each_layer_is_announced_once_per_step(pworker) -> None:
+    decode = ScriptedDecode()
+    worker = pworker(decode)
+    rid = "a" + SUFFIX
+    worker.start_step([_send(rid, (4, 5), 0, False)])
+    assert worker.layer_written(NAMES[0]) is True
+    assert worker.layer_written(NAMES[0]) is False  # second hook of the same layer
+    assert worker.layer_written(NAMES[1]) and worker.layer_written(NAMES[2])
+    batches = decode.wait_batches(3)
+    assert [b.layer_idx for _, b in batches] == [0, 1, 2]
+    assert all(b.read_reqs == (ReadRequest("a", (4, 5), (4, 5), 0, 0),) for _, b in batches)
+    assert all(b.done_ext_ids == () for _, b in batches)  # not the final chunk
+    assert decode.metas == ["tcp://10.0.0.9:31000"]  # MF_META once per connection
+    worker.start_step([_send(rid, (6,), 2, False)])  # the next step announces again
+    assert worker.layer_written(NAMES[0])
+    assert decode.wait_batches(4)[-1][1].read_reqs[0].main_start_block == 2
+    assert worker.layers_announced == 4
+
+
+def test_a_step_without_sends_and_unknown_layers_announce_nothing(pworker) -> None:
+    decode = ScriptedDecode()
+    worker = pworker(decode)
+    worker.start_step([])
+    assert _write_all_layers(worker) == [False, False, False]
+    worker.start_step([_send("a" + SUFFIX, (1,), 0, True)])
+    assert worker.layer_written("model.layers.9.self_attn.attn") is False
+    assert worker.layers_announced == 0 and decode.batches == []
+
+
+def test_done_only_on_the_last_layer_of_the_final_chunk(pworker) -> None:
+    decode = ScriptedDecode()
+    worker = pworker(decode)
+    rid = "fin" + SUFFIX
+    worker.start_step([_send(rid, (1,), 0, False)])
+    _write_all_layers(worker)
+    worker.start_step([_send(rid, (2, 3), 1, True)])
+    _write_all_layers(worker)
+    batches = [b for _, b in decode.wait_batches(6)]
+    assert [b.done_ext_ids for b in batches] == [(), (), (), (), (), ("fin",)]
+    assert batches[5].read_reqs == (ReadRequest("fin", (2, 3), (2, 3), 1, 1),)
+
+
+def test_a_final_chunk_without_blocks_sends_only_the_done_marker(pworker) -> None:
+    decode = ScriptedDecode()
+    worker = pworker(decode)
+    worker.start_step([_send("cached" + SUFFIX, (), 2, True)])
+    assert _write_all_layers(worker) == [False, False, True]
+    (_, batch), = decode.wait_batches(1)
+    assert (batch.layer_idx, batch.read_reqs, batch.done_ext_ids) == (2, (), ("cached",))
+
+
+@pytest.mark.parametrize(
+    ("p_tp", "p_rank", "d_tp", "port", "member", "ratio"),
+    [(2, 1, 2, 31001, 0, 1),  # ratio 1: P rank 1 -> D rank 1
+     (2, 1, 1, 31000, 1, 2),  # ratio 2: P rank 1 -> D rank 0, second contributor
+     (4, 2, 2, 31001, 0, 2)],
+)
+def test_endpoint_is_the_mapped_decode_rank_port(pworker, p_tp, p_rank, d_tp, port, member,
+                                                 ratio) -> None:
+    decode = ScriptedDecode()
+    worker = pworker(decode, p_rank=p_rank, p_tp=p_tp)
+    worker.start_step([_send("a" + SUFFIX, (1,), 0, True, d_tp=d_tp)])
+    _write_all_layers(worker)
+    batches = decode.wait_batches(3)
+    assert {ep for ep, _ in batches} == {f"tcp://10.0.0.9:{port}"}
+    assert {(b.group_member_idx, b.tp_ratio) for _, b in batches} == {(member, ratio)}
+
+
+def test_requests_for_two_decode_instances_go_to_two_endpoints(pworker) -> None:
+    decode = ScriptedDecode()
+    worker = pworker(decode)
+    worker.start_step([_send("a" + SUFFIX, (1,), 0, True, port=31000),
+                       _send("b" + SUFFIX, (2,), 0, True, port=32000),
+                       _send("c" + SUFFIX, (3,), 0, True, port=32000)])
+    worker.layer_written(NAMES[2])
+    by_ep = dict(decode.wait_batches(2))
+    assert [r.ext_req_id for r in by_ep["tcp://10.0.0.9:31000"].read_reqs] == ["a"]
+    assert [r.ext_req_id for r in by_ep["tcp://10.0.0.9:32000"].read_reqs] == ["b", "c"]
+    assert by_ep["tcp://10.0.0.9:32000"].done_ext_ids == ("b", "c")
+
+
+def test_finished_only_once_every_announcement_was_answered(pworker) -> None:
+    decode = ScriptedDecode(default="hold")
+    worker = pworker(decode)
+    rid = "slow" + SUFFIX
+    worker.start_step([_send(rid, (1, 2), 0, True)])
+    _write_all_layers(worker)
+    decode.wait_batches(3)
+    assert worker.get_finished({rid}) == set()  # vLLM finished it, Decode is still reading
+    assert worker.counters()["tickets"] == 3
+    decode.answer_held()
+    assert _sender(worker).drain(WAIT)
+    assert worker.get_finished(set()) == {rid}  # vLLM's earlier finish is remembered
+    assert worker.get_finished({rid}) == set()  # reported once
+    assert worker.counters() == {"requests": 0, "tickets": 0, "pending_layers": 0,
+                                 "closed_slots": 0, "queued_tasks": 0, "unacked_sends": 0,
+                                 "open_tickets": 0}
+
+
+def test_answered_but_not_finished_by_vllm_is_not_reported(pworker) -> None:
+    decode = ScriptedDecode()
+    worker = pworker(decode)
+    rid = "a" + SUFFIX
+    worker.start_step([_send(rid, (1,), 0, False)])
+    _write_all_layers(worker)
+    decode.wait_batches(3)
+    assert _sender(worker).drain(WAIT)
+    assert worker.get_finished(set()) == set()
+    assert worker.get_finished({rid}) == {rid}
+
+
+def test_failed_announcements_also_release_the_request(pworker) -> None:
+    decode = ScriptedDecode(default="fail")
+    log = RecordingLog()
+    worker = pworker(decode, log=log)
+    rid = "bad" + SUFFIX
+    worker.start_step([_send(rid, (1,), 0, True)])
+    _write_all_layers(worker)
+    decode.wait_batches(3)
+    assert _sender(worker).drain(WAIT)
+    assert worker.get_finished({rid}) == {rid}
+    assert worker.requests_failed == 1  # counted once per request, not per layer
+    warned = [kw for e, kw in log.at("warning") if e == "decode did not read a request's layer"]
+    assert len(warned) == 1 and "do not fit" in warned[0]["error"]
+
+
+def test_expired_announcements_release_the_request(pworker) -> None:
+    decode = ScriptedDecode(default="hold")
+    clock = ManualClock()
+    worker = pworker(decode, clock=clock)
+    rid = "lost" + SUFFIX
+    worker.start_step([_send(rid, (1,), 0, True)])
+    _write_all_layers(worker)
+    decode.wait_batches(3)
+    assert worker.get_finished({rid}) == set()
+    clock.advance(60)  # past the acknowledgement deadline
+    assert _sender(worker).drain(WAIT)
+    assert worker.get_finished(set()) == {rid}
+    assert worker.requests_failed == 1
+    assert decode.disconnects == ["tcp://10.0.0.9:31000"]  # the silent endpoint is dropped
+
+
+def test_a_request_spanning_two_endpoints_waits_for_both(pworker) -> None:
+    decode = ScriptedDecode()
+    decode.mode["tcp://10.0.0.9:32000"] = "hold"
+    worker = pworker(decode)
+    worker.start_step([_send("a" + SUFFIX, (1,), 0, True, port=31000),
+                       _send("b" + SUFFIX, (2,), 0, True, port=32000)])
+    worker.layer_written(NAMES[2])
+    decode.wait_batches(2)
+    with decode._cond:
+        assert decode._cond.wait_for(lambda: decode.held, WAIT)
+    assert _sender(worker).drain(0.05) is False  # b's layer is still pending
+    # One announcement (ticket) per layer covers both endpoints: b's blocks surely wait.
+    assert "b" + SUFFIX not in worker.get_finished({"a" + SUFFIX, "b" + SUFFIX})
+    decode.answer_held()
+    assert _sender(worker).drain(WAIT)
+    assert worker.get_finished(set()) >= {"b" + SUFFIX}
+    assert worker.counters()["requests"] == 0
+
+
+def test_a_dead_sender_fails_the_layer_without_stranding_the_request(pworker) -> None:
+    decode = ScriptedDecode()
+    worker = pworker(decode)
+    assert _sender(worker).stop(2)
+    rid = "orphan" + SUFFIX
+    worker.start_step([_send(rid, (1,), 0, True)])
+    with pytest.raises(LayerSendError, match="stopped"):
+        worker.layer_written(NAMES[0])
+    assert worker.get_finished({rid}) == {rid}
+    assert worker.requests_failed == 1
+
+
+def test_buffer_reuse_gate_waits_for_decode(pworker) -> None:
+    decode = ScriptedDecode(default="hold")
+    worker = pworker(decode, buffer_reuse=True)
+    worker.start_step([_send("a" + SUFFIX, (1,), 0, True)])
+    worker.layer_written(NAMES[0])
+    decode.wait_batches(1)
+    with pytest.raises(LayerSendError, match="no acknowledgement"):
+        worker.before_layer(NAMES[0])  # still being read: writing it again is unsafe
+    worker.before_layer(NAMES[1])  # never announced: open
+    decode.answer_held()
+    assert _sender(worker).drain(WAIT)
+    worker.before_layer(NAMES[0])  # answered: may be written
+
+
+def test_without_buffer_reuse_the_layer_hook_does_not_wait(pworker) -> None:
+    decode = ScriptedDecode(default="hold")
+    worker = pworker(decode, buffer_reuse=False)
+    worker.start_step([_send("a" + SUFFIX, (1,), 0, True)])
+    worker.layer_written(NAMES[0])
+    decode.wait_batches(1)
+    worker.before_layer(NAMES[0])  # returns at once although Decode has not answered
+    with pytest.raises(LayerSendError, match="no acknowledgement"):
+        worker.wait_for_layer_reuse(0)  # the explicit gate still guards the buffer
+
+
+def test_a_failed_layer_raises_at_the_reuse_gate(pworker) -> None:
+    decode = ScriptedDecode(default="fail")
+    worker = pworker(decode, buffer_reuse=True)
+    worker.start_step([_send("a" + SUFFIX, (1,), 0, True)])
+    worker.layer_written(NAMES[0])
+    decode.wait_batches(1)
+    assert _sender(worker).drain(WAIT)
+    with pytest.raises(LayerSendError, match="do not fit"):
+        worker.before_layer(NAMES[0])
+
+
+# ================================================================ Decode worker
+
+
+class MemoryNet:
+    """In-memory control channel: Decode servers by endpoint, one Prefill client."""
+
+    def __init__(self) -> None:
+        self.servers: dict[str, MemoryServer] = {}
+        self.replies: queue.Queue[tuple[str, bytes]] = queue.Queue()
+
+    def server(self, endpoint: str) -> MemoryServer:
+        self.servers[endpoint] = MemoryServer(endpoint, self.replies)
+        return self.servers[endpoint]
+
+
+class MemoryServer:
+    def __init__(self, endpoint: str, replies: queue.Queue[tuple[str, bytes]]) -> None:
+        self.endpoint = endpoint
+        self.inbox: queue.Queue[tuple[bytes, bytes]] = queue.Queue()
+        self._replies = replies
+
+    def recv(self, timeout: float) -> tuple[bytes, bytes] | None:
+        try:
+            return self.inbox.get(timeout=timeout)
+        except queue.Empty:
+            return None
+
+    def send(self, identity: bytes, payload: bytes) -> bool:
+        self._replies.put((self.endpoint, payload))
+        return True
+
+    def disconnected(self) -> list[bytes]:
+        return []
+
+    def close(self) -> None:
+        pass
+
+
+class MemoryClients:
+    def __init__(self, net: MemoryNet) -> None:
+        self.net = net
+
+    def connect(self, endpoint: str) -> None:
+        assert endpoint in self.net.servers, endpoint
+
+    def disconnect(self, endpoint: str) -> None:
+        pass
+
+    def send(self, endpoint: str, payload: bytes, timeout: float = 5.0) -> None:
+        self.net.servers[endpoint].inbox.put((b"p0", payload))
+
+    def poll(self, timeout: float) -> list[tuple[str, bytes]]:
+        try:
+            out = [self.net.replies.get(timeout=timeout)]
+        except queue.Empty:
+            return []
+        while True:
+            try:
+                out.append(self.net.replies.get_nowait())
+            except queue.Empty:
+                return [(ep, p) for ep, p in out if p]
+
+    def disconnected(self) -> list[str]:
+        return []
+
+    def wake(self) -> None:
+        self.net.replies.put(("", b""))
+
+    def close(self) -> None:
+        pass
+
+
+BPB = 64  # bytes per block of the one main tensor
+NB = 8
+D_EP = "tcp://10.0.0.9:31000"
+LAYER = "model.layers.0.self_attn.attn"
+
+
+@pytest.fixture
+def pd():
+    """A Prefill worker and a Decode worker (one layer, one main tensor) sharing an
+    in-memory control channel and the inproc transport."""
+    net = MemoryNet()
+    clock = ManualClock()
+    p_engine, d_engine = InprocTransferEngine(), InprocTransferEngine()
+    p_buf = np.random.default_rng(1).integers(1, 255, (NB, BPB), dtype=np.uint8)
+    d_buf = np.zeros((NB, BPB), dtype=np.uint8)
+    p_engine.register_memory(p_buf.ctypes.data, p_buf.nbytes)
+    d_engine.register_memory(d_buf.ctypes.data, d_buf.nbytes)
+    receiver = DecodeReceiver(
+        server_factory=lambda: net.server(D_EP), codec=MsgpackCodec(), transfer=d_engine,
+        destinations={LAYER: DestinationLayout(LAYER, (DestTensor(d_buf.ctypes.data, BPB, NB),))},
+        d_rank=0, d_tp=1, clock=clock, log=RecordingLog(), request_timeout_s=30,
+        poll_interval_s=0.005, main_shared=False,
+    )
+    d_log = RecordingLog()
+    dworker = DecodeWorker(receiver=receiver, exchange=InMemoryExchangeGroup(1).member(0),
+                           log=d_log, exchange_timeout_s=WAIT, stop_timeout_s=2)
+    sender = PrefillSender(
+        clients_factory=lambda: MemoryClients(net), codec=MsgpackCodec(),
+        p_session=p_engine.session_id,
+        layers={0: SourceLayout(LAYER, (TensorComponent(p_buf.ctypes.data, BPB, 1, 0, NB),))},
+        clock=clock, log=RecordingLog(), meta_ack_timeout_s=WAIT, layer_ack_timeout_s=WAIT,
+        poll_interval_s=0.005,
+    )
+    pworker = PrefillWorker(sender=sender, events=ImmediateEvents(), p_rank=0, p_tp=1,
+                            layer_names={0: LAYER}, clock=clock, log=RecordingLog())
+    assert dworker.start() == D_EP
+    pworker.start()
+    yield pworker, dworker, clock, p_buf, d_buf, d_log
+    pworker.shutdown()
+    dworker.shutdown()
+    p_engine.close()
+    d_engine.close()
+
+
+def test_decode_worker_admits_each_load_and_reports_it_once(pd) -> None:
+    _, dworker, *_ = pd
+    dworker.start_step([DecodeLoad("a" + SUFFIX, (1, 2), (1, 2)),
+                        DecodeLoad("b" + SUFFIX, (3,), (3,))])
+    dworker.start_step([])
+    assert dworker.take_admitted() == ["a" + SUFFIX, "b" + SUFFIX]
+    assert dworker.take_admitted() == []
+    res = dworker.get_finished(set())
+    assert res.finished == res.failed == frozenset() and not res.invalid_block_ids
+
+
+def test_prefill_to_decode_pull_finishes_the_request(pd) -> None:
+    pworker, dworker, _, p_buf, d_buf, _ = pd
+    rid = "pull" + SUFFIX
+    dworker.start_step([DecodeLoad(rid, (5, 6, 7), (5, 6, 7))])
+    pworker.start_step([PrefillSend(rid, "pull", DecodeEndpoint("10.0.0.9", 31000, 1),
+                                    (0, 1, 2), (0, 1, 2), 0, 0, True)])
+    assert pworker.layer_written(LAYER)
+    assert _sender(pworker).drain(WAIT)
+    np.testing.assert_array_equal(d_buf[[5, 6, 7]], p_buf[[0, 1, 2]])
+    res = dworker.get_finished(set())
+    assert res.finished == {rid} and not res.failed and not res.invalid_block_ids
+    assert (dworker.requests_done, dworker.requests_failed) == (1, 0)
+    assert dworker.stats.bytes_read == 3 * BPB and dworker.stats.layers_done == 1
+    assert pworker.get_finished({rid}) == {rid}
+
+
+def test_a_request_without_kv_in_time_fails_with_its_blocks_invalid(pd) -> None:
+    _, dworker, clock, _, _, d_log = pd
+    rid = "late" + SUFFIX
+    dworker.start_step([DecodeLoad(rid, (2, 3), (4,))])
+    assert dworker.get_finished(set()).finished == frozenset()
+    clock.advance(31)  # past the request deadline
+    res = dworker.get_finished(set())
+    assert res.finished == {rid} and res.failed == {rid}
+    assert res.invalid_block_ids == {2, 3, 4}
+    assert (dworker.requests_done, dworker.requests_failed) == (0, 1)
+    assert any(kw.get("request") == rid for _, kw in d_log.at("warning"))
+
+
+def test_a_read_that_cannot_land_fails_the_request_on_both_sides(pd) -> None:
+    pworker, dworker, *_ = pd
+    rid = "misfit" + SUFFIX
+    dworker.start_step([DecodeLoad(rid, (1,), (1,))])
+    pworker.start_step([PrefillSend(rid, "misfit", DecodeEndpoint("10.0.0.9", 31000, 1),
+                                    (0, 1), (0, 1), 0, 0, True)])  # 2 blocks into 1
+    pworker.layer_written(LAYER)
+    assert _sender(pworker).drain(WAIT)
+    res = dworker.get_finished(set())
+    assert res.failed == {rid} and rid in res.finished and res.invalid_block_ids == {1}
+    assert pworker.get_finished({rid}) == {rid} and pworker.requests_failed == 1
+
+
+# ================================================================ announcement tickets
+
+
+def test_tickets_resolve_in_fifo_order_per_layer_and_endpoint() -> None:
+    t = AnnouncementTickets()
+    t.open("t1", 0, ["e1", "e2"])
+    t.open("t2", 0, ["e1"])
+    t.open("t3", 1, ["e1"])
+    t.reply(0, "e1", None)  # the oldest open ticket of (0, e1): t1
+    assert t.take_resolved() == []  # t1 still waits for e2
+    t.reply(0, "e1", None)
+    assert t.take_resolved() == [("t2", None)]
+    t.reply(0, "e2", "READ_FAILED x")
+    t.reply(1, "e1", None)
+    assert t.take_resolved() == [("t1", "READ_FAILED x"), ("t3", None)]
+    assert t.take_resolved() == [] and t.open_count == 0
+    t.reply(0, "e1", None)  # a reply nobody waits for is ignored
+    assert t.take_resolved() == []
+
+
+def test_ticket_keeps_its_first_error() -> None:
+    t = AnnouncementTickets()
+    t.open("t", 0, ["e1", "e2", "e3"])
+    t.reply(0, "e1", "first")
+    t.reply(0, "e2", "second")
+    t.reply(0, "e3", None)
+    assert t.take_resolved() == [("t", "first")]
+
+
+def test_ticket_without_endpoints_resolves_at_once_and_ids_are_unique() -> None:
+    t = AnnouncementTickets()
+    t.open("empty", 3, [])
+    assert t.take_resolved() == [("empty", None)]
+    t.open("t", 0, ["e"])
+    with pytest.raises(ValueError, match="already open"):
+        t.open("t", 1, ["e"])
+
+
+def test_fail_layer_resolves_only_that_layer() -> None:
+    t = AnnouncementTickets()
+    t.open("a", 0, ["e1", "e2"])
+    t.open("b", 1, ["e1"])
+    t.fail_layer(0, "expired")
+    assert t.take_resolved() == [("a", "expired")]
+    assert t.open_count == 1
+    t.reply(1, "e1", None)
+    assert t.take_resolved() == [("b", None)]
+
+
+def test_fail_endpoint_and_fail_all() -> None:
+    t = AnnouncementTickets()
+    t.open("a", 0, ["e1", "e2"])
+    t.open("b", 1, ["e2"])
+    t.open("c", 2, ["e3"])
+    t.fail_endpoint("e2", "gone")
+    assert t.take_resolved() == [("b", "gone")]  # a still waits for e1
+    t.fail_all("stopped")
+    assert sorted(t.take_resolved()) == [("a", "gone"), ("c", "stopped")]  # first error
+    assert t.open_count == 0
