@@ -339,6 +339,12 @@ class SfaRemoteD2HConnector(KVConnectorBase_V1, SupportsHMA):
             return None
         d = delta(now, self._stats_before)
         self._stats_before = now
+        if self._d_worker is not None:
+            # Hand over this interval's latencies and empty the receiver's list, which
+            # would otherwise grow for as long as Decode runs.
+            lat = self._d_worker.stats.read_latencies_ms
+            d["read_latency_ms"] = list(lat)
+            lat.clear()
         stats = Rd2hConnectorStats(data=d)
         return None if stats.is_empty() else stats
 
@@ -349,8 +355,7 @@ class SfaRemoteD2HConnector(KVConnectorBase_V1, SupportsHMA):
                     "layers_failed": s.layers_failed, "read_seconds": s.read_seconds,
                     "reads_failed": s.reads_failed,
                     "requests_done": self._d_worker.requests_done,
-                    "requests_failed": self._d_worker.requests_failed,
-                    "read_latency_ms": list(s.read_latencies_ms)}
+                    "requests_failed": self._d_worker.requests_failed}
         if self._p_worker is not None:
             return {"layers_announced": self._p_worker.layers_announced,
                     "requests_failed": self._p_worker.requests_failed}

@@ -92,7 +92,8 @@ class PrefillWorker:
         names = []
         for s in self._sends:
             m = compute_mapping(self._p_tp, s.decode.tp_size, self._p_rank)
-            endpoint = f"tcp://{s.decode.host}:{remote_port(s.decode.base_port, m.d_rank)}"
+            host = f"[{s.decode.host}]" if ":" in s.decode.host else s.decode.host
+            endpoint = f"tcp://{host}:{remote_port(s.decode.base_port, m.d_rank)}"
             req = None
             if s.main_block_ids or s.indexer_block_ids:
                 req = ReadRequest(s.ext_id, s.main_block_ids, s.indexer_block_ids,

