@@ -29,7 +29,6 @@ import numpy as np
 from rd2h.app.demo_config import DemoConfig, chunk_bounds, internal_id, layer_name
 from rd2h.app.faults import KILLED_EXIT_CODE, prefill_kill_layer
 from rd2h.app.synthetic import Allocation, block_pattern
-from rd2h.domain.layout import SourceLayout, TensorComponent
 
 ENGINE_ID = "demo-decode"
 
@@ -47,41 +46,15 @@ def prefill_rank_via_provider(cfg: DemoConfig, p_rank: int, base_port: int,
     from rd2h.adapters.zmq.channel import tcp_endpoint
     from rd2h.app.connector.prefill_scheduler import PrefillScheduler
     from rd2h.app.connector.prefill_worker import PrefillWorker
-    from rd2h.app.container import build_container
-    from rd2h.app.settings import Rd2hSettings
+    from rd2h.app.demo_ranks import prefill_memory
     from rd2h.domain.errors import LayerSendError
     from rd2h.domain.topology import compute_mapping, remote_port
 
     shapes = cfg.shapes
     deadlines = cfg.deadlines()
-    settings = Rd2hSettings(role="prefill", transport=cfg.transport, tp_size=cfg.prefill_tp,
-                            host=cfg.prefill_host, mooncake_protocol=cfg.mooncake_protocol,
-                            tp_rank=p_rank, cma_threads=cfg.cma_threads, log_level=cfg.log_level,
-                            deadlines=deadlines)
-    container = build_container(settings)
-    transport = container.transport()
+    container, transport, buffers, layouts, p_ids = prefill_memory(cfg, p_rank, alloc)
     n_phys = cfg.shared_buffers or cfg.layers
     comps = shapes.components
-    buffers = {
-        (b, c): np.zeros((alloc.p_pool_blocks, shapes.bytes_per_block(c)), dtype=np.uint8)
-        for b in range(n_phys) for c in comps
-    }
-    for arr in buffers.values():
-        transport.register_memory(arr.ctypes.data, arr.nbytes)
-
-    def tc(b: int, c: str) -> TensorComponent:
-        return TensorComponent(buffers[(b, c)].ctypes.data, shapes.bytes_per_block(c), 1, 0)
-
-    layouts = {
-        layer: SourceLayout(
-            layer_name(layer),
-            main=(tc(layer % n_phys, "main_k"), tc(layer % n_phys, "main_v")),
-            indexer=tc(layer % n_phys, "indexer") if shapes.indexer else None,
-            scale=tc(layer % n_phys, "scale") if shapes.scale else None,
-        )
-        for layer in range(cfg.layers)
-    }
-    p_ids = [np.asarray(ids, dtype=np.int64) for ids in alloc.p_blocks]
     request_of = {internal_id(r): r for r in range(cfg.requests)}
 
     def write(layer: int, r: int, start: int, end: int) -> None:

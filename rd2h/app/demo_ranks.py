@@ -75,44 +75,55 @@ def prefill_main(cfg: DemoConfig, p_rank: int, base_port: int, alloc: Allocation
         raise SystemExit(1) from exc
 
 
-def _prefill_rank(cfg: DemoConfig, p_rank: int, base_port: int, alloc: Allocation,
-                  go: Any, release: Any, out: Any) -> None:
-    from rd2h.adapters.zmq.channel import tcp_endpoint
+def prefill_memory(cfg: DemoConfig, p_rank: int, alloc: Allocation) -> tuple[Any, ...]:
+    """A Prefill rank's container, transport, registered source buffers (one per
+    physical buffer and component), per-layer layouts and per-request block ids."""
     from rd2h.app.container import build_container
-    from rd2h.app.prefill import LayerTarget
     from rd2h.app.settings import Rd2hSettings
-    from rd2h.domain.errors import LayerSendError
 
     shapes = cfg.shapes
-    deadlines = cfg.deadlines()
     settings = Rd2hSettings(role="prefill", transport=cfg.transport, tp_size=cfg.prefill_tp,
                             host=cfg.prefill_host, mooncake_protocol=cfg.mooncake_protocol,
                             tp_rank=p_rank, cma_threads=cfg.cma_threads, log_level=cfg.log_level,
-                            deadlines=deadlines)
+                            deadlines=cfg.deadlines())
     container = build_container(settings)
     transport = container.transport()
     n_phys = cfg.shared_buffers or cfg.layers
-    comps = shapes.components
     buffers = {
         (b, c): np.zeros((alloc.p_pool_blocks, shapes.bytes_per_block(c)), dtype=np.uint8)
-        for b in range(n_phys) for c in comps
+        for b in range(n_phys) for c in shapes.components
     }
     for arr in buffers.values():
         transport.register_memory(arr.ctypes.data, arr.nbytes)
 
     def tc(b: int, c: str) -> TensorComponent:
-        return TensorComponent(buffers[(b, c)].ctypes.data, shapes.bytes_per_block(c), 1, 0)
+        return TensorComponent(buffers[(b, c)].ctypes.data, shapes.bytes_per_block(c), 1, 0,
+                               num_blocks=alloc.p_pool_blocks)
 
-    layouts = {}
-    for layer in range(cfg.layers):
-        b = layer % n_phys
-        layouts[layer] = SourceLayout(
+    layouts = {
+        layer: SourceLayout(
             layer_name(layer),
-            main=(tc(b, "main_k"), tc(b, "main_v")),
-            indexer=tc(b, "indexer") if shapes.indexer else None,
-            scale=tc(b, "scale") if shapes.scale else None,
+            main=(tc(layer % n_phys, "main_k"), tc(layer % n_phys, "main_v")),
+            indexer=tc(layer % n_phys, "indexer") if shapes.indexer else None,
+            scale=tc(layer % n_phys, "scale") if shapes.scale else None,
         )
+        for layer in range(cfg.layers)
+    }
     p_ids = [np.asarray(ids, dtype=np.int64) for ids in alloc.p_blocks]
+    return container, transport, buffers, layouts, p_ids
+
+
+def _prefill_rank(cfg: DemoConfig, p_rank: int, base_port: int, alloc: Allocation,
+                  go: Any, release: Any, out: Any) -> None:
+    from rd2h.adapters.zmq.channel import tcp_endpoint
+    from rd2h.app.prefill import LayerTarget
+    from rd2h.domain.errors import LayerSendError
+
+    shapes = cfg.shapes
+    deadlines = cfg.deadlines()
+    container, transport, buffers, layouts, p_ids = prefill_memory(cfg, p_rank, alloc)
+    n_phys = cfg.shared_buffers or cfg.layers
+    comps = shapes.components
 
     def write(layer: int, start: int, end: int) -> None:
         b = layer % n_phys
