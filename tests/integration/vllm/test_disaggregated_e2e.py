@@ -17,8 +17,10 @@ import time
 import httpx
 import pytest
 
-from tests.integration.vllm.servers import free_port, free_port_block, proxy_server, vllm_server
-from tests.integration.vllm.tiny_model import VOCAB, make_tiny_llama
+# Sibling helpers: pytest puts this directory on sys.path (it is deliberately not a
+# package: a package named "vllm" under tests/ would shadow the real vLLM).
+from servers import free_port, free_port_block, proxy_server, vllm_server
+from tiny_model import VOCAB, make_tiny_llama
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(1500)]
 
