@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from rd2h import __version__
@@ -47,6 +48,11 @@ def _demo_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--shared-buffers", type=int, default=d.shared_buffers, metavar="K",
                    help="Prefill writes layer L into physical buffer L mod K after waiting on "
                         "its reuse gate (0 = one buffer per layer)")
+    p.add_argument("--auth-secret", default=os.environ.get("RD2H_AUTH_SECRET"),
+                   metavar="SECRET",
+                   help="sign and check every control message with HMAC-SHA256 under this "
+                        "shared secret (at least 16 characters; default: $RD2H_AUTH_SECRET, "
+                        "unset = no authentication)")
     p.add_argument("--via-provider", action="store_true",
                    help="Prefill ranks drive rd2h's connector roles (PrefillScheduler, "
                         "PrefillWorker) as vLLM does, through the buffer-reuse provider "
@@ -107,7 +113,7 @@ def _run_demo(args: argparse.Namespace) -> int:
         prefill_tp=args.prefill_tp, decode_tp=args.decode_tp, layers=args.layers,
         requests=args.requests, prompt_tokens=args.prompt_tokens, block_size=args.block_size,
         chunks=args.chunks, shared_buffers=args.shared_buffers, indexer=not args.no_indexer,
-        via_provider=args.via_provider,
+        via_provider=args.via_provider, auth_secret=args.auth_secret,
         scale=not (args.no_scale or args.no_indexer), transport=args.transport,
         cma_threads=args.cma_threads, kv_port=args.kv_port, seed=args.seed,
         mooncake_protocol=args.mooncake_protocol, netns=args.netns,

@@ -51,6 +51,8 @@ class DemoConfig:
     timeout_s: float = 300.0
     replay: bool = True
     log_level: str = "WARNING"
+    # Shared secret: every control message is HMAC-signed and checked (None: off).
+    auth_secret: str | None = None
     faults: tuple[Fault, ...] = ()
     request_timeout_s: float | None = None
     layer_ack_timeout_s: float | None = None
@@ -59,6 +61,10 @@ class DemoConfig:
 
     def validate(self) -> None:
         check_topology(self.prefill_tp, self.decode_tp)
+        from rd2h.app.settings import MIN_SECRET_CHARS
+
+        if self.auth_secret is not None and len(self.auth_secret) < MIN_SECRET_CHARS:
+            raise ValueError(f"--auth-secret must have at least {MIN_SECRET_CHARS} characters")
         for name in ("layers", "requests", "prompt_tokens", "block_size", "chunks"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1")

@@ -85,7 +85,7 @@ def prefill_memory(cfg: DemoConfig, p_rank: int, alloc: Allocation) -> tuple[Any
     settings = Rd2hSettings(role="prefill", transport=cfg.transport, tp_size=cfg.prefill_tp,
                             host=cfg.prefill_host, mooncake_protocol=cfg.mooncake_protocol,
                             tp_rank=p_rank, cma_threads=cfg.cma_threads, log_level=cfg.log_level,
-                            deadlines=cfg.deadlines())
+                            deadlines=cfg.deadlines(), auth_secret=cfg.auth_secret)
     container = build_container(settings)
     transport = container.transport()
     n_phys = cfg.shared_buffers or cfg.layers
@@ -255,7 +255,7 @@ def _decode_rank(cfg: DemoConfig, d_rank: int, base_port: int, dist_port: int, s
                             mooncake_protocol=cfg.mooncake_protocol,
                             kv_port=base_port, tp_size=cfg.decode_tp, tp_rank=d_rank,
                             cma_threads=cfg.cma_threads, log_level=cfg.log_level,
-                            deadlines=deadlines)
+                            deadlines=deadlines, auth_secret=cfg.auth_secret)
     container = build_container(settings)
     transport = container.transport()
     shm = shared_memory.SharedMemory(name=shm_name)

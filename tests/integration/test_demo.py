@@ -76,6 +76,18 @@ def test_cli_demo_json_and_exit_status() -> None:
     assert out["verified"] is True and out["requests_ok"] == 2
 
 
+def test_cli_demo_with_a_shared_secret_verifies() -> None:
+    cmd = [
+        sys.executable, "-m", "rd2h", "demo", "--json", "--prefill-tp", "2", "--decode-tp", "1",
+        "--layers", "2", "--requests", "2", "--prompt-tokens", "300", "--block-size", "64",
+        "--auth-secret", "a-demo-secret-of-24-chars",
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout)
+    assert out["verified"] is True and out["requests_ok"] == 2
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
@@ -83,6 +95,7 @@ def test_cli_demo_json_and_exit_status() -> None:
         (["--prefill-tp", "2", "--decode-tp", "4"], "p_tp >= d_tp"),
         (["--shared-buffers", "99"], "--shared-buffers"),
         (["--block-size", "0"], "--block-size"),
+        (["--auth-secret", "too-short"], "--auth-secret"),
     ],
 )
 def test_cli_rejects_bad_configuration_clearly(args: list[str], message: str) -> None:
