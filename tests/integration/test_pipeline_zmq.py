@@ -990,7 +990,9 @@ def test_sender_handshakes_again_after_decode_restarts_on_its_endpoint(rig: Rig)
     wait_until(rebind, "the decode port to be free again")
     d2 = restarted[0]
     rig.on_close(lambda: d2.stop(2.0))
-    reqs = [Req(f"req-r{i}", p_main=(i,), d_main=(i,), d_idx=(i,)) for i in range(1, 4)]
+    # Several attempts: on a loaded machine the first ones can still meet the dying
+    # connection (or expire under the short deadlines above) before the new one is used.
+    reqs = [Req(f"req-r{i}", p_main=(i,), d_main=(i,), d_idx=(i,)) for i in range(1, P_BLOCKS)]
     ok = None
     for r in reqs:
         d2.admit(internal(r.ext), r.d_main, r.d_idx)
@@ -1005,8 +1007,12 @@ def test_sender_handshakes_again_after_decode_restarts_on_its_endpoint(rig: Rig)
     assert_landed(p, d, 0, ok.p_main, ok.d_main, ok.d_idx)
     admitted = {internal(r.ext) for r in reqs[: reqs.index(ok) + 1]}
     out = step(d2)
-    assert out.finished == admitted
-    assert internal(ok.ext) not in out.failed
+    assert internal(ok.ext) in out.finished and internal(ok.ext) not in out.failed
+    assert out.finished <= admitted
+    # An earlier attempt whose frame went into the dying connection never reached the
+    # new receiver: that request still waits (its request deadline would fail it).
+    # vLLM aborting it must leave nothing behind.
+    step(d2, finished_by_vllm=admitted - out.finished)
     assert_no_leaks(receivers=[d2], senders=[p.sender])
 
 
