@@ -45,6 +45,17 @@ class Deadlines(BaseModel):
         return self
 
 
+def check_memfabric_fields(transport: str, store_url: str | None, host: str) -> None:
+    """MemFabric needs a ``tcp://<IPv4>:<port>`` config store and a numeric IPv4 host
+    (the library refuses host names); shared by the settings and the connector options."""
+    if store_url is not None:
+        parse_store_url(store_url)
+    if transport == "memfabric":
+        if store_url is None:
+            raise ValueError("memfabric_store_url is required with transport 'memfabric'")
+        parse_ipv4(host, "host (with transport 'memfabric')")
+
+
 class Rd2hSettings(BaseModel):
     """One rd2h endpoint (a Prefill or Decode TP rank)."""
 
@@ -107,12 +118,7 @@ class Rd2hSettings(BaseModel):
 
     @model_validator(mode="after")
     def _check_memfabric(self) -> Rd2hSettings:
-        if self.memfabric_store_url is not None:
-            parse_store_url(self.memfabric_store_url)
-        if self.transport == "memfabric":
-            if self.memfabric_store_url is None:
-                raise ValueError("memfabric_store_url is required with transport 'memfabric'")
-            parse_ipv4(self.host, "host (with transport 'memfabric')")
+        check_memfabric_fields(self.transport, self.memfabric_store_url, self.host)
         return self
 
     @property

@@ -11,8 +11,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from rd2h.adapters.memfabric.config import TransferTypeName, parse_ipv4, parse_store_url
-from rd2h.app.settings import Deadlines, Transport
+from rd2h.adapters.memfabric.config import TransferTypeName
+from rd2h.app.settings import Deadlines, Transport, check_memfabric_fields
 from rd2h.domain.errors import Rd2hError
 
 
@@ -82,19 +82,13 @@ class ConnectorOptions(BaseModel):
                 f"main_sharing {self.main_sharing!r} does not fit destinations "
                 f"{self.destinations!r} (which needs {wanted!r})"
             )
-        if self.memfabric_store_url is not None:
-            parse_store_url(self.memfabric_store_url)
-        if self.transport == "memfabric":
-            if self.memfabric_store_url is None:
-                raise ValueError("memfabric_store_url is required with transport 'memfabric'")
-            parse_ipv4(self.host, "host (with transport 'memfabric')")
+        check_memfabric_fields(self.transport, self.memfabric_store_url, self.host)
         return self
 
     @property
     def main_shared(self) -> bool:
-        return (self.main_sharing or (
-            "rank_local" if self.destinations == "vllm" else "shared_pool"
-        )) == "shared_pool"
+        # main_sharing, when set, was checked above to agree with destinations.
+        return self.destinations == "sparse_kv_pool"
 
     @classmethod
     def parse(cls, extra: Mapping[str, Any] | None) -> ConnectorOptions:
