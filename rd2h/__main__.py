@@ -1,5 +1,5 @@
 import sys
 
-from rd2h.app.cli import main
+from rd2h.cli.main import main
 
 sys.exit(main())

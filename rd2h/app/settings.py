@@ -1,18 +1,30 @@
-"""rd2h settings (pydantic): validated up front, errors name the field."""
+"""rd2h's one settings model (pydantic): validated up front, errors name the field.
+
+``Rd2hOptions`` is everything a deployment configures; it is exactly the schema
+of vLLM's ``kv_connector_extra_config`` (``Rd2hOptions.parse``). ``Rd2hSettings``
+is one endpoint: the same options plus where the rank sits (role, ports, TP
+rank), which the vLLM adapter, the demo and the probe fill in. Every entrypoint
+builds its objects from an ``Rd2hSettings`` through ``rd2h.app.container``.
+"""
 
 from __future__ import annotations
 
-from typing import Literal
+from collections.abc import Mapping
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
 
-from rd2h.adapters.memfabric.config import TransferTypeName, parse_ipv4, parse_store_url
-from rd2h.domain.errors import TopologyError
+from rd2h.domain.addresses import TransferTypeName, parse_ipv4, parse_store_url
+from rd2h.domain.errors import Rd2hError, TopologyError
 from rd2h.domain.topology import MAX_PORT, plan_ports
 
 Transport = Literal["cma", "inproc", "memfabric", "mooncake"]
 Role = Literal["prefill", "decode"]
 MIN_SECRET_CHARS = 16
+
+
+class ConnectorConfigError(Rd2hError, ValueError):
+    """``kv_connector_extra_config`` is not valid; the message names the key."""
 
 
 class Deadlines(BaseModel):
@@ -45,34 +57,19 @@ class Deadlines(BaseModel):
         return self
 
 
-def check_memfabric_fields(transport: str, store_url: str | None, host: str) -> None:
-    """MemFabric needs a ``tcp://<IPv4>:<port>`` config store and a numeric IPv4 host
-    (the library refuses host names); shared by the settings and the connector options."""
-    if store_url is not None:
-        parse_store_url(store_url)
-    if transport == "memfabric":
-        if store_url is None:
-            raise ValueError("memfabric_store_url is required with transport 'memfabric'")
-        parse_ipv4(host, "host (with transport 'memfabric')")
-
-
-class Rd2hSettings(BaseModel):
-    """One rd2h endpoint (a Prefill or Decode TP rank)."""
+class Rd2hOptions(BaseModel):
+    """What a deployment configures (every key of ``kv_connector_extra_config``)."""
 
     # Errors name the field and the rule but never echo input: it may hold the secret.
     model_config = ConfigDict(extra="forbid", frozen=True, hide_input_in_errors=True)
 
-    role: Role
-    transport: Transport = "cma"
+    transport: Transport = Field("cma", description="transfer engine")
     host: str = Field(
         "127.0.0.1", min_length=1,
-        description="this endpoint's address: Decode binds its control socket there; "
-        "network transports (mooncake) bind and advertise it",
+        description="this endpoint's address: Decode binds its control sockets there and "
+        "Prefill is told it; network transports (mooncake) bind and advertise it",
     )
-    kv_port: int = Field(30000, ge=1, le=MAX_PORT)
-    global_dp_rank: int = Field(0, ge=0)
-    tp_size: int = Field(1, ge=1)
-    tp_rank: int = Field(0, ge=0)
+    engine_id: str = Field("", description="advertised engine id (default: vLLM's)")
     cma_threads: int = Field(1, ge=1, le=64)
     mooncake_protocol: Literal["tcp", "rdma"] = "tcp"
     mooncake_device: str = Field("", description="RDMA device names (mooncake rdma)")
@@ -87,8 +84,33 @@ class Rd2hSettings(BaseModel):
     memfabric_transfer_type: TransferTypeName = Field(
         "SDMA", description="MemFabric data path (TransDataOpType)"
     )
-    memfabric_device_id: int = Field(0, ge=0, description="Ascend device this rank binds")
+    memfabric_device_id: int | None = Field(
+        None, ge=0,
+        description="Ascend device this rank's MemFabric engine binds; unset: the rank's "
+        "local device (its local rank)",
+    )
     memfabric_nic: str = Field("", description="MemFabric NIC (RDMA transfer types), or empty")
+    destinations: Literal["vllm", "sparse_kv_pool"] = Field(
+        "vllm",
+        description="Decode destination memory: vLLM's registered KV caches (each rank "
+        "has its own main cache) or a SparseKVOffloadManager-style TP-shared host pool",
+    )
+    main_sharing: Literal["rank_local", "shared_pool"] | None = Field(
+        None,
+        description="how Decode ranks hold main KV; follows 'destinations' when unset "
+        "(vllm -> rank_local: every rank pulls all main blocks; sparse_kv_pool -> "
+        "shared_pool: each rank pulls its share)",
+    )
+    buffer_reuse: bool = Field(
+        False,
+        description="Prefill: layers share physical buffers, so a layer's next write "
+        "waits for Decode to have read it (wait_for_layer_load / wait_for_layer_reuse)",
+    )
+    device_events: Literal["auto", "cpu", "npu"] = "auto"
+    deadlines: Deadlines = Field(default_factory=Deadlines)
+    metaserver_timeout_s: float = Field(5.0, gt=0, description="one metaserver POST")
+    metaserver_retries: int = Field(3, ge=0, description="immediate retries on transport error")
+    metaserver_retry_interval_s: float = Field(1.0, gt=0)
     max_frame_bytes: int = Field(64 * 1024 * 1024, ge=1024)
     auth_secret: SecretStr | None = Field(
         None,
@@ -97,16 +119,74 @@ class Rd2hSettings(BaseModel):
         "unsigned legacy messages. Set: unsigned or wrongly signed messages are refused",
     )
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "WARNING"
-    deadlines: Deadlines = Field(default_factory=Deadlines)
 
     @model_validator(mode="after")
-    def _check(self) -> Rd2hSettings:
+    def _check_options(self) -> Rd2hOptions:
         secret = self.auth_secret
         if secret is not None and len(secret.get_secret_value()) < MIN_SECRET_CHARS:
             raise ValueError(
                 f"auth_secret must have at least {MIN_SECRET_CHARS} characters "
                 f"(got {len(secret.get_secret_value())})"
             )
+        wanted = "rank_local" if self.destinations == "vllm" else "shared_pool"
+        if self.main_sharing is not None and self.main_sharing != wanted:
+            raise ValueError(
+                f"main_sharing {self.main_sharing!r} does not fit destinations "
+                f"{self.destinations!r} (which needs {wanted!r})"
+            )
+        if self.memfabric_store_url is not None:
+            parse_store_url(self.memfabric_store_url)
+        if self.transport == "memfabric":
+            if self.memfabric_store_url is None:
+                raise ValueError("memfabric_store_url is required with transport 'memfabric'")
+            parse_ipv4(self.host, "host (with transport 'memfabric')")
+        return self
+
+    @property
+    def main_shared(self) -> bool:
+        # main_sharing, when set, was checked above to agree with destinations.
+        return self.destinations == "sparse_kv_pool"
+
+    @classmethod
+    def parse(cls, extra: Mapping[str, Any] | None) -> Rd2hOptions:
+        """Validate ``kv_connector_extra_config``; ``ConnectorConfigError`` names every
+        bad key."""
+        if extra is not None and not isinstance(extra, Mapping):
+            raise ConnectorConfigError(
+                f"kv_connector_extra_config must be a JSON object, got {type(extra).__name__}"
+            )
+        try:
+            return cls.model_validate(dict(extra or {}))
+        except ValidationError as exc:
+            problems = []
+            for err in exc.errors():
+                key = ".".join(str(p) for p in err["loc"]) or "(config)"
+                if err["type"] == "extra_forbidden":
+                    problems.append(f"unknown key {key!r}")
+                else:
+                    problems.append(f"{key!r}: {err['msg']}")
+            raise ConnectorConfigError(
+                "invalid kv_connector_extra_config for rd2h: " + "; ".join(problems)
+            ) from None
+
+
+class Rd2hSettings(Rd2hOptions):
+    """One rd2h endpoint (a Prefill or Decode TP rank): the options plus its place."""
+
+    role: Role
+    kv_port: int = Field(30000, ge=1, le=MAX_PORT)
+    global_dp_rank: int = Field(0, ge=0)
+    tp_size: int = Field(1, ge=1)
+    tp_rank: int = Field(0, ge=0)
+    local_rank: int = Field(0, ge=0, description="the rank's accelerator on its host")
+
+    @classmethod
+    def for_rank(cls, options: Rd2hOptions, **place: Any) -> Rd2hSettings:
+        """``options`` as one endpoint's settings (``place``: role, ports, ranks)."""
+        return cls(**{**dict(options), **place})
+
+    @model_validator(mode="after")
+    def _check_place(self) -> Rd2hSettings:
         if self.tp_rank >= self.tp_size:
             raise ValueError(f"tp_rank {self.tp_rank} must be < tp_size {self.tp_size}")
         if self.role == "decode":
@@ -116,10 +196,10 @@ class Rd2hSettings(BaseModel):
                 raise ValueError(str(exc)) from exc
         return self
 
-    @model_validator(mode="after")
-    def _check_memfabric(self) -> Rd2hSettings:
-        check_memfabric_fields(self.transport, self.memfabric_store_url, self.host)
-        return self
+    @property
+    def memfabric_device(self) -> int:
+        """The Ascend device this rank binds: the configured one, else its local rank."""
+        return self.local_rank if self.memfabric_device_id is None else self.memfabric_device_id
 
     @property
     def rank_port(self) -> int:

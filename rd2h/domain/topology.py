@@ -151,6 +151,13 @@ def remote_port(base_port: int, d_rank: int) -> int:
 
 
 
+def tcp_endpoint(host: str, port: int) -> str:
+    """The ZeroMQ address of a Decode rank port (IPv6 hosts in brackets)."""
+    if ":" in host and not host.startswith("["):
+        host = f"[{host}]"
+    return f"tcp://{host}:{port}"
+
+
 def owned_ranges(
     n: np.ndarray, k: int, r: int, s: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray]:

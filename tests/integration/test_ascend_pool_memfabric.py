@@ -30,14 +30,14 @@ import numpy as np
 import pytest
 import torch
 from fakes.memfabric import FakeMemFabricNetwork
+from fakes.net import free_ports
 
 from rd2h.adapters.ascend.sparse_pool import SparseKvPoolDestinations
 from rd2h.adapters.memfabric import start_config_store
 from rd2h.adapters.torch.exchange import InMemoryExchangeGroup
-from rd2h.app.connector.options import ConnectorOptions
 from rd2h.app.connector.plans import DecodeEndpoint, DecodeLoad, PrefillSend
-from rd2h.app.connector.wiring import EngineFacts, build_decode_worker, build_prefill_worker
-from rd2h.app.demo import free_ports
+from rd2h.app.container import EngineFacts, build_decode_worker, build_prefill_worker
+from rd2h.app.settings import Rd2hOptions
 from rd2h.domain.chunks import external_request_id
 from rd2h.domain.layout import SourceLayout, TensorComponent
 
@@ -118,8 +118,8 @@ def prefill_caches() -> tuple[dict[str, SourceLayout], list[tuple[int, int]], li
     return layouts, regions, keep
 
 
-def options(**extra: Any) -> ConnectorOptions:
-    return ConnectorOptions.parse({
+def options(**extra: Any) -> Rd2hOptions:
+    return Rd2hOptions.parse({
         "transport": "memfabric", "memfabric_store_url": extra.pop("store"),
         "host": "127.0.0.1", "device_events": "cpu",
         "deadlines": {"request_s": DEADLINE_S, "layer_ack_s": DEADLINE_S,
@@ -157,7 +157,7 @@ def test_two_decode_ranks_pull_into_the_shared_pool_over_memfabric(rig: dict[str
         dest = SparseKvPoolDestinations(manager, indexer_caches=idx)
         lib = net.process()
         w = build_decode_worker(options(store=rig["store"], destinations="sparse_kv_pool"),
-                                facts("decode", d, kv_port), dest, group.member(d),
+                                facts("decode", d, kv_port), dest, exchange=group.member(d),
                                 memfabric_library=lib)
         rig["workers"].append(w)
         libs.append(lib)

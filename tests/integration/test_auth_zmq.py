@@ -12,18 +12,18 @@ from collections.abc import Iterator
 
 import pytest
 import zmq
-from control_rig import (
+from fakes.logs import RecordingLogger
+from fakes.rig import (
     HOST,
     WAIT,
-    DecodeSide,
-    PrefillSide,
-    RecordingLogger,
+    DSide,
+    PSide,
     Transfer,
-    assert_landed,
-    assert_untouched,
+    assert_guarded,
+    assert_transfer_landed,
     internal,
     layer_name,
-    make_prefill,
+    prefill_memory,
     recv_frames,
     run_transfer,
     start_decode,
@@ -32,6 +32,7 @@ from control_rig import (
     targets,
 )
 
+from rd2h.adapters.inproc import InprocTransferEngine
 from rd2h.adapters.msgpack import AuthenticatedCodec, MsgpackCodec
 from rd2h.app.container import build_container
 from rd2h.app.prefill import PrefillSender
@@ -55,18 +56,18 @@ class Rig:
     def __init__(self) -> None:
         self._close: list = []
 
-    def prefill(self) -> PrefillSide:
-        p = make_prefill(LAYERS, seed=3)
+    def prefill(self) -> PSide:
+        p = prefill_memory(LAYERS, InprocTransferEngine(), seed=3)
         self._close.append(p.engine.close)
         return p
 
-    def decode(self, codec: WireCodec) -> DecodeSide:
+    def decode(self, codec: WireCodec) -> DSide:
         d = start_decode(LAYERS, codec)
         self._close.append(d.stop)
         return d
 
     def sender(
-        self, p: PrefillSide, codec: WireCodec, log: RecordingLogger | None = None,
+        self, p: PSide, codec: WireCodec, log: RecordingLogger | None = None,
         **timeouts: float,
     ) -> PrefillSender:
         s = start_sender(p, codec, log, **timeouts)
@@ -104,7 +105,7 @@ def rig() -> Iterator[Rig]:
 REQ = Transfer("req-auth", (5, 1, 6), (2, 7, 0), (9, 3, 4), (0, 7, 2))
 
 
-def announce_all(sender: PrefillSender, d: DecodeSide, t: Transfer) -> list[LayerSendError]:
+def announce_all(sender: PrefillSender, d: DSide, t: Transfer) -> list[LayerSendError]:
     """Announce every layer of ``t`` in one chunk; the errors the layers ended with."""
     errors = []
     for layer in LAYERS:
@@ -129,8 +130,8 @@ def test_matching_secrets_transfer_and_verify(rig: Rig) -> None:
     sender = rig.sender(p, p_codec)
     out = run_transfer(p, d, sender, REQ, [(0, 2), (2, 3)])
     assert out.finished == {internal(REQ.ext)} and out.failed == frozenset()
-    assert_landed(p, d, REQ)
-    assert_untouched(d, {"main": REQ.d_main, "indexer": REQ.d_idx})
+    assert_transfer_landed(p, d, REQ)
+    assert_guarded(d, {"main": REQ.d_main, "indexer": REQ.d_idx})
     assert d.receiver.stats.auth_refused == 0
     assert d.receiver.stats.layers_done == 4
 
@@ -154,7 +155,7 @@ def test_decode_with_secret_refuses_prefill_without_one(rig: Rig) -> None:
     assert d.receiver.stats.auth_refused >= 1
     assert d.receiver.counters()["peers"] == 0
     assert d.receiver.stats.bytes_read == 0
-    assert_untouched(d, NOTHING)
+    assert_guarded(d, NOTHING)
     assert step(d.receiver).failed == frozenset()
     assert d.receiver.counters()["admitted"] == 1
 
@@ -179,13 +180,13 @@ def test_unsigned_ready_batch_gets_read_failed_naming_authentication_and_changes
         assert "authentication failed" in msg.error and "auth_secret" in msg.error
     assert not intruder.poll(100)  # and nothing else (no ACK)
     assert d.receiver.stats.auth_refused == 4
-    assert_untouched(d, NOTHING)
+    assert_guarded(d, NOTHING)
     assert step(d.receiver).failed == frozenset()
 
     sender = rig.sender(p, SIGNED)
     out = run_transfer(p, d, sender, REQ, [(0, 3)])
     assert out.failed == frozenset() and internal(REQ.ext) in out.finished
-    assert_landed(p, d, REQ)
+    assert_transfer_landed(p, d, REQ)
 
 
 def test_different_secrets_are_refused_on_both_sides(rig: Rig) -> None:
@@ -199,7 +200,7 @@ def test_different_secrets_are_refused_on_both_sides(rig: Rig) -> None:
     d.receiver.admit(internal(REQ.ext), REQ.d_main, REQ.d_idx)
     assert len(announce_all(sender, d, REQ)) == 2
     assert d.receiver.stats.bytes_read == 0
-    assert_untouched(d, NOTHING)
+    assert_guarded(d, NOTHING)
 
 
 # ====================================================================== Prefill holds a secret
@@ -220,7 +221,7 @@ def test_prefill_with_secret_refuses_decode_without_one_at_once(rig: Rig) -> Non
     assert len(errors_) == 2 and all("not signed" in str(e) for e in errors_)
     assert d.receiver.stats.layers_done == 0 and d.receiver.stats.layers_failed == 0
     assert d.receiver.stats.bytes_read == 0
-    assert_untouched(d, NOTHING)
+    assert_guarded(d, NOTHING)
 
 
 def test_prefill_drops_unsigned_replies(rig: Rig) -> None:

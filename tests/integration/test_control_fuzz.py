@@ -27,20 +27,21 @@ from typing import Any
 import msgpack
 import pytest
 import zmq
-from control_rig import (
+from fakes.rig import (
     COMPONENTS,
     D_BLOCKS,
+    FULL,
     HOST,
     P_BLOCKS,
     WAIT,
-    DecodeSide,
-    PrefillSide,
+    DSide,
+    PSide,
     Transfer,
-    assert_landed,
-    assert_untouched,
+    assert_guarded,
+    assert_transfer_landed,
     internal,
     layer_name,
-    make_prefill,
+    prefill_memory,
     recv_frames,
     reset_blocks,
     run_transfer,
@@ -50,6 +51,7 @@ from control_rig import (
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from rd2h.adapters.inproc import InprocTransferEngine
 from rd2h.adapters.msgpack import AuthenticatedCodec, MsgpackCodec
 from rd2h.app.prefill import PrefillSender
 from rd2h.domain.errors import ProtocolError, UnknownMessageType
@@ -98,8 +100,8 @@ class FuzzRig:
     variant: str
     codec: WireCodec  # what the valid peers speak
     attacker: list[WireCodec]  # what a peer without the secret can produce
-    p: PrefillSide
-    d: DecodeSide
+    p: PSide
+    d: DSide
     sender: PrefillSender
     acct: zmq.Socket  # hostile DEALER whose replies are checked one by one
     chaos: zmq.Socket  # hostile DEALER for multi-frame / oversized sends (replies dropped)
@@ -139,7 +141,7 @@ def rig(request: pytest.FixtureRequest) -> Iterator[FuzzRig]:
     else:
         codec = AuthenticatedCodec(plain, SECRET)
         attacker = [plain, AuthenticatedCodec(plain, WRONG_SECRET)]
-    p = make_prefill(LAYERS, seed=7)
+    p = prefill_memory(LAYERS, InprocTransferEngine(), seed=7)
     d = start_decode(LAYERS, codec, max_frame_bytes=ZMQ_MAX)
     sender = start_sender(p, codec)
     ctx = zmq.Context.instance()
@@ -171,7 +173,7 @@ def rig(request: pytest.FixtureRequest) -> Iterator[FuzzRig]:
         p.engine.close()
 
 
-def admit_fuzz_targets(d: DecodeSide) -> None:
+def admit_fuzz_targets(d: DSide) -> None:
     for ext, (main, idx) in FUZZ_TARGETS.items():
         d.receiver.admit(internal(ext), main, idx)
 
@@ -275,7 +277,7 @@ def plausible_ready(draw: st.DrawFn) -> bytes:
 
 
 @st.composite
-def plausible_meta(draw: st.DrawFn, p: PrefillSide) -> bytes:
+def plausible_meta(draw: st.DrawFn, p: PSide) -> bytes:
     """Prefill's real metadata with region sizes dropped, inflated or zeroed and base
     addresses moved to the edges of the address space (or into other memory)."""
     layers = {}
@@ -298,7 +300,7 @@ def plausible_meta(draw: st.DrawFn, p: PrefillSide) -> bytes:
 
 
 @st.composite
-def hostile_meta(draw: st.DrawFn, p: PrefillSide, d: DecodeSide) -> bytes:
+def hostile_meta(draw: st.DrawFn, p: PSide, d: DSide) -> bytes:
     layers = {}
     for name in draw(st.lists(names, max_size=3, unique=True)):
         real = p.layouts[0].to_metadata().to_map()
@@ -307,7 +309,7 @@ def hostile_meta(draw: st.DrawFn, p: PrefillSide, d: DecodeSide) -> bytes:
         entry: dict[str, Any] = {
             "base_addrs": draw(st.lists(addr, min_size=n, max_size=n) | values),
             "block_len": draw(
-                st.lists(st.sampled_from(list(COMPONENTS.values())) | ints, min_size=n,
+                st.lists(st.sampled_from(list(FULL.sizes().values())) | ints, min_size=n,
                          max_size=n) | values
             ),
             "block_size_scale": draw(st.lists(st.just(1) | ints, min_size=n, max_size=n)),
@@ -424,7 +426,7 @@ def fuzz_once(r: FuzzRig, data: st.DataObject) -> None:
 
     out = run_transfer(r.p, r.d, r.sender, t, chunks, between)
     assert internal(t.ext) not in out.failed, out.reasons
-    assert_landed(r.p, r.d, t)
+    assert_transfer_landed(r.p, r.d, t)
     r.transfers += 1
     check_replies(r, sent)  # every hostile frame's reply, one by one
     r.frames += len(sent) + len(chaos)
@@ -436,7 +438,7 @@ def fuzz_once(r: FuzzRig, data: st.DataObject) -> None:
     unexpected = [e for e in errors if "refusing unauthenticated" not in e]
     assert not unexpected, unexpected[:3]  # nothing reached a catch-all
     writable = OK_BLOCKS + (FUZZ_BLOCKS if r.variant == "plain" else ())
-    assert_untouched(r.d, {"main": writable, "indexer": writable})
+    assert_guarded(r.d, {"main": writable, "indexer": writable})
     if r.variant == "signed":
         assert r.d.receiver.counters()["peers"] == 1  # only the valid peer's metadata
     reset_blocks(r.d, t)
@@ -473,7 +475,7 @@ def test_hostile_read_ready_for_known_blocks_lands_only_in_their_request(rig: Fu
     if rig.variant == "signed":
         frame = rig.attacker[1].encode(ReadReadyBatch(0, layer_name(0), (), ()))
         send_checked(rig, [frame])
-        assert_untouched(rig.d, {"main": OK_BLOCKS, "indexer": OK_BLOCKS})
+        assert_guarded(rig.d, {"main": OK_BLOCKS, "indexer": OK_BLOCKS})
         return
     fz = ReadRequest("fz-1", (5, 6), (7, 0), 0, 0)
     admit_fuzz_targets(rig.d)
@@ -487,7 +489,7 @@ def test_hostile_read_ready_for_known_blocks_lands_only_in_their_request(rig: Fu
         src = rig.p.bufs[(0, comp)][[5, 6] if is_main else [7, 0]]
         dst = rig.d.rows(0, comp)[list(main if is_main else idx)]
         assert (dst == src).all()
-    assert_untouched(rig.d, {"main": OK_BLOCKS + FUZZ_BLOCKS, "indexer": OK_BLOCKS + FUZZ_BLOCKS})
+    assert_guarded(rig.d, {"main": OK_BLOCKS + FUZZ_BLOCKS, "indexer": OK_BLOCKS + FUZZ_BLOCKS})
 
 
 def test_port_is_still_served_after_fuzzing(rig: FuzzRig) -> None:

@@ -10,14 +10,14 @@ import sys
 import numpy as np
 import pytest
 
-from rd2h.app.demo import (
+from rd2h.demo import (
     SENTINEL,
     DemoConfig,
     main_pool_bytes,
     run_demo,
     verify_main_pool,
 )
-from rd2h.app.synthetic import allocate
+from rd2h.demo.synthetic import allocate
 
 pytestmark = pytest.mark.integration
 

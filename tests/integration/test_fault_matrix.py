@@ -16,8 +16,8 @@ import time
 
 import pytest
 
-from rd2h.app.demo import DemoConfig, DemoResult, run_demo
-from rd2h.app.faults import KILLED_EXIT_CODE, parse_fault
+from rd2h.demo import DemoConfig, DemoResult, run_demo
+from rd2h.demo.faults import KILLED_EXIT_CODE, parse_fault
 
 pytestmark = pytest.mark.integration
 

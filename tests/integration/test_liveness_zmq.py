@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
@@ -15,6 +14,7 @@ import time
 from collections.abc import Callable
 
 import pytest
+from fakes.net import free_port
 
 from rd2h.adapters.logging import make_logger
 from rd2h.adapters.msgpack import MsgpackCodec
@@ -58,10 +58,6 @@ PREFILL_PEER = textwrap.dedent("""
 """)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return s.getsockname()[1]
 
 
 def spawn(script: str, arg: str, expect: str) -> subprocess.Popen[str]:

@@ -349,7 +349,7 @@ def test_importing_rd2h_never_imports_memfabric(tmp_path: Path) -> None:
     code = """
     import json, sys
     sys.modules["memfabric_hybrid"] = None  # as if it were not installed
-    import rd2h.adapters.memfabric, rd2h.app.container, rd2h.app.cli, rd2h.app.probe
+    import rd2h.adapters.memfabric, rd2h.app.container, rd2h.cli.main, rd2h.probe.run
     from rd2h.app.settings import Rd2hSettings
     from rd2h.app.container import build_container
     from rd2h.domain.errors import TransferError

@@ -9,10 +9,8 @@ Every wait has a deadline; nothing sleeps for a fixed time to "let things happen
 
 from __future__ import annotations
 
-import socket
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,25 +18,44 @@ import msgpack
 import numpy as np
 import pytest
 import zmq
+from fakes.logs import RecordingLogger
+from fakes.net import HOST, free_port, wait_until
+from fakes.rig import (
+    COMPONENTS,
+    FULL,
+    MAIN_ONLY,
+    P_BLOCKS,
+    PLAIN,
+    SENTINEL,
+    WAIT,
+    Bufs,
+    DSide,
+    PSide,
+    Rig,
+    Shape,
+    decode_memory,
+    internal,
+    layer_name,
+    recv_frame,
+    recv_reply,
+    step,
+    step_all,
+    targets,
+)
 
-from rd2h.adapters.inproc import InprocTransferEngine
-from rd2h.adapters.msgpack import MsgpackCodec
 from rd2h.adapters.torch.events import CpuDeviceEvents
-from rd2h.adapters.torch.exchange import InMemoryExchangeGroup
 from rd2h.adapters.zmq.channel import (
     BindError,
-    ZmqControlClients,
     ZmqControlServer,
     tcp_endpoint,
 )
 from rd2h.app.clock import MonotonicClock
 from rd2h.app.container import build_container
 from rd2h.app.decode import DecodeReceiver
-from rd2h.app.prefill import LayerTarget, PrefillSender
+from rd2h.app.prefill import PrefillSender
 from rd2h.app.settings import Rd2hSettings
-from rd2h.domain.completion import StepOutcome
 from rd2h.domain.errors import LayerSendError
-from rd2h.domain.layout import DestinationLayout, DestTensor, SourceLayout, TensorComponent
+from rd2h.domain.layout import SourceLayout, TensorComponent
 from rd2h.domain.protocol import (
     ACK,
     MF_META,
@@ -50,348 +67,11 @@ from rd2h.domain.protocol import (
     ReadReadyBatch,
     ReadRequest,
 )
+from rd2h.domain.request_book import StepOutcome
 
 pytestmark = pytest.mark.integration
 
-HOST = "127.0.0.1"
-SUFFIX = "-e0000001"  # vLLM's 9-character engine suffix
-SENTINEL = 0xEE  # every destination byte before any pull
-WAIT = 5.0  # upper bound of any single wait; the happy paths take milliseconds
-P_BLOCKS = 8
-D_BLOCKS = 12
-COMPONENTS = ("main_k", "main_v", "indexer", "scale")
-CODEC = MsgpackCodec()
-
-assert len(SUFFIX) == 9
-
-
-def internal(ext: str) -> str:
-    return ext + SUFFIX
-
-
-def layer_name(layer: int) -> str:
-    return f"model.layers.{layer}.self_attn"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return s.getsockname()[1]
-
-
-def wait_until(cond: Callable[[], bool], what: str, timeout: float = WAIT) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
-        time.sleep(0.002)
-
-
-# ====================================================================== shapes and memory
-
-
-@dataclass(frozen=True)
-class Shape:
-    """Bytes of one block of each component of a layer (None: component absent)."""
-
-    main_k: int = 96
-    main_v: int = 32
-    indexer: int | None = 16
-    scale: int | None = 8
-
-    def sizes(self) -> dict[str, int]:
-        values = (self.main_k, self.main_v, self.indexer, self.scale)
-        return {c: n for c, n in zip(COMPONENTS, values) if n}
-
-
-FULL = Shape()
-MAIN_ONLY = Shape(indexer=None, scale=None)
-
-Bufs = dict[tuple[int, str], np.ndarray]
-
-
-def _component(bufs: Bufs, layer: int, comp: str) -> TensorComponent:
-    arr = bufs[(layer, comp)]
-    return TensorComponent(arr.ctypes.data, arr.shape[1])
-
-
-def source_layout(layer: int, shape: Shape, bufs: Bufs) -> SourceLayout:
-    return SourceLayout(
-        layer_name(layer),
-        main=(_component(bufs, layer, "main_k"), _component(bufs, layer, "main_v")),
-        indexer=_component(bufs, layer, "indexer") if shape.indexer else None,
-        scale=_component(bufs, layer, "scale") if shape.scale else None,
-    )
-
-
-def destination_layout(layer: int, shape: Shape, bufs: Bufs) -> DestinationLayout:
-    def dt(comp: str) -> DestTensor:
-        arr = bufs[(layer, comp)]
-        return DestTensor(arr.ctypes.data, arr.shape[1], arr.shape[0])
-
-    return DestinationLayout(
-        layer_name(layer),
-        main=(dt("main_k"), dt("main_v")),
-        indexer=dt("indexer") if shape.indexer else None,
-        scale=dt("scale") if shape.scale else None,
-    )
-
-
-@dataclass
-class PSide:
-    """One Prefill rank: its engine, its patterned source memory, its sender."""
-
-    engine: InprocTransferEngine
-    bufs: Bufs
-    layouts: dict[int, SourceLayout]
-    sender: PrefillSender | None = None
-
-    def meta(self) -> MfMeta:
-        return MfMeta(
-            self.engine.session_id,
-            {lay.layer_name: lay.to_metadata() for lay in self.layouts.values()},
-        )
-
-
-@dataclass
-class DSide:
-    """One Decode rank: engine, destination memory (SENTINEL-filled), receiver."""
-
-    engine: InprocTransferEngine
-    bufs: Bufs
-    destinations: dict[str, DestinationLayout]
-    receiver: DecodeReceiver
-    endpoint: str
-    log: RecordingLogger | None = None
-
-    def snapshot(self) -> Bufs:
-        return {k: v.copy() for k, v in self.bufs.items()}
-
-
-class RecordingLogger:
-    """A structlog-like logger that keeps every line (for assertions and failure output)."""
-
-    def __init__(
-        self, records: list[tuple[str, str, dict[str, Any]]] | None = None, **context: Any
-    ) -> None:
-        self.records = [] if records is None else records
-        self._context = context
-
-    def bind(self, **context: Any) -> RecordingLogger:
-        return RecordingLogger(self.records, **{**self._context, **context})
-
-    def _log(self, level: str, event: str, **kw: Any) -> None:
-        self.records.append((level, event, {**self._context, **kw}))
-
-    def debug(self, event: str, **kw: Any) -> None:
-        self._log("debug", event, **kw)
-
-    def info(self, event: str, **kw: Any) -> None:
-        self._log("info", event, **kw)
-
-    def warning(self, event: str, **kw: Any) -> None:
-        self._log("warning", event, **kw)
-
-    def error(self, event: str, **kw: Any) -> None:
-        self._log("error", event, **kw)
-
-    def events(self, level: str | None = None) -> list[str]:
-        return [e for lv, e, _ in list(self.records) if level is None or lv == level]
-
-
-class Rig:
-    """Builds and tracks every engine, receiver, sender and raw socket of a test;
-    ``close`` (fixture teardown) stops and closes them in reverse order."""
-
-    def __init__(self) -> None:
-        self.ctx = zmq.Context.instance()
-        self._finalizers: list[Callable[[], Any]] = []
-        self.keep: list[Any] = []  # memory that must outlive every read
-
-    def close(self) -> None:
-        problems = []
-        for fn in reversed(self._finalizers):
-            try:
-                if fn() is False:
-                    problems.append(f"{fn!r} did not finish")
-            except Exception as exc:
-                problems.append(repr(exc))
-        self._finalizers.clear()
-        self.keep.clear()
-        assert not problems, problems
-
-    def on_close(self, fn: Callable[[], Any]) -> None:
-        """Run ``fn`` at teardown (a ``False`` result counts as "did not finish")."""
-        self._finalizers.append(fn)
-
-    def engine(self) -> InprocTransferEngine:
-        engine = InprocTransferEngine()
-        self._finalizers.append(engine.close)
-        return engine
-
-    # ------------------------------------------------------------ Prefill
-    def prefill_memory(
-        self,
-        shapes: Mapping[int, Shape],
-        *,
-        seed: int = 0,
-        share: Mapping[int, int] | None = None,
-        engine: InprocTransferEngine | None = None,
-    ) -> PSide:
-        """Random source blocks (a known, seeded pattern) for each layer, registered.
-
-        ``share`` maps a layer to an earlier layer whose physical storage it reuses.
-        """
-        engine = engine or self.engine()
-        share = dict(share or {})
-        rng = np.random.default_rng(seed)
-        bufs: Bufs = {}
-        for layer, shape in shapes.items():
-            owner = share.get(layer, layer)
-            for comp, nbytes in shape.sizes().items():
-                if owner != layer:
-                    bufs[(layer, comp)] = bufs[(owner, comp)]
-                    continue
-                arr = rng.integers(0, 256, (P_BLOCKS, nbytes), dtype=np.uint8)
-                engine.register_memory(arr.ctypes.data, arr.nbytes)
-                bufs[(layer, comp)] = arr
-        self.keep.append(bufs)
-        layouts = {layer: source_layout(layer, shape, bufs) for layer, shape in shapes.items()}
-        return PSide(engine, bufs, layouts)
-
-    def start_sender(
-        self,
-        p: PSide,
-        *,
-        meta_ack_timeout_s: float = WAIT,
-        layer_ack_timeout_s: float = WAIT,
-        event_timeout_s: float = WAIT,
-        layouts: Mapping[int, SourceLayout] | None = None,
-    ) -> PrefillSender:
-        sender = PrefillSender(
-            clients_factory=ZmqControlClients,
-            codec=CODEC,
-            p_session=p.engine.session_id,
-            layers=dict(layouts or p.layouts),
-            clock=MonotonicClock(),
-            log=RecordingLogger(role="prefill"),
-            meta_ack_timeout_s=meta_ack_timeout_s,
-            layer_ack_timeout_s=layer_ack_timeout_s,
-            event_timeout_s=event_timeout_s,
-            poll_interval_s=0.005,
-        )
-        sender.start()
-        self._finalizers.append(lambda: sender.stop(2.0))
-        p.sender = sender
-        return sender
-
-    def prefill(self, shapes: Mapping[int, Shape], **kw: Any) -> PSide:
-        timeouts = {k: kw.pop(k) for k in list(kw) if k.endswith("_timeout_s")}
-        p = self.prefill_memory(shapes, **kw)
-        self.start_sender(p, **timeouts)
-        return p
-
-    def prefill_via_container(self, shapes: Mapping[int, Shape], *, seed: int = 0) -> PSide:
-        container = build_container(Rd2hSettings(role="prefill", transport="inproc"))
-        engine = container.transport()
-        assert isinstance(engine, InprocTransferEngine)
-        self._finalizers.append(engine.close)
-        p = self.prefill_memory(shapes, seed=seed, engine=engine)
-        p.sender = container.prefill_sender(p_session=engine.session_id, layers=p.layouts)
-        p.sender.start()
-        self._finalizers.append(lambda: p.sender.stop(2.0))
-        return p
-
-    # ------------------------------------------------------------ Decode
-    def decode_memory(
-        self,
-        shapes: Mapping[int, Shape],
-        engine: InprocTransferEngine,
-        shared_main: Bufs | None = None,
-    ) -> tuple[Bufs, dict[str, DestinationLayout]]:
-        bufs: Bufs = {}
-        for layer, shape in shapes.items():
-            for comp, nbytes in shape.sizes().items():
-                if shared_main is not None and comp.startswith("main"):
-                    arr = shared_main[(layer, comp)]  # the TP-shared main pool
-                else:
-                    arr = np.full((D_BLOCKS, nbytes), SENTINEL, dtype=np.uint8)
-                engine.register_memory(arr.ctypes.data, arr.nbytes)
-                bufs[(layer, comp)] = arr
-        self.keep.append(bufs)
-        dests = {layer_name(lay): destination_layout(lay, s, bufs) for lay, s in shapes.items()}
-        return bufs, dests
-
-    def decode(
-        self,
-        shapes: Mapping[int, Shape],
-        *,
-        d_rank: int = 0,
-        d_tp: int = 1,
-        shared_main: Bufs | None = None,
-        request_timeout_s: float = 60.0,
-    ) -> DSide:
-        engine = self.engine()
-        bufs, dests = self.decode_memory(shapes, engine, shared_main)
-        log = RecordingLogger(role="decode", rank=d_rank)
-        for _ in range(20):  # a free port can be taken between probing and binding
-            port = free_port()
-            receiver = DecodeReceiver(
-                server_factory=lambda port=port: ZmqControlServer(HOST, port),
-                codec=CODEC,
-                transfer=engine,
-                destinations=dests,
-                d_rank=d_rank,
-                d_tp=d_tp,
-                clock=MonotonicClock(),
-                log=log,
-                request_timeout_s=request_timeout_s,
-                poll_interval_s=0.01,
-            )
-            try:
-                endpoint = receiver.start()
-            except BindError:
-                continue
-            self._finalizers.append(lambda r=receiver: r.stop(2.0))
-            return DSide(engine, bufs, dests, receiver, endpoint, log)
-        raise RuntimeError("no free port for the decode receiver")
-
-    def decode_via_container(self, shapes: Mapping[int, Shape]) -> DSide:
-        for _ in range(20):
-            port = free_port()
-            container = build_container(
-                Rd2hSettings(role="decode", transport="inproc", host=HOST, kv_port=port)
-            )
-            engine = container.transport()
-            bufs, dests = self.decode_memory(shapes, engine)
-            receiver = container.decode_receiver(destinations=dests)
-            try:
-                endpoint = receiver.start()
-            except BindError:
-                engine.close()
-                continue
-            assert endpoint == tcp_endpoint(HOST, port)
-            self._finalizers.append(engine.close)
-            self._finalizers.append(lambda r=receiver: r.stop(2.0))
-            return DSide(engine, bufs, dests, receiver, endpoint)
-        raise RuntimeError("no free port for the decode receiver")
-
-    # ------------------------------------------------------------ raw sockets
-    def dealer(self, endpoint: str) -> zmq.Socket:
-        """A raw DEALER: a hand-driven Prefill connection."""
-        sock = self.ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(endpoint)
-        self._finalizers.append(lambda: sock.close(0))
-        return sock
-
-    def router(self) -> tuple[zmq.Socket, str]:
-        """A raw ROUTER: a Decode endpoint that answers only what the test tells it to."""
-        sock = self.ctx.socket(zmq.ROUTER)
-        sock.setsockopt(zmq.LINGER, 0)
-        port = sock.bind_to_random_port(f"tcp://{HOST}")
-        self._finalizers.append(lambda: sock.close(0))
-        return sock, tcp_endpoint(HOST, port)
+CODEC = PLAIN
 
 
 @pytest.fixture
@@ -403,20 +83,8 @@ def rig() -> Any:
         r.close()
 
 
+
 # ====================================================================== wire helpers
-
-
-def recv_frame(sock: zmq.Socket, timeout: float = WAIT) -> list[bytes]:
-    if not sock.poll(int(timeout * 1000), zmq.POLLIN):
-        raise AssertionError(f"no message within {timeout:g} s")
-    return sock.recv_multipart(zmq.NOBLOCK)
-
-
-def recv_reply(dealer: zmq.Socket, timeout: float = WAIT) -> bytes | Message:
-    """Decode's next reply on a raw DEALER: b"ACK" raw, anything else decoded."""
-    frames = [f for f in recv_frame(dealer, timeout) if f]
-    assert len(frames) == 1, frames
-    return frames[0] if frames[0] == ACK else CODEC.decode(frames[0])
 
 
 def router_recv(router: zmq.Socket, timeout: float = WAIT) -> tuple[bytes, Message]:
@@ -445,40 +113,6 @@ def read_req(
         start,
         start if idx_start is None else idx_start,
     )
-
-
-def targets(
-    endpoint: str,
-    reads: Iterable[ReadRequest] = (),
-    done: Iterable[str] = (),
-    member: int = 0,
-    ratio: int = 1,
-) -> list[LayerTarget]:
-    done = list(done)
-    out = [
-        LayerTarget(endpoint, r, r.ext_req_id in done, member, ratio, r.ext_req_id) for r in reads
-    ]
-    named = {t.ext_req_id for t in out}
-    out += [LayerTarget(endpoint, None, True, member, ratio, e) for e in done if e not in named]
-    return out
-
-
-def step_all(
-    receivers: Sequence[DecodeReceiver], finished_by_vllm: Iterable[str] = ()
-) -> list[StepOutcome]:
-    """One worker step on every Decode rank at once (a real all-gather among threads)."""
-    group = InMemoryExchangeGroup(len(receivers))
-    finished_by_vllm = tuple(finished_by_vllm)
-    with ThreadPoolExecutor(len(receivers)) as pool:
-        futures = [
-            pool.submit(r.step, group.member(i), finished_by_vllm, WAIT)
-            for i, r in enumerate(receivers)
-        ]
-        return [f.result(timeout=2 * WAIT) for f in futures]
-
-
-def step(receiver: DecodeReceiver, finished_by_vllm: Iterable[str] = ()) -> StepOutcome:
-    return step_all([receiver], finished_by_vllm)[0]
 
 
 def assert_landed(
@@ -1095,7 +729,7 @@ def test_second_receiver_on_a_bound_port_raises_bind_error(rig: Rig) -> None:
     d = rig.decode(shapes)
     port = int(d.endpoint.rsplit(":", 1)[1])
     engine = rig.engine()
-    _, dests = rig.decode_memory(shapes, engine)
+    _, _, dests = decode_memory(shapes, engine)
 
     second = DecodeReceiver(
         server_factory=lambda: ZmqControlServer(HOST, port),

@@ -11,7 +11,8 @@ from collections.abc import Iterator
 import pydantic
 import pytest
 import zmq
-from control_rig import HOST, RecordingLogger
+from fakes.logs import RecordingLogger
+from fakes.net import HOST
 from hypothesis import given, settings
 from hypothesis import strategies as st
 

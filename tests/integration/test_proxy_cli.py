@@ -25,6 +25,7 @@ import anyio
 import httpx
 import pytest
 import uvicorn
+from fakes.net import free_port
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
@@ -129,10 +130,6 @@ def sse(request_id: str) -> list[str]:
             "data: [DONE]\n\n"]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture

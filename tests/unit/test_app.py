@@ -3,11 +3,10 @@ Prefill -> Decode pull wired through an in-memory control channel (no sockets)."
 
 from __future__ import annotations
 
-import queue
-
 import numpy as np
 import pydantic
 import pytest
+from fakes.control import MemoryNetwork
 
 from rd2h.adapters.inproc import InprocTransferEngine
 from rd2h.adapters.logging import make_logger
@@ -80,71 +79,10 @@ def test_group_batches_one_message_per_endpoint() -> None:
         )
 
 
-# ---------------------------------------------------------------- in-memory channel
+# ---------------------------------------------------------------- in-memory pull
 
 
-class MemoryWire:
-    """A ROUTER/DEALER pair in memory: identities are endpoint names."""
-
-    def __init__(self, endpoint: str, *, answer: bool = True) -> None:
-        self.endpoint = endpoint
-        self.to_server: queue.Queue[tuple[bytes, bytes]] = queue.Queue()
-        self.to_client: queue.Queue[tuple[str, bytes]] = queue.Queue()
-        self.answer = answer
-
-    # ControlServer
-    def recv(self, timeout: float) -> tuple[bytes, bytes] | None:
-        try:
-            return self.to_server.get(timeout=timeout)
-        except queue.Empty:
-            return None
-
-    def send(self, identity: bytes, payload: bytes) -> bool:
-        if self.answer:
-            self.to_client.put((identity.decode(), payload))
-        return True
-
-    def disconnected(self) -> list[bytes]:
-        return []
-
-    def close(self) -> None:
-        pass
-
-
-class MemoryClients:
-    def __init__(self, wire: MemoryWire) -> None:
-        self.wire = wire
-
-    def connect(self, endpoint: str) -> None:
-        assert endpoint == self.wire.endpoint
-
-    def disconnect(self, endpoint: str) -> None:
-        pass
-
-    def send(self, endpoint: str, payload: bytes, timeout: float = 5.0) -> None:
-        self.wire.to_server.put((endpoint.encode(), payload))
-
-    def poll(self, timeout: float) -> list[tuple[str, bytes]]:
-        try:
-            out = [self.wire.to_client.get(timeout=timeout)]
-        except queue.Empty:
-            return []
-        while True:
-            try:
-                out.append(self.wire.to_client.get_nowait())
-            except queue.Empty:
-                return [(ep, payload) for ep, payload in out if payload]
-
-    def disconnected(self) -> list[str]:
-        return []
-
-    def wake(self) -> None:
-        self.wire.to_client.put(("", b""))  # an empty frame: ignored, like ZMQ delimiters
-
-    def close(self) -> None:
-        pass
-
-
+EP = "mem://d0"
 BPB = {"k": 256, "v": 64, "idx": 32, "scale": 8}
 NB = 16
 
@@ -152,7 +90,7 @@ NB = 16
 @pytest.fixture
 def pair():
     """P sender and D receiver sharing an in-memory wire and the inproc transport."""
-    wire = MemoryWire("mem://d0")
+    net = MemoryNetwork()
     p_engine, d_engine = InprocTransferEngine(), InprocTransferEngine()
     rng = np.random.default_rng(0)
     p_bufs = {c: rng.integers(0, 255, (NB, n), dtype=np.uint8) for c, n in BPB.items()}
@@ -173,18 +111,18 @@ def pair():
     dst = DestinationLayout(name, (dt("k"), dt("v")), dt("idx"), dt("scale"))
     clock = MonotonicClock()
     receiver = DecodeReceiver(
-        server_factory=lambda: wire, codec=MsgpackCodec(), transfer=d_engine,
+        server_factory=lambda: net.server(EP), codec=MsgpackCodec(), transfer=d_engine,
         destinations={name: dst}, d_rank=0, d_tp=1, clock=clock,
         log=make_logger("decode", 0),
     )
     sender = PrefillSender(
-        clients_factory=lambda: MemoryClients(wire), codec=MsgpackCodec(),
+        clients_factory=net.clients, codec=MsgpackCodec(),
         p_session=p_engine.session_id, layers={0: src}, clock=clock,
         log=make_logger("prefill", 0), meta_ack_timeout_s=2, layer_ack_timeout_s=2,
     )
     receiver.start()
     sender.start()
-    yield wire, sender, receiver, p_bufs, d_bufs
+    yield sender, receiver, p_bufs, d_bufs
     sender.stop(2)
     receiver.stop(2)
     p_engine.close()
@@ -192,10 +130,10 @@ def pair():
 
 
 def test_in_memory_pull_lands_bytes_and_completes(pair) -> None:
-    wire, sender, receiver, p_bufs, d_bufs = pair
+    sender, receiver, p_bufs, d_bufs = pair
     receiver.admit("req-a" + "X" * 9, [5, 6, 7], [8, 9, 10])
     req = ReadRequest("req-a", (0, 1, 2), (3, 4, 5), 0, 0)
-    sender.submit(0, None, [LayerTarget(wire.endpoint, req, True, 0, 1)])
+    sender.submit(0, None, [LayerTarget(EP, req, True, 0, 1)])
     sender.wait_for_layer_send(0, timeout=5)
     for c in ("k", "v"):
         assert np.array_equal(d_bufs[c][[5, 6, 7]], p_bufs[c][[0, 1, 2]])
@@ -208,10 +146,10 @@ def test_in_memory_pull_lands_bytes_and_completes(pair) -> None:
 
 
 def test_read_failure_is_reported_to_prefill_and_blocks_invalidated(pair) -> None:
-    wire, sender, receiver, _, _ = pair
+    sender, receiver, _, _ = pair
     receiver.admit("req-b" + "X" * 9, [1], [2])
     req = ReadRequest("req-b", (0, 1), (0, 1), 0, 0)  # two blocks into one destination
-    sender.submit(0, None, [LayerTarget(wire.endpoint, req, True, 0, 1)])
+    sender.submit(0, None, [LayerTarget(EP, req, True, 0, 1)])
     with pytest.raises(LayerSendError, match="do not fit"):
         sender.wait_for_layer_send(0, timeout=5)
     out = receiver.step(InMemoryExchangeGroup(1).member(0), (), timeout=5)
@@ -220,21 +158,25 @@ def test_read_failure_is_reported_to_prefill_and_blocks_invalidated(pair) -> Non
 
 
 def test_unanswered_layer_fails_at_its_deadline() -> None:
-    wire = MemoryWire("mem://silent", answer=False)
+    net = MemoryNetwork()
+    silent = net.server("mem://silent")  # bound, but nobody ever answers
     src = SourceLayout("model.layers.0.attn", (TensorComponent(4096, 64, 1),))
     sender = PrefillSender(
-        clients_factory=lambda: MemoryClients(wire), codec=MsgpackCodec(), p_session="s",
+        clients_factory=net.clients, codec=MsgpackCodec(), p_session="s",
         layers={0: src}, clock=MonotonicClock(), log=make_logger("prefill", 0),
         meta_ack_timeout_s=0.2, layer_ack_timeout_s=0.2, event_timeout_s=0.2,
     )
     sender.start()
     try:
         req = ReadRequest("r", (0,), (0,), 0, 0)
-        sender.submit(0, None, [LayerTarget(wire.endpoint, req, True, 0, 1)])
+        sender.submit(0, None, [LayerTarget(silent.endpoint, req, True, 0, 1)])
         with pytest.raises(LayerSendError, match="MF_META"):
             sender.wait_for_layer_send(0, timeout=5)
         assert sender.counters()["pending_layers"] == 0
+        assert len(silent.disconnected()) == 1  # Prefill dropped the failed connection
+        _, frame = silent.recv(1.0)  # MF_META did go out: only its answer is missing
+        assert MsgpackCodec().decode(frame).p_session == "s"
     finally:
         assert sender.stop(2)
     with pytest.raises(LayerSendError, match="stopped"):
-        sender.submit(0, None, [LayerTarget(wire.endpoint, req, True, 0, 1)])
+        sender.submit(0, None, [LayerTarget(silent.endpoint, req, True, 0, 1)])

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from rd2h.app.connector.options import ConnectorConfigError, ConnectorOptions
-from rd2h.app.connector.wiring import EngineFacts, settings_for
+from rd2h.app.container import EngineFacts
+from rd2h.app.settings import ConnectorConfigError, Rd2hOptions
 
 STORE = "tcp://10.0.0.5:7000"
 
@@ -29,16 +29,16 @@ def facts(local_rank: int) -> EngineFacts:
 ])
 def test_bad_memfabric_options_are_refused_when_parsed(extra: dict, message: str) -> None:
     with pytest.raises(ConnectorConfigError, match=message):
-        ConnectorOptions.parse(extra)
+        Rd2hOptions.parse(extra)
 
 
 def test_memfabric_settings_follow_the_options_and_the_ranks_device() -> None:
-    opts = ConnectorOptions.parse({"transport": "memfabric", "memfabric_store_url": STORE,
+    opts = Rd2hOptions.parse({"transport": "memfabric", "memfabric_store_url": STORE,
                                    "host": "10.0.0.9", "memfabric_transfer_type": "DEVICE_RDMA",
                                    "memfabric_nic": "eth1"})
-    s = settings_for(opts, facts(local_rank=6))
+    s = facts(local_rank=6).settings(opts)
     assert (s.transport, s.host, s.memfabric_store_url) == ("memfabric", "10.0.0.9", STORE)
     assert (s.memfabric_transfer_type, s.memfabric_nic) == ("DEVICE_RDMA", "eth1")
-    assert s.memfabric_device_id == 6  # vLLM's local rank, not the TP rank (2)
-    pinned = ConnectorOptions.parse({**opts.model_dump(), "memfabric_device_id": 1})
-    assert settings_for(pinned, facts(local_rank=6)).memfabric_device_id == 1
+    assert s.memfabric_device == 6  # vLLM's local rank, not the TP rank (2)
+    pinned = Rd2hOptions.parse({**opts.model_dump(), "memfabric_device_id": 1})
+    assert facts(local_rank=6).settings(pinned).memfabric_device == 1

@@ -1,18 +1,19 @@
-"""``ConnectorOptions.parse``: rd2h's ``kv_connector_extra_config``, validated before
-any socket or memory registration, with errors that name the offending key."""
+"""``Rd2hOptions.parse``: rd2h's ``kv_connector_extra_config``, validated before any
+socket or memory registration, with errors that name the offending key; the same model
+is every endpoint's settings (``Rd2hSettings``), so every option reaches every rank."""
 
 from __future__ import annotations
 
 import pytest
 
-from rd2h.app.connector.options import ConnectorConfigError, ConnectorOptions
-from rd2h.app.settings import Deadlines
+from rd2h.app.container import EngineFacts, build_container
+from rd2h.app.settings import ConnectorConfigError, Deadlines, Rd2hOptions, Rd2hSettings
 from rd2h.domain.errors import Rd2hError
 
 
 @pytest.mark.parametrize("extra", [None, {}])
 def test_defaults(extra) -> None:
-    o = ConnectorOptions.parse(extra)
+    o = Rd2hOptions.parse(extra)
     assert o.transport == "cma" and o.host == "127.0.0.1" and o.engine_id == ""
     assert o.cma_threads == 1 and o.mooncake_protocol == "tcp" and o.mooncake_env == {}
     assert o.destinations == "vllm" and o.main_sharing is None and not o.main_shared
@@ -24,7 +25,7 @@ def test_defaults(extra) -> None:
 
 
 def test_values_are_taken_and_frozen() -> None:
-    o = ConnectorOptions.parse({
+    o = Rd2hOptions.parse({
         "transport": "inproc", "host": "10.0.0.7", "cma_threads": 4, "buffer_reuse": True,
         "deadlines": {"layer_ack_s": 2.5, "request_s": 9}, "log_level": "DEBUG",
         "mooncake_env": {"MC_X": "1"},
@@ -39,7 +40,7 @@ def test_values_are_taken_and_frozen() -> None:
 
 def _error(extra) -> str:
     with pytest.raises(ConnectorConfigError) as info:
-        ConnectorOptions.parse(extra)
+        Rd2hOptions.parse(extra)
     assert isinstance(info.value, Rd2hError) and isinstance(info.value, ValueError)
     msg = str(info.value)
     assert msg.startswith("invalid kv_connector_extra_config for rd2h: ")
@@ -96,18 +97,18 @@ def test_deadline_cross_field_rule_names_deadlines() -> None:
 
 def test_not_an_object_is_refused() -> None:
     with pytest.raises(ConnectorConfigError, match="JSON object, got list"):
-        ConnectorOptions.parse(["transport", "cma"])  # type: ignore[arg-type]
+        Rd2hOptions.parse(["transport", "cma"])  # type: ignore[arg-type]
     with pytest.raises(ConnectorConfigError, match="JSON object, got str"):
-        ConnectorOptions.parse("transport=cma")  # type: ignore[arg-type]
+        Rd2hOptions.parse("transport=cma")  # type: ignore[arg-type]
 
 
 def test_main_sharing_follows_destinations() -> None:
-    assert not ConnectorOptions.parse({"destinations": "vllm"}).main_shared
-    assert ConnectorOptions.parse({"destinations": "sparse_kv_pool"}).main_shared
-    explicit = ConnectorOptions.parse(
+    assert not Rd2hOptions.parse({"destinations": "vllm"}).main_shared
+    assert Rd2hOptions.parse({"destinations": "sparse_kv_pool"}).main_shared
+    explicit = Rd2hOptions.parse(
         {"destinations": "sparse_kv_pool", "main_sharing": "shared_pool"})
     assert explicit.main_shared
-    assert not ConnectorOptions.parse({"main_sharing": "rank_local"}).main_shared
+    assert not Rd2hOptions.parse({"main_sharing": "rank_local"}).main_shared
 
 
 @pytest.mark.parametrize(
@@ -118,3 +119,40 @@ def test_main_sharing_mismatch_is_refused(destinations, sharing, wanted) -> None
     msg = _error({"destinations": destinations, "main_sharing": sharing})
     assert f"main_sharing {sharing!r} does not fit destinations {destinations!r}" in msg
     assert f"needs {wanted!r}" in msg
+
+
+FACTS = EngineFacts(side="decode", kv_port=31000, global_dp_rank=1, tp_size=2, tp_rank=1,
+                    engine_id="e", block_size=16, group_layer_names=(("l.0",),))
+
+
+def test_every_option_reaches_the_rank_settings_unchanged() -> None:
+    """One model: a rank's settings are the options plus its place, never a hand copy."""
+    opts = Rd2hOptions.parse({
+        "transport": "inproc", "host": "10.1.2.3", "cma_threads": 3, "buffer_reuse": True,
+        "auth_secret": "s" * 20, "max_frame_bytes": 4096, "log_level": "ERROR",
+        "deadlines": {"layer_ack_s": 1.5}, "metaserver_retries": 7, "engine_id": "mine",
+        "mooncake_env": {"MC_A": "b"}, "destinations": "sparse_kv_pool",
+    })
+    settings = FACTS.settings(opts)
+    assert isinstance(settings, Rd2hSettings) and isinstance(settings, Rd2hOptions)
+    for name in Rd2hOptions.model_fields:
+        assert getattr(settings, name) == getattr(opts, name), name
+    assert (settings.role, settings.tp_rank, settings.tp_size) == ("decode", 1, 2)
+    assert settings.rank_port == 31000 + 1 * 2 + 1
+
+
+def test_a_vllm_deployment_can_turn_message_signing_on() -> None:
+    opts = Rd2hOptions.parse({"auth_secret": "a-secret-of-twenty-chars"})
+    container = build_container(FACTS.settings(opts))
+    codec = container.codec()
+    assert type(codec).__name__ == "AuthenticatedCodec"
+    frame = codec.encode_ack()
+    assert frame.startswith(b"ACK") and len(frame) > 3  # signed
+    assert type(build_container(FACTS.settings(Rd2hOptions())).codec()).__name__ == (
+        "MsgpackCodec")
+
+
+def test_a_short_secret_is_refused_without_echoing_it() -> None:
+    with pytest.raises(ConnectorConfigError, match="at least 16 characters") as info:
+        Rd2hOptions.parse({"auth_secret": "tooshort-xyz"})
+    assert "tooshort-xyz" not in str(info.value)

@@ -1,7 +1,8 @@
 """The connector's four roles as plain services (no vLLM): Decode scheduler (spec 3.1),
 Prefill scheduler (3.2), Prefill worker over a real ``PrefillSender`` and Decode worker
 over a real ``DecodeReceiver``, wired in memory (no sockets); plus the per-announcement
-tickets that tell Prefill when a finished request's blocks may be freed.
+tickets that tell Prefill when a finished request's blocks may be freed (the ticket rules
+themselves: ``test_prefill_session``).
 
 Waits are on conditions with deadlines; the clock is controllable (real time plus an
 offset a test can jump forward), so deadlines are reached without sleeping."""
@@ -10,11 +11,14 @@ from __future__ import annotations
 
 import queue
 import threading
-import time
 from typing import Any
 
 import numpy as np
 import pytest
+from fakes.clock import ManualClock
+from fakes.control import MemoryNetwork
+from fakes.logs import RecordingLogger as RecordingLog
+from fakes.metaserver import RecordingMetaserver
 
 from rd2h.adapters.inproc import InprocTransferEngine
 from rd2h.adapters.msgpack import MsgpackCodec
@@ -31,7 +35,6 @@ from rd2h.app.connector.prefill_scheduler import (
 from rd2h.app.connector.prefill_worker import PrefillWorker
 from rd2h.app.decode import DecodeReceiver
 from rd2h.app.prefill import PrefillSender
-from rd2h.app.tickets import AnnouncementTickets
 from rd2h.domain.errors import LayerSendError, TopologyError
 from rd2h.domain.layout import DestinationLayout, DestTensor, SourceLayout, TensorComponent
 from rd2h.domain.protocol import MfMeta, ReadDone, ReadFailed, ReadReadyBatch, ReadRequest
@@ -44,64 +47,10 @@ WAIT = 5.0  # deadline of every wait in these tests (they normally take millisec
 # ================================================================ fakes
 
 
-class ManualClock:
-    """Monotonic time that a test can jump forward (deadlines without sleeping)."""
-
-    def __init__(self) -> None:
-        self.offset = 0.0
-
-    def now(self) -> float:
-        return time.monotonic() + self.offset
-
-    def advance(self, seconds: float) -> None:
-        self.offset += seconds
 
 
-class RecordingLog:
-    def __init__(self, records: list[tuple[str, str, dict[str, Any]]] | None = None,
-                 context: dict[str, Any] | None = None) -> None:
-        self.records = [] if records is None else records
-        self._context = context or {}
-
-    def bind(self, **context: Any) -> RecordingLog:
-        return RecordingLog(self.records, {**self._context, **context})
-
-    def _add(self, level: str, event: str, kw: dict[str, Any]) -> None:
-        self.records.append((level, event, {**self._context, **kw}))
-
-    def debug(self, event: str, **kw: Any) -> None:
-        self._add("debug", event, kw)
-
-    def info(self, event: str, **kw: Any) -> None:
-        self._add("info", event, kw)
-
-    def warning(self, event: str, **kw: Any) -> None:
-        self._add("warning", event, kw)
-
-    def error(self, event: str, **kw: Any) -> None:
-        self._add("error", event, kw)
-
-    def at(self, level: str) -> list[tuple[str, dict[str, Any]]]:
-        return [(e, kw) for lvl, e, kw in self.records if lvl == level]
 
 
-class RecordingMetaserver:
-    def __init__(self, fail_with: Exception | None = None) -> None:
-        self.posts: list[tuple[str, str, dict[str, Any]]] = []
-        self.cancels: list[str] = []
-        self.shutdowns: list[float] = []
-        self.fail_with = fail_with
-
-    def post(self, request_id: str, url: str, payload: dict[str, Any]) -> None:
-        if self.fail_with is not None:
-            raise self.fail_with
-        self.posts.append((request_id, url, payload))
-
-    def cancel(self, request_id: str) -> None:
-        self.cancels.append(request_id)
-
-    def shutdown(self, timeout: float) -> None:
-        self.shutdowns.append(timeout)
 
 
 class ImmediateEvents:
@@ -578,7 +527,7 @@ def pworker():
 
 
 def _sender(worker: PrefillWorker) -> PrefillSender:
-    return worker._sender  # the test drains it to know every reply was handled
+    return worker.sender  # the test drains it to know every reply was handled
 
 
 def _write_all_layers(worker: PrefillWorker) -> list[bool]:
@@ -797,73 +746,10 @@ def test_a_failed_layer_raises_at_the_reuse_gate(pworker) -> None:
 # ================================================================ Decode worker
 
 
-class MemoryNet:
-    """In-memory control channel: Decode servers by endpoint, one Prefill client."""
-
-    def __init__(self) -> None:
-        self.servers: dict[str, MemoryServer] = {}
-        self.replies: queue.Queue[tuple[str, bytes]] = queue.Queue()
-
-    def server(self, endpoint: str) -> MemoryServer:
-        self.servers[endpoint] = MemoryServer(endpoint, self.replies)
-        return self.servers[endpoint]
 
 
-class MemoryServer:
-    def __init__(self, endpoint: str, replies: queue.Queue[tuple[str, bytes]]) -> None:
-        self.endpoint = endpoint
-        self.inbox: queue.Queue[tuple[bytes, bytes]] = queue.Queue()
-        self._replies = replies
-
-    def recv(self, timeout: float) -> tuple[bytes, bytes] | None:
-        try:
-            return self.inbox.get(timeout=timeout)
-        except queue.Empty:
-            return None
-
-    def send(self, identity: bytes, payload: bytes) -> bool:
-        self._replies.put((self.endpoint, payload))
-        return True
-
-    def disconnected(self) -> list[bytes]:
-        return []
-
-    def close(self) -> None:
-        pass
 
 
-class MemoryClients:
-    def __init__(self, net: MemoryNet) -> None:
-        self.net = net
-
-    def connect(self, endpoint: str) -> None:
-        assert endpoint in self.net.servers, endpoint
-
-    def disconnect(self, endpoint: str) -> None:
-        pass
-
-    def send(self, endpoint: str, payload: bytes, timeout: float = 5.0) -> None:
-        self.net.servers[endpoint].inbox.put((b"p0", payload))
-
-    def poll(self, timeout: float) -> list[tuple[str, bytes]]:
-        try:
-            out = [self.net.replies.get(timeout=timeout)]
-        except queue.Empty:
-            return []
-        while True:
-            try:
-                out.append(self.net.replies.get_nowait())
-            except queue.Empty:
-                return [(ep, p) for ep, p in out if p]
-
-    def disconnected(self) -> list[str]:
-        return []
-
-    def wake(self) -> None:
-        self.net.replies.put(("", b""))
-
-    def close(self) -> None:
-        pass
 
 
 BPB = 64  # bytes per block of the one main tensor
@@ -876,7 +762,7 @@ LAYER = "model.layers.0.self_attn.attn"
 def pd():
     """A Prefill worker and a Decode worker (one layer, one main tensor) sharing an
     in-memory control channel and the inproc transport."""
-    net = MemoryNet()
+    net = MemoryNetwork()
     clock = ManualClock()
     p_engine, d_engine = InprocTransferEngine(), InprocTransferEngine()
     p_buf = np.random.default_rng(1).integers(1, 255, (NB, BPB), dtype=np.uint8)
@@ -893,7 +779,7 @@ def pd():
     dworker = DecodeWorker(receiver=receiver, exchange=InMemoryExchangeGroup(1).member(0),
                            log=d_log, exchange_timeout_s=WAIT, stop_timeout_s=2)
     sender = PrefillSender(
-        clients_factory=lambda: MemoryClients(net), codec=MsgpackCodec(),
+        clients_factory=net.clients, codec=MsgpackCodec(),
         p_session=p_engine.session_id,
         layers={0: SourceLayout(LAYER, (TensorComponent(p_buf.ctypes.data, BPB, 1, 0, NB),))},
         clock=clock, log=RecordingLog(), meta_ack_timeout_s=WAIT, layer_ack_timeout_s=WAIT,
@@ -961,64 +847,3 @@ def test_a_read_that_cannot_land_fails_the_request_on_both_sides(pd) -> None:
     res = dworker.get_finished(set())
     assert res.failed == {rid} and rid in res.finished and res.invalid_block_ids == {1}
     assert pworker.get_finished({rid}) == {rid} and pworker.requests_failed == 1
-
-
-# ================================================================ announcement tickets
-
-
-def test_tickets_resolve_in_fifo_order_per_layer_and_endpoint() -> None:
-    t = AnnouncementTickets()
-    t.open("t1", 0, ["e1", "e2"])
-    t.open("t2", 0, ["e1"])
-    t.open("t3", 1, ["e1"])
-    t.reply(0, "e1", None)  # the oldest open ticket of (0, e1): t1
-    assert t.take_resolved() == []  # t1 still waits for e2
-    t.reply(0, "e1", None)
-    assert t.take_resolved() == [("t2", None)]
-    t.reply(0, "e2", "READ_FAILED x")
-    t.reply(1, "e1", None)
-    assert t.take_resolved() == [("t1", "READ_FAILED x"), ("t3", None)]
-    assert t.take_resolved() == [] and t.open_count == 0
-    t.reply(0, "e1", None)  # a reply nobody waits for is ignored
-    assert t.take_resolved() == []
-
-
-def test_ticket_keeps_its_first_error() -> None:
-    t = AnnouncementTickets()
-    t.open("t", 0, ["e1", "e2", "e3"])
-    t.reply(0, "e1", "first")
-    t.reply(0, "e2", "second")
-    t.reply(0, "e3", None)
-    assert t.take_resolved() == [("t", "first")]
-
-
-def test_ticket_without_endpoints_resolves_at_once_and_ids_are_unique() -> None:
-    t = AnnouncementTickets()
-    t.open("empty", 3, [])
-    assert t.take_resolved() == [("empty", None)]
-    t.open("t", 0, ["e"])
-    with pytest.raises(ValueError, match="already open"):
-        t.open("t", 1, ["e"])
-
-
-def test_fail_layer_resolves_only_that_layer() -> None:
-    t = AnnouncementTickets()
-    t.open("a", 0, ["e1", "e2"])
-    t.open("b", 1, ["e1"])
-    t.fail_layer(0, "expired")
-    assert t.take_resolved() == [("a", "expired")]
-    assert t.open_count == 1
-    t.reply(1, "e1", None)
-    assert t.take_resolved() == [("b", None)]
-
-
-def test_fail_endpoint_and_fail_all() -> None:
-    t = AnnouncementTickets()
-    t.open("a", 0, ["e1", "e2"])
-    t.open("b", 1, ["e2"])
-    t.open("c", 2, ["e3"])
-    t.fail_endpoint("e2", "gone")
-    assert t.take_resolved() == [("b", "gone")]  # a still waits for e1
-    t.fail_all("stopped")
-    assert sorted(t.take_resolved()) == [("a", "gone"), ("c", "stopped")]  # first error
-    assert t.open_count == 0

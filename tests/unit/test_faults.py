@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from rd2h.adapters.msgpack import MsgpackCodec
-from rd2h.app.demo_config import DemoConfig
-from rd2h.app.faults import (
+from rd2h.demo.config import DemoConfig
+from rd2h.demo.faults import (
     DroppingServer,
     DyingServer,
     Fault,

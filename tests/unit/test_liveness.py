@@ -8,10 +8,10 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from collections.abc import Callable
 
 import numpy as np
 import pytest
+from fakes.net import wait_until
 
 from rd2h.adapters.inproc import InprocTransferEngine
 from rd2h.adapters.logging import make_logger
@@ -20,7 +20,7 @@ from rd2h.adapters.torch.exchange import InMemoryExchangeGroup
 from rd2h.app.clock import MonotonicClock
 from rd2h.app.decode import DecodeReceiver
 from rd2h.app.prefill import LayerTarget, PrefillSender
-from rd2h.domain.completion import DecodeRequestBook, PeerContributions, StorageSlotGates
+from rd2h.domain.contributors import PeerContributions
 from rd2h.domain.errors import LayerSendError
 from rd2h.domain.layout import DestinationLayout, DestTensor, SourceLayout, TensorComponent
 from rd2h.domain.protocol import (
@@ -31,43 +31,16 @@ from rd2h.domain.protocol import (
     ReadReadyBatch,
     ReadRequest,
 )
+from rd2h.domain.request_book import DecodeRequestBook
 
 CODEC = MsgpackCodec()
 WAIT = 5.0
 X9 = "X" * 9  # vLLM's engine suffix stand-in
 
 
-def wait_until(pred: Callable[[], bool], timeout: float = WAIT) -> None:
-    deadline = time.monotonic() + timeout
-    pause = threading.Event()
-    while not pred():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"condition not met within {timeout:g} s")
-        pause.wait(0.005)
-
-
 # ====================================================================== pure state
 
 
-def test_fail_endpoint_fails_only_the_layers_waiting_on_it() -> None:
-    gates = StorageSlotGates()
-    for layer in range(3):
-        gates.register_layer(layer, (1000 * (layer + 1),))
-    gates.announce(0, ["A", "B"])
-    gates.announce(1, ["A", "A"])  # two announcements (chunks) to A
-    gates.announce(2, ["B"])
-    epochs = [gates.epoch(n) for n in range(3)]
-    assert gates.is_pending(1, "A") and not gates.is_pending(1, "B")
-    assert gates.fail_endpoint("A", "A is gone") == [0, 1]
-    # Layer 1 waited on A only: open, failed. Layer 0 still waits on B: closed, failed.
-    assert gates.state(1).open and gates.state(1).error == "A is gone"
-    assert not gates.state(0).open and gates.state(0).error == "A is gone"
-    assert gates.state(0).waiting_on == ("B",)
-    assert gates.state(2).open is False and gates.state(2).error is None
-    assert [gates.epoch(n) for n in range(3)] == [epochs[0], epochs[1] + 1, epochs[2]]
-    assert gates.fail_endpoint("A", "again") == []  # nothing left on A
-    assert gates.acknowledge(0, "B") and gates.acknowledge(2, "B")
-    assert gates.pending_layers == () and gates.closed_slots == 0
 
 
 def test_peer_contributions_index_both_ways() -> None:

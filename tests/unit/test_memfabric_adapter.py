@@ -407,7 +407,7 @@ def test_config_store_url_is_checked_and_failures_explained(
 
 def test_settings_validate_memfabric_fields() -> None:
     ok = Rd2hSettings(role="decode", transport="memfabric", memfabric_store_url=STORE)
-    assert ok.memfabric_transfer_type == "SDMA" and ok.memfabric_device_id == 0
+    assert ok.memfabric_transfer_type == "SDMA" and ok.memfabric_device == 0
     bad = [
         ({"memfabric_store_url": None}, "memfabric_store_url is required"),
         ({"memfabric_store_url": "http://1.2.3.4:5"}, "store URL"),

@@ -306,7 +306,7 @@ def _rd2h_with_sink(accept: bool) -> tuple[Any, Any, RecordingSender]:
     worker = PrefillWorker(sender=sender, events=CpuDeviceEvents(), p_rank=0, p_tp=1,  # type: ignore[arg-type]
                            layer_names=names, clock=MonotonicClock(),
                            log=make_logger("prefill", 0), buffer_reuse=True)
-    provider._p_worker = worker  # what register_kv_caches builds on a real engine
+    provider._role = worker  # the role register_kv_caches builds on a real engine
     worker.start_step([PrefillSend("r-1", "r", DecodeEndpoint("127.0.0.1", 30000, 1),
                                    (1, 2), (1, 2), 0, 0, final=False)])
     return multi, provider, sender

@@ -8,9 +8,10 @@ import argparse
 import numpy as np
 import pytest
 
-from rd2h.app.cli import build_parser, main
-from rd2h.app.probe import ProbeConfig, ProbeResult, parse_size, summary_text
-from rd2h.app.probe_endpoint import PAGE, descriptors, first_difference, pattern
+from rd2h.cli.main import build_parser, main
+from rd2h.cli.probe import parse_size
+from rd2h.probe.endpoints import PAGE, descriptors, first_difference, pattern
+from rd2h.probe.run import ProbeConfig, ProbeResult, summary_text
 
 
 def test_pattern_depends_on_seed_and_on_every_offset() -> None:

@@ -22,8 +22,8 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from rd2h.adapters.http.proxy import ProxyConfig, create_app
 from rd2h.adapters.logging import make_logger
-from rd2h.app.cli import main
-from rd2h.app.proxy_cli import default_public_url
+from rd2h.cli.main import main
+from rd2h.cli.proxy import default_public_url
 
 PROXY = "http://proxy:8000"
 HEX32 = re.compile(r"^[0-9a-f]{32}$")

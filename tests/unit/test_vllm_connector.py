@@ -9,10 +9,11 @@ composition root, so no socket is opened (the gloo group of one rank aside)."""
 
 from __future__ import annotations
 
-import queue
-from typing import Any, ClassVar
+from typing import Any
 
 import pytest
+from fakes.control import MemoryNetwork
+from fakes.metaserver import RecordingMetaserver
 
 pytest.importorskip("vllm")
 
@@ -50,9 +51,9 @@ from rd2h.adapters.vllm.connector import (
     SfaRemoteD2HConnector,
 )
 from rd2h.adapters.vllm.stats import Rd2hConnectorStats, delta
-from rd2h.app.connector import wiring
-from rd2h.app.connector.options import ConnectorConfigError
+from rd2h.app import container as composition
 from rd2h.app.connector.plans import DecodeEndpoint, DecodeLoad, PrefillSend
+from rd2h.app.settings import ConnectorConfigError
 from rd2h.domain.errors import LayerSendError
 
 SUFFIX_D, SUFFIX_P = "-d0000001", "-p0000001"  # vLLM's 9-character engine suffixes
@@ -121,26 +122,6 @@ def cached_reqs(entries: list[tuple[str, tuple[list[int], ...] | None, int]],
     )
 
 
-class RecordingMetaserver:
-    """Stands in for ``MetaserverClient`` (same constructor), recording calls."""
-
-    made: ClassVar[list[RecordingMetaserver]] = []
-
-    def __init__(self, **kwargs: Any) -> None:
-        self.kwargs = kwargs
-        self.posts: list[tuple[str, str, dict[str, Any]]] = []
-        self.cancels: list[str] = []
-        self.shutdowns: list[float] = []
-        RecordingMetaserver.made.append(self)
-
-    def post(self, request_id: str, url: str, payload: dict[str, Any]) -> None:
-        self.posts.append((request_id, url, payload))
-
-    def cancel(self, request_id: str) -> None:
-        self.cancels.append(request_id)
-
-    def shutdown(self, timeout: float) -> None:
-        self.shutdowns.append(timeout)
 
 
 @pytest.fixture
@@ -350,91 +331,26 @@ def tp_group(tmp_path_factory):
         parallel_state.destroy_distributed_environment()
 
 
-class MemoryNet:
-    """In-memory control channel keyed by endpoint (Decode servers, Prefill clients)."""
-
-    def __init__(self) -> None:
-        self.servers: dict[str, MemoryServer] = {}
-        self.replies: queue.Queue[tuple[str, bytes]] = queue.Queue()
 
 
-class MemoryServer:
-    def __init__(self, net: MemoryNet, endpoint: str) -> None:
-        self.endpoint = endpoint
-        self.inbox: queue.Queue[tuple[bytes, bytes]] = queue.Queue()
-        self._net = net
-        net.servers[endpoint] = self
-
-    def recv(self, timeout: float) -> tuple[bytes, bytes] | None:
-        try:
-            return self.inbox.get(timeout=timeout)
-        except queue.Empty:
-            return None
-
-    def send(self, identity: bytes, payload: bytes) -> bool:
-        self._net.replies.put((self.endpoint, payload))
-        return True
-
-    def disconnected(self) -> list[bytes]:
-        return []
-
-    def close(self) -> None:
-        self._net.servers.pop(self.endpoint, None)
 
 
-class MemoryClients:
-    def __init__(self, net: MemoryNet) -> None:
-        self._net = net
-
-    def connect(self, endpoint: str) -> None:
-        if endpoint not in self._net.servers:
-            raise ConnectionError(f"nothing listens on {endpoint}")
-
-    def disconnect(self, endpoint: str) -> None:
-        pass
-
-    def send(self, endpoint: str, payload: bytes, timeout: float = 5.0) -> None:
-        server = self._net.servers.get(endpoint)
-        if server is None:
-            raise ConnectionError(f"nothing listens on {endpoint}")
-        server.inbox.put((b"prefill-0", payload))
-
-    def poll(self, timeout: float) -> list[tuple[str, bytes]]:
-        try:
-            out = [self._net.replies.get(timeout=timeout)]
-        except queue.Empty:
-            return []
-        while True:
-            try:
-                out.append(self._net.replies.get_nowait())
-            except queue.Empty:
-                return [(ep, p) for ep, p in out if p]
-
-    def disconnected(self) -> list[str]:
-        return []
-
-    def wake(self) -> None:
-        self._net.replies.put(("", b""))
-
-    def close(self) -> None:
-        pass
 
 
 @pytest.fixture
 def memory_control(monkeypatch):
     """The composition root builds everything real except the control sockets."""
-    net = MemoryNet()
-    real = wiring.build_container
+    net = MemoryNetwork()
+    real = composition.build_container
 
     def build(settings):
         container = real(settings)
         endpoint = f"tcp://{settings.host}:{settings.rank_port}"
-        container.control_server.override(
-            providers.Callable(lambda: MemoryServer(net, endpoint)))
-        container.control_clients.override(providers.Callable(lambda: MemoryClients(net)))
+        container.control_server.override(providers.Callable(net.server, endpoint))
+        container.control_clients.override(providers.Callable(net.clients))
         return container
 
-    monkeypatch.setattr(wiring, "build_container", build)
+    monkeypatch.setattr(composition, "build_container", build)
     return net
 
 
@@ -456,7 +372,7 @@ def engines(tp_group, memory_control, metaserver):
     d_caches, p_caches = _caches(False), _caches(True)
     d_work.register_kv_caches(d_caches)
     p_work.register_kv_caches(p_caches)
-    assert set(memory_control.servers) == {f"tcp://127.0.0.1:{KV_PORT}"}
+    assert memory_control.endpoints == {f"tcp://127.0.0.1:{KV_PORT}"}
     yield d_sched, p_sched, d_work, p_work, d_caches, p_caches, metaserver[0]
     for conn in (p_work, d_work, d_sched, p_sched):
         conn.shutdown()

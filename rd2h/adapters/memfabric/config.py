@@ -1,18 +1,26 @@
 """What binds a process's MemFabric engine: role, device, host, store and transfer type.
 
-Pure stdlib, so settings can validate MemFabric fields without importing the library.
-The library wants numeric IPv4 addresses (it parses them with ``inet_pton``), so host
-names are refused here with a clear message instead of failing inside ``initialize``.
+Pure stdlib (the address checks are the domain's, ``rd2h.domain.addresses``), so it
+never imports the library.
 """
 
 from __future__ import annotations
 
-import ipaddress
 from dataclasses import dataclass, fields
 from typing import Literal, get_args
 
-TransferTypeName = Literal["SDMA", "HOST_RDMA", "DEVICE_RDMA", "DEVICE_URMA", "DEVICE_UBOE"]
-"""Names of ``memfabric_hybrid.TransDataOpType`` members (the data path between devices)."""
+from rd2h.domain.addresses import (
+    TRANSFER_TYPE_NAMES,
+    TransferTypeName,
+    parse_host_port,
+    parse_ipv4,
+    parse_store_url,
+)
+
+__all__ = [
+    "ROLES", "TRANSFER_TYPES", "MemFabricConfig", "RoleName", "TransferTypeName",
+    "parse_host_port", "parse_ipv4", "parse_store_url",
+]
 
 TRANSFER_TYPES: dict[str, int] = {
     "SDMA": 1,
@@ -27,35 +35,7 @@ RoleName = Literal["Prefill", "Decode"]
 ROLES: tuple[str, ...] = get_args(RoleName)
 """The only role strings the library's ``initialize`` accepts."""
 
-assert set(TRANSFER_TYPES) == set(get_args(TransferTypeName))
-
-
-def parse_ipv4(text: str, what: str) -> str:
-    """Return ``text`` if it is a dotted IPv4 address, else raise ``ValueError``."""
-    try:
-        ipaddress.IPv4Address(text)
-    except (ipaddress.AddressValueError, TypeError, ValueError):
-        raise ValueError(
-            f"{what} must be a numeric IPv4 address (MemFabric does not resolve host "
-            f"names), got {text!r}"
-        ) from None
-    return text
-
-
-def parse_host_port(text: str, what: str, *, allow_zero_port: bool = False) -> tuple[str, int]:
-    """Split ``"<IPv4>:<port>"``; raise ``ValueError`` naming ``what`` when malformed."""
-    host, sep, port = str(text).rpartition(":")
-    low = 0 if allow_zero_port else 1
-    if not sep or not port.isdigit() or not low <= int(port) <= 65535:
-        raise ValueError(f"{what} must look like '<IPv4>:<port>', got {text!r}")
-    return parse_ipv4(host, what), int(port)
-
-
-def parse_store_url(url: str) -> tuple[str, int]:
-    """Check a config-store URL ``tcp://<IPv4>:<port>`` and return (address, port)."""
-    if not isinstance(url, str) or not url.startswith("tcp://"):
-        raise ValueError(f"MemFabric store URL must look like 'tcp://<IPv4>:<port>', got {url!r}")
-    return parse_host_port(url[len("tcp://") :], "MemFabric store URL")
+assert set(TRANSFER_TYPES) == set(TRANSFER_TYPE_NAMES)
 
 
 @dataclass(frozen=True)

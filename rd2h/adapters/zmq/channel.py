@@ -23,6 +23,7 @@ import zmq
 from zmq.utils.monitor import parse_monitor_message
 
 from rd2h.domain.errors import Rd2hError
+from rd2h.domain.topology import tcp_endpoint
 
 DEFAULT_HEARTBEAT_IVL_S = 1.0
 DEFAULT_HEARTBEAT_TIMEOUT_S = 5.0
@@ -30,12 +31,6 @@ DEFAULT_HEARTBEAT_TIMEOUT_S = 5.0
 
 class BindError(Rd2hError):
     """The Decode control socket could not bind its port."""
-
-
-def tcp_endpoint(host: str, port: int) -> str:
-    if ":" in host and not host.startswith("["):
-        host = f"[{host}]"
-    return f"tcp://{host}:{port}"
 
 
 def _non_empty(frames: list[bytes]) -> list[bytes]:

@@ -6,21 +6,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping, MutableMapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
-from rd2h.app.connector.plans import DecodeLoad
+from rd2h.app.connector.plans import DecodeLoad, StepPlan
+from rd2h.app.connector.roles import BlockIds, ConnectorRole, RequestFacts, ScheduledRequest
 from rd2h.domain.chunks import external_request_id
+from rd2h.ports.metaserver import MetaserverPoster
 from rd2h.ports.runtime import Logger
-
-
-class Metaserver(Protocol):
-    """The rendezvous poster (``rd2h.adapters.http.metaserver``)."""
-
-    def post(self, request_id: str, url: str, payload: dict[str, Any]) -> None: ...
-
-    def cancel(self, request_id: str) -> None: ...
-
-    def shutdown(self, timeout: float) -> Any: ...
 
 
 @dataclass
@@ -31,7 +23,7 @@ class _Waiting:
     posted: bool = False
 
 
-class DecodeScheduler:
+class DecodeScheduler(ConnectorRole):
     """Keeps ``(main, indexer)`` destination ids per request; they never leave Decode.
 
     The post to the metaserver waits until all ``tp_size`` workers reported the
@@ -42,14 +34,20 @@ class DecodeScheduler:
     def __init__(
         self,
         *,
-        metaserver: Metaserver,
+        metaserver: MetaserverPoster,
         host: str,
         base_port: int,
         tp_size: int,
         engine_id: str,
         log: Logger,
+        main_group: int = 0,
+        indexer_group: int = 0,
+        stop_timeout_s: float = 5.0,
     ) -> None:
         self._metaserver = metaserver
+        self._main_group = main_group
+        self._indexer_group = indexer_group
+        self._stop_timeout = stop_timeout_s
         self._host = host
         self._base_port = base_port
         self._tp = tp_size
@@ -62,7 +60,28 @@ class DecodeScheduler:
         self._waiting: dict[str, _Waiting] = {}
         self.posts = 0
 
-    # -- vLLM scheduler hooks, in plain values
+    # -- the connector role's hooks
+    def get_num_new_matched_tokens(self, request: RequestFacts,
+                                   num_computed_tokens: int) -> tuple[int, bool]:
+        return self.match(request.request_id, request.prompt_len, num_computed_tokens,
+                          request.params)
+
+    def update_state_after_alloc(self, request: RequestFacts, block_ids: BlockIds,
+                                 num_external_tokens: int) -> None:
+        self.after_alloc(request.request_id, block_ids, self._main_group, self._indexer_group,
+                         num_external_tokens, request.num_computed_tokens, request.params)
+
+    def build_connector_meta(self, scheduled: Sequence[ScheduledRequest]) -> StepPlan:
+        return StepPlan(loads=self.build())
+
+    def update_connector_output(self, admitted: Mapping[str, int]) -> None:
+        self.on_admitted(admitted)
+
+    def request_finished(self, request_id: str) -> bool:
+        self.finished(request_id)
+        return False
+
+    # -- the rules, in plain values
     def match(
         self, request_id: str, prompt_len: int, num_computed: int,
         params: Mapping[str, Any] | None,
@@ -150,10 +169,10 @@ class DecodeScheduler:
         if w is not None:
             self._metaserver.cancel(w.payload["request_id"])
 
-    def shutdown(self, timeout: float) -> None:
+    def shutdown(self, timeout: float | None = None) -> None:
         self._waiting.clear()
         self._loads.clear()
-        self._metaserver.shutdown(timeout)
+        self._metaserver.shutdown(self._stop_timeout if timeout is None else timeout)
 
     def counters(self) -> dict[str, int]:
         return {"remote": len(self._remote), "waiting_post": len(self._waiting),

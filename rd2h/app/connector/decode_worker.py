@@ -5,8 +5,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
-from rd2h.app.connector.plans import DecodeLoad
+from rd2h.app.connector.plans import DecodeLoad, StepPlan
+from rd2h.app.connector.roles import ConnectorRole, TransferResults
 from rd2h.app.decode import DecodeReceiver, DecodeStats
 from rd2h.ports.runtime import Logger, TpGroupExchange
 
@@ -18,7 +20,7 @@ class DecodeResults:
     invalid_block_ids: frozenset[int]
 
 
-class DecodeWorker:
+class DecodeWorker(ConnectorRole):
     def __init__(
         self,
         *,
@@ -27,7 +29,11 @@ class DecodeWorker:
         log: Logger,
         exchange_timeout_s: float = 60.0,
         stop_timeout_s: float = 5.0,
+        report_invalid_blocks: bool = True,
     ) -> None:
+        # Block ids are unique only within one cache group: with several groups vLLM
+        # cannot take block-level load errors (failed requests still fail).
+        self._report_invalid = report_invalid_blocks
         self._receiver = receiver
         self._exchange = exchange
         self._log = log
@@ -38,6 +44,33 @@ class DecodeWorker:
         self.requests_done = 0
         self.requests_failed = 0
 
+    # -- the connector role's hooks
+    def bind_connector_metadata(self, plan: StepPlan) -> None:
+        # Before the forward: Prefill may announce as soon as it learns the contact
+        # info, and this rank must know the destinations by then.
+        self.start_step(plan.loads)
+
+    def get_transfer_results(self, finished_req_ids: Iterable[str]) -> TransferResults:
+        res = self.get_finished(finished_req_ids)
+        if self._report_invalid:
+            self._invalid |= res.invalid_block_ids
+        return TransferResults(finished_recving=res.finished, failed_recving=res.failed)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        out, self._invalid = self._invalid, set()
+        return out
+
+    def kv_connector_stats(self) -> dict[str, Any]:
+        s = self._receiver.stats
+        # Hand over this interval's latencies and empty the receiver's list, which
+        # would otherwise grow for as long as Decode runs.
+        latencies, s.read_latencies_ms = s.read_latencies_ms, []
+        return {"bytes_pulled": s.bytes_read, "layers_done": s.layers_done,
+                "layers_failed": s.layers_failed, "read_seconds": s.read_seconds,
+                "reads_failed": s.reads_failed, "requests_done": self.requests_done,
+                "requests_failed": self.requests_failed, "read_latency_ms": latencies}
+
+    # -- the rules
     def start(self) -> str:
         return self._receiver.start()
 

@@ -7,7 +7,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from rd2h.app.connector.plans import DecodeEndpoint, PrefillSend
+from rd2h.app.connector.plans import DecodeEndpoint, PrefillSend, StepPlan
+from rd2h.app.connector.roles import BlockIds, ConnectorRole, RequestFacts, ScheduledRequest
 from rd2h.domain.chunks import chunk_block_range, external_request_id
 from rd2h.domain.errors import ChunkError, Rd2hError
 from rd2h.domain.topology import MAX_PORT, check_topology
@@ -80,7 +81,7 @@ class _Tracked:
     sent_any: bool = False
 
 
-class PrefillScheduler:
+class PrefillScheduler(ConnectorRole):
     def __init__(
         self, *, block_size: int, main_group: int, indexer_group: int, p_tp: int,
         log: Logger,
@@ -92,6 +93,25 @@ class PrefillScheduler:
         self._log = log
         self._tracked: dict[str, _Tracked] = {}
         self.rejected = 0
+
+    # -- the connector role's hooks
+    def update_state_after_alloc(self, request: RequestFacts, block_ids: BlockIds,
+                                 num_external_tokens: int) -> None:
+        self.track(request.request_id, request.num_prompt_tokens, request.params)
+
+    def build_connector_meta(self, scheduled: Sequence[ScheduledRequest]) -> StepPlan:
+        sends = []
+        for r in scheduled:
+            send = self.schedule(r.request_id, r.new_block_ids, r.num_computed_tokens,
+                                 r.num_scheduled_tokens, replace_blocks=r.replace_blocks)
+            if send is not None:
+                sends.append(send)
+        return StepPlan(sends=tuple(sends))
+
+    def request_finished(self, request_id: str) -> bool:
+        return self.finished(request_id)
+
+    # -- the rules, in plain values
 
     def track(
         self, request_id: str, total_tokens: int, params: Mapping[str, Any] | None

@@ -7,13 +7,15 @@ import itertools
 import threading
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
-from rd2h.app.connector.plans import PrefillSend
+from rd2h.app.connector.plans import PrefillSend, StepPlan
+from rd2h.app.connector.roles import ConnectorRole, TransferResults
 from rd2h.app.prefill import LayerTarget, PrefillSender
 from rd2h.domain.chunks import layer_index
 from rd2h.domain.errors import LayerSendError
 from rd2h.domain.protocol import ReadRequest
-from rd2h.domain.topology import compute_mapping, remote_port
+from rd2h.domain.topology import compute_mapping, remote_port, tcp_endpoint
 from rd2h.ports.runtime import Clock, DeviceEvents, Logger
 
 
@@ -25,7 +27,7 @@ class _Request:
     error: str | None = None
 
 
-class PrefillWorker:
+class PrefillWorker(ConnectorRole):
     def __init__(
         self,
         *,
@@ -60,6 +62,28 @@ class PrefillWorker:
         self.layers_announced = 0
         self.requests_failed = 0
 
+    # -- the connector role's hooks
+    def bind_connector_metadata(self, plan: StepPlan) -> None:
+        self.start_step(plan.sends)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        self.before_layer(layer_name)
+
+    def save_kv_layer(self, layer_name: str) -> None:
+        self.layer_written(layer_name)  # also Ascend's on_kv_cache_written
+
+    def get_transfer_results(self, finished_req_ids: Iterable[str]) -> TransferResults:
+        return TransferResults(finished_sending=frozenset(self.get_finished(finished_req_ids)))
+
+    def kv_connector_stats(self) -> dict[str, Any]:
+        return {"layers_announced": self.layers_announced,
+                "requests_failed": self.requests_failed}
+
+    @property
+    def sender(self) -> PrefillSender:
+        return self._sender
+
+    # -- the rules
     def start(self) -> None:
         self._sender.start()
 
@@ -92,8 +116,7 @@ class PrefillWorker:
         names = []
         for s in self._sends:
             m = compute_mapping(self._p_tp, s.decode.tp_size, self._p_rank)
-            host = f"[{s.decode.host}]" if ":" in s.decode.host else s.decode.host
-            endpoint = f"tcp://{host}:{remote_port(s.decode.base_port, m.d_rank)}"
+            endpoint = tcp_endpoint(s.decode.host, remote_port(s.decode.base_port, m.d_rank))
             req = None
             if s.main_block_ids or s.indexer_block_ids:
                 req = ReadRequest(s.ext_id, s.main_block_ids, s.indexer_block_ids,

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,31 +20,6 @@ import httpx
 
 VENV_BIN = Path(sys.executable).parent
 STARTUP_S = float(os.environ.get("RD2H_VLLM_STARTUP_S", "420"))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def free_port_block(n: int) -> int:
-    """A base port with ``n`` consecutive free ports."""
-    for _ in range(200):
-        base = free_port()
-        if base + n >= 65535:
-            continue
-        ok = True
-        for p in range(base, base + n):
-            with socket.socket() as s:
-                try:
-                    s.bind(("127.0.0.1", p))
-                except OSError:
-                    ok = False
-                    break
-        if ok:
-            return base
-    raise RuntimeError(f"no {n} consecutive free ports")
 
 
 @dataclass

@@ -10,7 +10,7 @@ ended ok is then verified; finally the same descriptors are replayed on the bare
 transport (``raw_gbps``) and a same-size in-process copy is timed
 (``memcpy_gbps``). Rates are in 10^9 bytes per second.
 
-With ``--fault`` (``rd2h.app.faults``) ranks fail for real: the summary still
+With ``--fault`` (``rd2h.demo.faults``) ranks fail for real: the summary still
 appears, every request is reported ``ok`` or ``failed`` with its reason, and
 ``verified`` means the run kept rd2h's promises: every ok request carries exactly
 the right bytes, every request ended (none hanging), no state was left behind.
@@ -19,36 +19,25 @@ Without faults, ``verified`` also needs every request to be ok.
 
 from __future__ import annotations
 
-import json
 import multiprocessing as mp
 import os
 import queue
 import socket
 import sys
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, replace
 from multiprocessing import shared_memory
 from typing import Any
 
 import numpy as np
 
-from rd2h.app.demo_config import (
-    SENTINEL,
-    DemoConfig,
-    internal_id,
-    layer_name,
-    main_pool_bytes,
-    main_pool_mismatches,
-    verify_main_pool,
-)
-from rd2h.app.demo_ranks import decode_main, prefill_main
-from rd2h.app.faults import KILLED_EXIT_CODE, may_die
-from rd2h.app.synthetic import allocate
-
-__all__ = [
-    "SENTINEL", "DemoConfig", "DemoResult", "internal_id", "layer_name", "main_pool_bytes",
-    "main_pool_mismatches", "run_demo", "summary_text", "to_json", "verify_main_pool",
-]
+from rd2h.app.container import network_namespaces
+from rd2h.demo.config import SENTINEL, DemoConfig, internal_id, main_pool_bytes
+from rd2h.demo.decode_rank import decode_main
+from rd2h.demo.faults import KILLED_EXIT_CODE, may_die
+from rd2h.demo.prefill_rank import prefill_main
+from rd2h.demo.report import DemoResult, Progress, memcpy_gbps, percentile
+from rd2h.demo.synthetic import allocate
 
 # Reasons that only point at another failure: reported after the root cause.
 CONSEQUENCES = ("failed on another decode rank", "TP exchange failed")
@@ -77,97 +66,16 @@ def free_ports(count: int, host: str = "127.0.0.1") -> int:
     raise RuntimeError("could not find free consecutive ports")
 
 
-@dataclass
-class DemoResult:
-    verified: bool
-    requests_ok: int
-    requests_failed: int
-    bytes: int
-    seconds: float
-    gbps: float
-    raw_gbps: float | None
-    memcpy_gbps: float
-    layer_ack_p50_ms: float | None
-    layer_ack_p99_ms: float | None
-    mismatched_blocks: int
-    prefill_tp: int
-    decode_tp: int
-    transport: str
-    layers: int
-    requests: int
-    prompt_tokens: int
-    chunks: int
-    shared_buffers: int
-    descriptors: int
-    leaked_state: int
-    read_busy_seconds: float = 0.0
-    raw_seconds: float | None = None
-    errors: list[str] = field(default_factory=list)
-    rate_unit: str = "1e9 bytes/s"
-    network: str = "loopback"
-    faults: list[str] = field(default_factory=list)
-    # internal request id -> {"status": "ok" | "failed" | "hung", "reason", "ended_s"}
-    outcomes: dict[str, dict[str, Any]] = field(default_factory=dict)
-    requests_hung: int = 0
-    corrupted_ok: int = 0
-    leaks: dict[str, dict[str, int] | None] = field(default_factory=dict)
-    layer_errors: list[str] = field(default_factory=list)
-    exits: dict[str, int | None] = field(default_factory=dict)
-    deadlines: dict[str, float] = field(default_factory=dict)
-    # "provider": Prefill drove rd2h's connector worker (--via-provider), else "sender"
-    prefill_driver: str = "sender"
-    early_dispatches: int | None = None  # --via-provider: layers announced on write
-
-
-def memcpy_gbps(nbytes: int) -> float:
-    """Time an in-process copy of ``nbytes`` (capped at 512 MiB, repeated)."""
-    size = max(1 << 20, min(nbytes, 512 << 20))
-    src = np.full(size, 7, dtype=np.uint8)
-    dst = np.empty_like(src)
-    np.copyto(dst, src)  # fault the pages in first
-    reps = max(1, -(-nbytes // size))
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        np.copyto(dst, src)
-    return size * reps / (time.perf_counter() - t0) / 1e9
-
-
-def _percentile(values: list[float], q: float) -> float | None:
-    return float(np.percentile(values, q)) if values else None
-
-
-class _Progress:
-    def __init__(self, total: int, enabled: bool) -> None:
-        self.total, self.enabled, self._last, self._shown = total, enabled, -1.0, -1
-        self._tty = sys.stderr.isatty()
-
-    def show(self, done: int, force: bool = False) -> None:
-        if not self.enabled or done == self._shown:
-            return
-        now = time.monotonic()
-        if not force and not self._tty and now - self._last < 2.0:
-            return
-        self._last, self._shown = now, done
-        width = 30
-        fill = int(width * done / max(1, self.total))
-        line = f"[rd2h demo] requests [{'#' * fill}{'.' * (width - fill)}] {done}/{self.total}"
-        sys.stderr.write(("\r" + line) if self._tty else line + "\n")
-        if self._tty and done >= self.total:
-            sys.stderr.write("\n")
-        sys.stderr.flush()
-
-
 def run_demo(cfg: DemoConfig, *, progress: bool = True) -> DemoResult:
     cfg.validate()
     if cfg.faults:  # a replay of a faulty run times nothing meaningful
         cfg = replace(cfg, replay=False)
     network, pair = "loopback", None
     if cfg.netns:
-        from rd2h.adapters.netns import NetnsUnavailable, create_host_pair
-
+        netns = network_namespaces()
         try:
-            pair = create_host_pair(f"{os.getpid() % 100000}")
-        except NetnsUnavailable as exc:
+            pair = netns.create_host_pair(f"{os.getpid() % 100000}")
+        except netns.NetnsUnavailable as exc:
             print(f"[rd2h demo] cannot create network namespaces ({exc}); "
                   "running Prefill and Decode on loopback instead", file=sys.stderr)
         else:
@@ -178,14 +86,12 @@ def run_demo(cfg: DemoConfig, *, progress: bool = True) -> DemoResult:
         return _Run(cfg, progress, network).run()
     finally:
         if pair is not None:
-            from rd2h.adapters.netns import delete_host_pair
-
-            delete_host_pair(pair)
+            network_namespaces().delete_host_pair(pair)
 
 
 # Imported once by the fork server; every rank process is forked from it ready to run.
-_PRELOAD = ["rd2h.app.demo_ranks", "rd2h.app.container", "rd2h.adapters.cma",
-            "rd2h.adapters.torch.exchange", "torch.distributed"]
+_PRELOAD = ["rd2h.demo.prefill_rank", "rd2h.demo.decode_rank", "rd2h.app.container",
+            "rd2h.adapters.cma", "rd2h.adapters.torch.exchange", "torch.distributed"]
 
 
 def _context() -> Any:
@@ -224,7 +130,7 @@ class _Run:
     def __init__(self, cfg: DemoConfig, progress: bool, network: str) -> None:
         self.cfg = cfg
         self.network = network
-        self.bar = _Progress(cfg.requests, progress)
+        self.bar = Progress(cfg.requests, progress)
         self.ctx = _context()
         self.out: Any = self.ctx.Queue()
         self.msgs: dict[str, dict[str, Any]] = {}  # kind -> who -> payload
@@ -446,7 +352,7 @@ class _Run:
             bytes=total_bytes, seconds=seconds,
             gbps=total_bytes / seconds / 1e9 if seconds > 0 else 0.0,
             raw_gbps=raw_gbps, memcpy_gbps=memcpy_gbps(total_bytes) if dec else 0.0,
-            layer_ack_p50_ms=_percentile(acks, 50), layer_ack_p99_ms=_percentile(acks, 99),
+            layer_ack_p50_ms=percentile(acks, 50), layer_ack_p99_ms=percentile(acks, 99),
             mismatched_blocks=mismatched, prefill_tp=cfg.prefill_tp, decode_tp=cfg.decode_tp,
             transport=cfg.transport, layers=cfg.layers, requests=cfg.requests,
             prompt_tokens=cfg.prompt_tokens, chunks=cfg.chunks,
@@ -465,38 +371,3 @@ class _Run:
         )
 
 
-def summary_text(res: DemoResult) -> str:
-    def f(x: float | None, unit: str = "") -> str:
-        return "n/a" if x is None else f"{x:.2f}{unit}"
-
-    lines = [
-        f"rd2h demo: P TP {res.prefill_tp} -> D TP {res.decode_tp} over {res.transport}, "
-        f"{res.layers} layers x {res.requests} requests x {res.prompt_tokens} tokens, "
-        f"{res.chunks} chunk(s), shared buffers {res.shared_buffers or 'off'}; {res.network}"
-        + ("; Prefill via the connector's provider interface"
-           if res.prefill_driver == "provider" else ""),
-    ]
-    if res.faults:
-        lines.append(f"  faults: {', '.join(res.faults)}")
-    lines += [
-        f"  requests ok {res.requests_ok}, failed {res.requests_failed}, hung "
-        f"{res.requests_hung}; mismatched blocks {res.mismatched_blocks} (corrupted ok "
-        f"requests {res.corrupted_ok}); leaked state {res.leaked_state}",
-        f"  pulled {res.bytes / 2**20:.1f} MiB in {res.seconds:.3f} s = {f(res.gbps)} GB/s "
-        f"({res.descriptors} descriptors)",
-        f"  bare transport {f(res.raw_gbps)} GB/s; in-process memcpy {f(res.memcpy_gbps)} GB/s",
-        f"  layer ack p50 {f(res.layer_ack_p50_ms, ' ms')}, p99 {f(res.layer_ack_p99_ms, ' ms')}",
-    ]
-    failed = [(rid, o) for rid, o in res.outcomes.items() if o["status"] != "ok"]
-    for rid, o in failed[:10]:
-        lines.append(f"  {o['status']}: {rid}: {o['reason']}")
-    if len(failed) > 10:
-        lines.append(f"  ... {len(failed) - 10} more not ok")
-    lines += [f"  layer error: {e.splitlines()[0]}" for e in res.layer_errors[:5]]
-    lines.append(f"  VERIFIED: {'yes' if res.verified else 'NO'}")
-    lines += [f"  error: {e.splitlines()[0]}" for e in res.errors[:10]]
-    return "\n".join(lines)
-
-
-def to_json(res: DemoResult) -> str:
-    return json.dumps(asdict(res), sort_keys=True)

@@ -7,9 +7,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from rd2h.app.faults import Fault, check_faults
-from rd2h.app.settings import Deadlines
-from rd2h.app.synthetic import Allocation, Shapes, block_pattern
+from rd2h.app.settings import MIN_SECRET_CHARS, Deadlines
+from rd2h.demo.faults import Fault, check_faults
+from rd2h.demo.synthetic import Allocation, Shapes, block_pattern
 from rd2h.domain.topology import check_topology
 
 ENGINE_SUFFIX = "-e0000001"  # vLLM appends 9 characters to request ids
@@ -35,7 +35,7 @@ class DemoConfig:
     block_size: int = 128
     chunks: int = 2
     shared_buffers: int = 0
-    via_provider: bool = False  # Prefill drives rd2h's connector worker (rd2h.app.demo_provider)
+    via_provider: bool = False  # Prefill drives rd2h's connector worker (rd2h.demo.provider)
     indexer: bool = True
     scale: bool = True
     transport: str = "cma"
@@ -61,8 +61,6 @@ class DemoConfig:
 
     def validate(self) -> None:
         check_topology(self.prefill_tp, self.decode_tp)
-        from rd2h.app.settings import MIN_SECRET_CHARS
-
         if self.auth_secret is not None and len(self.auth_secret) < MIN_SECRET_CHARS:
             raise ValueError(f"--auth-secret must have at least {MIN_SECRET_CHARS} characters")
         for name in ("layers", "requests", "prompt_tokens", "block_size", "chunks"):

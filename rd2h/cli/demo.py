@@ -1,4 +1,4 @@
-"""The ``rd2h`` command line."""
+"""``rd2h demo``: the command line of the multi-process pull demo."""
 
 from __future__ import annotations
 
@@ -6,16 +6,12 @@ import argparse
 import os
 import sys
 
-from rd2h import __version__
-from rd2h.app.probe import add_probe_parser
-from rd2h.app.proxy_cli import add_proxy_parser
+from rd2h.app.settings import Deadlines
+from rd2h.demo.config import DemoConfig
+from rd2h.demo.faults import FaultSpecError, fault_help, parse_fault
 
 
-def _demo_parser(sub: argparse._SubParsersAction) -> None:
-    from rd2h.app.demo import DemoConfig
-    from rd2h.app.faults import fault_help
-    from rd2h.app.settings import Deadlines
-
+def add_demo_parser(sub: argparse._SubParsersAction) -> None:
     d = DemoConfig()
     p = sub.add_parser(
         "demo",
@@ -101,8 +97,7 @@ def _demo_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _run_demo(args: argparse.Namespace) -> int:
-    from rd2h.app.demo import DemoConfig, run_demo, summary_text, to_json
-    from rd2h.app.faults import FaultSpecError, parse_fault
+    from rd2h.demo import run_demo, summary_text, to_json
 
     try:
         faults = tuple(parse_fault(spec) for spec in args.fault)
@@ -130,29 +125,3 @@ def _run_demo(args: argparse.Namespace) -> int:
     result = run_demo(cfg, progress=not (args.quiet or args.json))
     print(to_json(result) if args.json else summary_text(result))
     return 0 if result.verified else 1
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="rd2h",
-        description="rd2h: pull-model KV-cache transfer from Prefill to Decode workers.",
-    )
-    parser.add_argument("--version", action="version", version=f"rd2h {__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    _demo_parser(sub)
-    add_probe_parser(sub)
-    add_proxy_parser(sub)
-    return parser
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    if not getattr(args, "func", None):
-        parser.print_help()
-        return 2
-    return int(args.func(args))
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -26,30 +26,20 @@ from typing import Any
 
 import numpy as np
 
-from rd2h.app.demo_config import DemoConfig, chunk_bounds, internal_id, layer_name
-from rd2h.app.faults import KILLED_EXIT_CODE, prefill_kill_layer
-from rd2h.app.synthetic import Allocation, block_pattern
+from rd2h.demo.config import DemoConfig, chunk_bounds, internal_id, layer_name
+from rd2h.demo.faults import prefill_kill_layer
+from rd2h.demo.memory import killed, prefill_memory
+from rd2h.demo.synthetic import Allocation, block_pattern
+from rd2h.domain.errors import LayerSendError
+from rd2h.domain.topology import compute_mapping, remote_port, tcp_endpoint
 
 ENGINE_ID = "demo-decode"
-
-
-def _killed() -> None:
-    import os
-
-    os._exit(KILLED_EXIT_CODE)  # an injected kill: no cleanup, no goodbye
 
 
 def prefill_rank_via_provider(cfg: DemoConfig, p_rank: int, base_port: int,
                               alloc: Allocation, go: Any, release: Any, out: Any) -> None:
     """One Prefill rank process (reports ``ready`` and ``prefill_done`` like the direct
     path, so the demo parent treats both alike)."""
-    from rd2h.adapters.zmq.channel import tcp_endpoint
-    from rd2h.app.connector.prefill_scheduler import PrefillScheduler
-    from rd2h.app.connector.prefill_worker import PrefillWorker
-    from rd2h.app.demo_ranks import prefill_memory
-    from rd2h.domain.errors import LayerSendError
-    from rd2h.domain.topology import compute_mapping, remote_port
-
     shapes = cfg.shapes
     deadlines = cfg.deadlines()
     container, transport, buffers, layouts, p_ids = prefill_memory(cfg, p_rank, alloc)
@@ -66,16 +56,13 @@ def prefill_rank_via_provider(cfg: DemoConfig, p_rank: int, base_port: int,
 
     # A layer's gate resolves (acknowledged, failed or expired) within this budget.
     gate_s = deadlines.device_event_s + deadlines.meta_ack_s + deadlines.layer_ack_s + 1.0
-    log = container.logger()
     sender = container.prefill_sender(p_session=transport.session_id, layers=layouts)
-    worker = PrefillWorker(
-        sender=sender, events=container.device_events(), p_rank=p_rank, p_tp=cfg.prefill_tp,
-        layer_names={i: layer_name(i) for i in range(cfg.layers)}, clock=container.clock(),
-        log=log, buffer_reuse=cfg.shared_buffers > 0, reuse_timeout_s=gate_s,
-        stop_timeout_s=deadlines.stop_s,
+    worker = container.prefill_worker(
+        sender=sender, layer_names={i: layer_name(i) for i in range(cfg.layers)},
+        buffer_reuse=cfg.shared_buffers > 0, reuse_timeout_s=gate_s,
     )
-    scheduler = PrefillScheduler(block_size=cfg.block_size, main_group=0, indexer_group=1,
-                                 p_tp=cfg.prefill_tp, log=log)
+    scheduler = container.prefill_scheduler(block_size=cfg.block_size, main_group=0,
+                                            indexer_group=1)
     params = {"do_remote_decode": True, "remote_host": cfg.host, "remote_port": base_port,
               "remote_tp_size": cfg.decode_tp, "remote_engine_id": ENGINE_ID}
     for rid in request_of:
@@ -123,7 +110,7 @@ def prefill_rank_via_provider(cfg: DemoConfig, p_rank: int, base_port: int,
             if chunk == 0 and layer == kill_layer:
                 for earlier in range(layer):  # die once Decode acknowledged these
                     reuse(earlier)
-                _killed()
+                killed()
             if cfg.shared_buffers:
                 reuse(layer)
                 for s in sends:

@@ -86,22 +86,20 @@ def first_difference(got: np.ndarray, expected: np.ndarray) -> str | None:
 
 
 def make_engine(spec: EndpointSpec, role: str) -> TransferEngine:
-    """The transfer engine of one endpoint (``role`` is 'prefill' or 'decode')."""
-    if spec.transport == "cma":
-        from rd2h.adapters.cma import CmaTransferEngine
+    """The transfer engine of one endpoint (``role`` is 'prefill' or 'decode'), built by
+    the composition root like any rank's."""
+    from rd2h.app.container import build_container
+    from rd2h.app.settings import Rd2hSettings
 
-        return CmaTransferEngine()
-    from rd2h.adapters.memfabric import MemFabricConfig, MemFabricTransferEngine
-
-    config = MemFabricConfig(
-        store_url=spec.store_url,
-        role="Prefill" if role == "prefill" else "Decode",
-        device_id=spec.prefill_device if role == "prefill" else spec.decode_device,
-        host=spec.host,
-        transfer_type=spec.transfer_type,  # type: ignore[arg-type]
-        nic=spec.nic,
+    memfabric = spec.transport == "memfabric"
+    settings = Rd2hSettings(
+        role=role, transport=spec.transport, host=spec.host,  # type: ignore[arg-type]
+        memfabric_store_url=spec.store_url if memfabric else None,
+        memfabric_transfer_type=spec.transfer_type,  # type: ignore[arg-type]
+        memfabric_nic=spec.nic,
+        memfabric_device_id=spec.prefill_device if role == "prefill" else spec.decode_device,
     )
-    return MemFabricTransferEngine(config)
+    return build_container(settings).transport()
 
 
 def redirect_output(path: str) -> None:
@@ -141,9 +139,9 @@ def store_main(conn: Connection, spec: EndpointSpec) -> None:
     """Process: run a MemFabric config store at ``spec.store_url`` until told to exit."""
     redirect_output(spec.log_path)
     try:
-        from rd2h.adapters.memfabric import start_config_store
+        from rd2h.app.container import start_memfabric_store
 
-        start_config_store(spec.store_url)
+        start_memfabric_store(spec.store_url)
     except Exception as exc:
         conn.send(("error", "store", describe(exc)))
         os._exit(1)
@@ -163,7 +161,7 @@ def prefill_main(conn: Connection, spec: EndpointSpec) -> None:
         buf = pattern(spec.size, spec.seed)
         engine.register_memory(buf.ctypes.data, buf.nbytes)
         if spec.transport == "cma":
-            from rd2h.adapters.cma.ptrace import allow_reads_by
+            from rd2h.app.container import allow_reads_by
 
             allow_reads_by(os.getppid())  # the Decode endpoint is our sibling
         conn.send(("ready", engine.session_id, buf.ctypes.data))

@@ -88,13 +88,11 @@ def default_public_url(host: str, port: int) -> str:
 
 
 def _run_proxy(args: argparse.Namespace) -> int:
-    from rd2h.adapters.http.proxy import ProxyConfig, create_app
-    from rd2h.adapters.http.server import serve
-    from rd2h.adapters.logging import configure_logging, make_logger
+    from rd2h.app.container import proxy_config, serve_proxy
 
     public_url = args.public_url or default_public_url(args.host, args.port)
     try:
-        config = ProxyConfig(
+        config = proxy_config(
             prefill=tuple(args.prefill), decode=tuple(args.decode), public_url=public_url,
             connect_timeout_s=args.connect_timeout, decode_timeout_s=args.decode_timeout,
             prefill_timeout_s=args.prefill_timeout,
@@ -105,9 +103,5 @@ def _run_proxy(args: argparse.Namespace) -> int:
     if args.public_url is None and args.host in _WILDCARD_HOSTS:
         print(f"rd2h proxy: engines are told {config.metaserver_url}; pass --public-url if they "
               "run on other hosts", file=sys.stderr)
-    configure_logging(args.log_level)
-    log = make_logger("proxy", 0)
-    log.info("proxy starting", listen=f"{args.host}:{args.port}", prefill=config.prefill,
-             decode=config.decode, metaserver=config.metaserver_url)
-    serve(create_app(config, log=log), args.host, args.port, log_level=args.log_level)
+    serve_proxy(config, args.host, args.port, args.log_level)
     return 0

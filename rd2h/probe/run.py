@@ -15,32 +15,22 @@ library's own message and the path of the endpoints' log) and exits 1; bad flags
 
 from __future__ import annotations
 
-import argparse
 import contextlib
-import json
 import multiprocessing as mp
-import os
 import secrets
 import socket
 import statistics
-import sys
-import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
-from rd2h.adapters.memfabric.config import (
-    TRANSFER_TYPES,
-    parse_ipv4,
-    parse_store_url,
-)
-from rd2h.app.probe_endpoint import EndpointSpec, decode_main, prefill_main, store_main
+from rd2h.domain.addresses import TRANSFER_TYPE_NAMES, parse_ipv4, parse_store_url
+from rd2h.probe.endpoints import EndpointSpec, decode_main, prefill_main, store_main
 
 TRANSPORTS = ("memfabric", "cma")
 MAX_BYTES = 64 << 30
 MAX_DESCRIPTORS = 1 << 20
 DEFAULT_BLOCK = 1 << 20
-_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 _STOP_S = 5.0
 
 
@@ -84,8 +74,8 @@ class ProbeConfig:
             parse_ipv4(self.host, "--host")
             if self.store_url is not None:
                 parse_store_url(self.store_url)
-        if self.transfer_type not in TRANSFER_TYPES:
-            raise ValueError(f"--transfer-type must be one of {list(TRANSFER_TYPES)}")
+        if self.transfer_type not in TRANSFER_TYPE_NAMES:
+            raise ValueError(f"--transfer-type must be one of {list(TRANSFER_TYPE_NAMES)}")
         if not 1 <= self.size <= MAX_BYTES:
             raise ValueError(f"--bytes must be in [1, {MAX_BYTES}], got {self.size}")
         if not 1 <= self.block_bytes <= self.size:
@@ -117,16 +107,6 @@ class ProbeResult:
     transfer_type: str | None = None
     store_url: str | None = None
     verified: bool = True
-
-
-def parse_size(text: str) -> int:
-    """``"4096"``, ``"512K"``, ``"64M"``, ``"1G"`` (binary units) -> bytes."""
-    t = text.strip().upper().removesuffix("B").removesuffix("I")
-    unit = t[-1] if t and t[-1] in "KMG" else ""
-    number = t[: len(t) - len(unit)]
-    if not number.isdigit():
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (use e.g. 4096, 512K, 64M, 1G)")
-    return int(number) * _UNITS[unit]
 
 
 def free_port(host: str) -> int:
@@ -276,111 +256,3 @@ def summary_text(res: ProbeResult) -> str:
         f"  bandwidth: best {res.best_gbps:.2f} GB/s, median {res.median_gbps:.2f} GB/s "
         f"over {res.iterations} timed reads (10^9 bytes/s)"
     )
-
-
-def _run(args: argparse.Namespace) -> int:
-    cfg = ProbeConfig(
-        transport=args.transport, prefill_device=args.prefill_device,
-        decode_device=args.decode_device, host=args.host, store_url=args.store_url,
-        transfer_type=args.transfer_type, nic=args.nic, size=args.bytes,
-        block=args.block_bytes, iterations=args.iterations, timeout_s=args.timeout,
-        log_file=args.log_file,
-    )
-    try:
-        cfg.validate()
-    except ValueError as exc:
-        print(f"rd2h probe memfabric: {exc}", file=sys.stderr)
-        return 2
-    log_path = cfg.log_file
-    if log_path is None:
-        fd, log_path = tempfile.mkstemp(prefix="rd2h-probe-", suffix=".log")
-        os.close(fd)
-    try:
-        result = run_probe(cfg, log_path)
-    except ProbeFailure as exc:
-        sentence = " ".join(exc.sentence.split()).rstrip(".")
-        print(f"rd2h probe memfabric: {sentence} (endpoint log: {log_path}).", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("rd2h probe memfabric: interrupted.", file=sys.stderr)
-        return 130
-    if cfg.log_file is None:
-        with contextlib.suppress(OSError):
-            os.unlink(log_path)
-    print(json.dumps(asdict(result)) if args.json else summary_text(result))
-    return 0
-
-
-class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Shows defaults, except empty ones and those the help text already explains."""
-
-    def _get_help_string(self, action: argparse.Action) -> str | None:
-        empty = action.default is None or action.default is False or action.default == ""
-        if empty or "default:" in (action.help or ""):
-            return action.help
-        return super()._get_help_string(action)
-
-
-def _print_help(parser: argparse.ArgumentParser) -> Any:
-    def show(_args: argparse.Namespace) -> int:
-        parser.print_help()
-        return 2
-
-    return show
-
-
-def add_probe_parser(sub: argparse._SubParsersAction) -> None:
-    """Register ``rd2h probe`` and its ``memfabric`` check on the CLI's subcommands."""
-    d = ProbeConfig()
-    probe = sub.add_parser(
-        "probe",
-        help="check a transport between two endpoints on this host before serving",
-        description="Two-endpoint transport checks a deployment runs before serving.",
-    )
-    probe.set_defaults(func=_print_help(probe))
-    targets = probe.add_subparsers(dest="target", metavar="TARGET")
-    p = targets.add_parser(
-        "memfabric",
-        help="a Prefill and a Decode endpoint: register, read, verify, time",
-        description=(
-            "Start a Prefill and a Decode endpoint as two processes on this host. Prefill "
-            "registers a host buffer holding a known pattern with the transfer engine; "
-            "Decode registers its own buffer and reads Prefill's with one batch of "
-            "--block-bytes descriptors, 1 + --iterations times, verifying every byte after "
-            "every read, and reports the bandwidth of the timed reads in 10^9 bytes/s. "
-            "With MemFabric the probe also starts a config store on a free port of --host, "
-            "unless --store-url names a running one. Exit status: 0 verified; 1 failed, with "
-            "one sentence on stderr saying why (e.g. the library cannot initialise: no "
-            "Ascend driver); 2 bad flags. The endpoints' output (the MemFabric library logs "
-            "on stdout) goes to a log file, kept when the probe fails."
-        ),
-        formatter_class=_HelpFormatter,
-    )
-    p.add_argument("--transport", choices=TRANSPORTS, default=d.transport,
-                   help="transfer engine: 'memfabric' (memfabric_hybrid on Ascend) or 'cma' "
-                        "(same-host process_vm_readv; checks the probe itself anywhere)")
-    p.add_argument("--prefill-device", type=int, default=d.prefill_device, metavar="ID",
-                   help="Ascend device id the Prefill endpoint binds (memfabric)")
-    p.add_argument("--decode-device", type=int, default=d.decode_device, metavar="ID",
-                   help="Ascend device id the Decode endpoint binds (memfabric)")
-    p.add_argument("--host", default=d.host,
-                   help="IPv4 address both endpoints advertise (and the config store binds)")
-    p.add_argument("--store-url", default=None, metavar="tcp://IP:PORT",
-                   help="an existing MemFabric config store (default: start one)")
-    p.add_argument("--transfer-type", choices=list(TRANSFER_TYPES), default=d.transfer_type,
-                   help="MemFabric data path (TransDataOpType)")
-    p.add_argument("--nic", default=d.nic, help="MemFabric NIC for RDMA transfer types")
-    p.add_argument("--bytes", type=parse_size, default=d.size, metavar="SIZE",
-                   help="buffer size, e.g. 4096, 512K, 64M, 1G")
-    p.add_argument("--block-bytes", type=parse_size, default=None, metavar="SIZE",
-                   help="bytes per read descriptor, the last may be shorter (default: 1M, "
-                        "or --bytes if smaller)")
-    p.add_argument("--iterations", type=int, default=d.iterations, metavar="N",
-                   help="timed reads after one verified warm-up read")
-    p.add_argument("--timeout", type=float, default=d.timeout_s, metavar="S",
-                   help="deadline for the whole probe (s)")
-    p.add_argument("--log-file", default=None, metavar="PATH",
-                   help="endpoints' stdout/stderr (default: a temporary file, deleted on "
-                        "success)")
-    p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
-    p.set_defaults(func=_run)

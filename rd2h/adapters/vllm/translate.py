@@ -1,0 +1,90 @@
+"""vLLM's objects as the plain values rd2h's connector roles take: the one module
+that reads vLLM's request, scheduler-output, cache-config and parallel-config types
+(duck-typed, so it imports nothing from vLLM)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rd2h.app.connector.roles import BlockIds, RequestFacts, ScheduledRequest
+from rd2h.app.container import EngineFacts
+from rd2h.app.settings import ConnectorConfigError, Rd2hOptions
+
+
+def side_of(kv_role: str | None) -> str:
+    if kv_role == "kv_producer":
+        return "prefill"
+    if kv_role == "kv_consumer":
+        return "decode"
+    raise ConnectorConfigError(
+        f"SfaRemoteD2HConnector needs kv_role 'kv_producer' (Prefill) or 'kv_consumer' "
+        f"(Decode), got {kv_role!r}"
+    )
+
+
+def engine(vllm_config: Any, kv_cache_config: Any) -> tuple[Rd2hOptions, EngineFacts]:
+    """The validated options and the engine's facts; unsupported set-ups are refused."""
+    ktc = vllm_config.kv_transfer_config
+    options = Rd2hOptions.parse(ktc.kv_connector_extra_config)
+    side = side_of(ktc.kv_role)
+    pc = vllm_config.parallel_config
+    if pc.pipeline_parallel_size != 1:
+        raise ConnectorConfigError("rd2h supports pipeline_parallel_size 1 only")
+    for attr in ("decode_context_parallel_size", "prefill_context_parallel_size"):
+        if getattr(pc, attr, 1) not in (1, None):
+            raise ConnectorConfigError(f"rd2h does not support {attr} > 1")
+    groups = kv_cache_config.kv_cache_groups if kv_cache_config is not None else []
+    block_size = (groups[0].kv_cache_spec.block_size if groups
+                  else vllm_config.cache_config.block_size)
+    facts = EngineFacts(
+        side=side,  # type: ignore[arg-type]
+        kv_port=int(ktc.kv_port),
+        global_dp_rank=int(pc.data_parallel_rank or 0),
+        tp_size=int(pc.tensor_parallel_size),
+        tp_rank=0,
+        engine_id=str(ktc.engine_id or ""),
+        block_size=int(block_size),
+        group_layer_names=tuple(tuple(g.layer_names) for g in groups),
+        num_blocks=kv_cache_config.num_blocks if kv_cache_config is not None else 0,
+    )
+    return options, facts
+
+
+def on_worker(facts: EngineFacts, tp_group: Any, world_group: Any) -> EngineFacts:
+    """This worker's TP rank and size (vLLM's TP group) and its accelerator (local rank)."""
+    return facts.on_rank(int(tp_group.rank_in_group), int(tp_group.world_size),
+                         int(world_group.local_rank))
+
+
+def request(req: Any) -> RequestFacts:
+    return RequestFacts(
+        request_id=req.request_id,
+        prompt_len=len(req.prompt_token_ids or ()),
+        num_prompt_tokens=int(req.num_prompt_tokens),
+        num_computed_tokens=int(req.num_computed_tokens),
+        params=req.kv_transfer_params,
+    )
+
+
+def block_ids(blocks: Any) -> BlockIds:
+    """``KVCacheBlocks`` -> one tuple of block ids per cache group."""
+    return tuple(tuple(int(b) for b in group) for group in blocks.get_block_ids())
+
+
+def scheduled(output: Any) -> tuple[ScheduledRequest, ...]:
+    """The requests of a ``SchedulerOutput``: new ones get their whole block table,
+    running ones the blocks added this step; resumed ones replace theirs."""
+    counts = output.num_scheduled_tokens
+    out = [
+        ScheduledRequest(new.req_id, new.block_ids, new.num_computed_tokens,
+                         counts.get(new.req_id, 0), replace_blocks=True)
+        for new in output.scheduled_new_reqs
+    ]
+    cached = output.scheduled_cached_reqs
+    resumed = set(getattr(cached, "resumed_req_ids", ()) or ())
+    out += [
+        ScheduledRequest(rid, cached.new_block_ids[i], cached.num_computed_tokens[i],
+                         counts.get(rid, 0), replace_blocks=rid in resumed)
+        for i, rid in enumerate(cached.req_ids)
+    ]
+    return tuple(out)

@@ -1,0 +1,108 @@
+"""What the drivers count and log from their sessions' events: the app decides what to
+log and whom to tell; the sessions only say what happened."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from rd2h.domain import decode_session as d
+from rd2h.domain import prefill_events as p
+from rd2h.ports.runtime import Logger
+
+
+@dataclass
+class SenderStats:
+    layers_sent: int = 0
+    layers_failed: int = 0
+    ack_latencies_ms: list[float] = field(default_factory=list)
+
+
+def report_prefill(outs: Iterable[p.Output], stats: SenderStats,
+                   log: Logger) -> list[p.HandshakeDone]:
+    """Count and log the Prefill session's events; returns the finished handshakes."""
+    handshakes = []
+    for out in outs:
+        if isinstance(out, p.LayerAnswered):
+            if out.error is None:
+                if out.latency_s is not None:
+                    stats.ack_latencies_ms.append(out.latency_s * 1e3)
+                continue
+            stats.layers_failed += 1
+            log.warning("layer not read by decode", layer=out.layer_idx, endpoint=out.endpoint,
+                        error=out.error)
+        elif isinstance(out, p.EndpointReset):
+            level = log.warning if out.layers else log.info  # idle: e.g. Decode shut down
+            level("decode endpoint reset", endpoint=out.endpoint,
+                  failed_layers=list(out.layers), reason=out.reason)
+        elif isinstance(out, p.HandshakeDone):
+            if out.error is None:
+                log.info("decode endpoint acknowledged metadata", endpoint=out.endpoint)
+            handshakes.append(out)
+    return handshakes
+
+
+@dataclass
+class DecodeStats:
+    layers_done: int = 0
+    layers_failed: int = 0
+    reads_failed: int = 0
+    bytes_read: int = 0
+    descriptors: int = 0
+    read_seconds: float = 0.0
+    handle_seconds: float = 0.0
+    malformed: int = 0
+    auth_refused: int = 0
+    first_ready_at: float | None = None
+    last_read_end_at: float | None = None
+    read_latencies_ms: list[float] = field(default_factory=list)
+
+
+def report_decode(outs: Iterable[d.Output], stats: DecodeStats, log: Logger) -> bool:
+    """Count and log the Decode session's events; True when a request reached a
+    terminal state on this rank (the worker has news to step on)."""
+    progress = False
+    for out in outs:
+        if isinstance(out, d.LayerDone):
+            stats.layers_done += 1
+            if out.completed:
+                progress = True
+                log.debug("requests complete on this rank", layer=out.layer_idx,
+                          requests=list(out.completed))
+        elif isinstance(out, d.LayerFailed):
+            stats.layers_failed += 1
+            progress = True
+            if out.unexpected:
+                log.error("read planning failed unexpectedly", layer=out.layer_idx,
+                          error=out.reason)
+            log.warning("layer read failed", layer=out.layer_idx, error=out.reason)
+        elif isinstance(out, d.PeerLost):
+            if out.failed:
+                progress = True
+                log.warning("prefill peer lost; failing its requests", session=out.p_session,
+                            requests=list(out.failed))
+            else:
+                log.info("prefill peer disconnected", session=out.p_session)
+        elif isinstance(out, d.Expired):
+            progress = True
+            log.warning("requests timed out waiting for KV", requests=list(out.requests))
+        elif isinstance(out, d.MetaStored):
+            log.info("peer metadata stored", session=out.p_session, layers=out.layers)
+        elif isinstance(out, d.Rejected):
+            _rejected(out, stats, log)
+    return progress
+
+
+def _rejected(out: d.Rejected, stats: DecodeStats, log: Logger) -> None:
+    if out.kind == "unknown":
+        log.warning("ignoring unknown message type", tag=out.detail)
+    elif out.kind == "unauthenticated":
+        stats.auth_refused += 1
+        log.error("refusing unauthenticated control message", layer=out.layer_idx,
+                  error=out.detail)
+    elif out.kind == "malformed":
+        stats.malformed += 1
+        what = "dropping malformed message" if out.layer_idx is None else "malformed ready message"
+        log.warning(what, layer=out.layer_idx, error=out.detail)
+    else:
+        log.warning("ignoring unexpected message", kind=out.detail)

@@ -1,0 +1,37 @@
+"""The ``rd2h`` command line."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from rd2h import __version__
+from rd2h.cli.demo import add_demo_parser
+from rd2h.cli.probe import add_probe_parser
+from rd2h.cli.proxy import add_proxy_parser
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="rd2h",
+        description="rd2h: pull-model KV-cache transfer from Prefill to Decode workers.",
+    )
+    parser.add_argument("--version", action="version", version=f"rd2h {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    add_demo_parser(sub)
+    add_probe_parser(sub)
+    add_proxy_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    return int(args.func(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

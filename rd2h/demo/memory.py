@@ -1,0 +1,69 @@
+"""What every demo rank process shares: entering its network namespace, an injected
+kill, and a Prefill rank's source memory (used by both Prefill drivers)."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+
+from rd2h.app.container import build_container, network_namespaces
+from rd2h.app.settings import Rd2hSettings
+from rd2h.demo.config import DemoConfig, layer_name
+from rd2h.demo.faults import KILLED_EXIT_CODE
+from rd2h.demo.synthetic import Allocation
+from rd2h.domain.layout import SourceLayout, TensorComponent
+
+
+def enter_netns(name: str) -> None:
+    # c10d warns that it cannot resolve peer host names inside a namespace; harmless.
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+    if name:
+        network_namespaces().enter(name)
+
+
+def killed() -> None:
+    """An injected kill: no cleanup, no goodbye (sockets close with the process)."""
+    os._exit(KILLED_EXIT_CODE)
+
+
+def rank_settings(cfg: DemoConfig, role: str, rank: int, **place: Any) -> Rd2hSettings:
+    """One demo rank's settings: the run's transport, deadlines and secret."""
+    return Rd2hSettings(
+        role=role, tp_rank=rank, transport=cfg.transport, mooncake_protocol=cfg.mooncake_protocol,
+        cma_threads=cfg.cma_threads, log_level=cfg.log_level, deadlines=cfg.deadlines(),
+        auth_secret=cfg.auth_secret, **place,
+    )
+
+
+def prefill_memory(cfg: DemoConfig, p_rank: int, alloc: Allocation) -> tuple[Any, ...]:
+    """A Prefill rank's container, transport, registered source buffers (one per
+    physical buffer and component), per-layer layouts and per-request block ids."""
+    shapes = cfg.shapes
+    container = build_container(rank_settings(cfg, "prefill", p_rank, tp_size=cfg.prefill_tp,
+                                              host=cfg.prefill_host))
+    transport = container.transport()
+    n_phys = cfg.shared_buffers or cfg.layers
+    buffers = {
+        (b, c): np.zeros((alloc.p_pool_blocks, shapes.bytes_per_block(c)), dtype=np.uint8)
+        for b in range(n_phys) for c in shapes.components
+    }
+    for arr in buffers.values():
+        transport.register_memory(arr.ctypes.data, arr.nbytes)
+
+    def tc(b: int, c: str) -> TensorComponent:
+        return TensorComponent(buffers[(b, c)].ctypes.data, shapes.bytes_per_block(c), 1, 0,
+                               num_blocks=alloc.p_pool_blocks)
+
+    layouts = {
+        layer: SourceLayout(
+            layer_name(layer),
+            main=(tc(layer % n_phys, "main_k"), tc(layer % n_phys, "main_v")),
+            indexer=tc(layer % n_phys, "indexer") if shapes.indexer else None,
+            scale=tc(layer % n_phys, "scale") if shapes.scale else None,
+        )
+        for layer in range(cfg.layers)
+    }
+    p_ids = [np.asarray(ids, dtype=np.int64) for ids in alloc.p_blocks]
+    return container, transport, buffers, layouts, p_ids

@@ -1,0 +1,135 @@
+"""A Prefill rank process of ``rd2h demo``: synthetic KV announced layer by layer
+through ``PrefillSender`` (or, with ``--via-provider``, through the connector's worker
+role: ``rd2h.demo.provider``).
+
+It reports to the parent through one queue as ``(kind, who, payload)``: ``ready`` and
+``prefill_done`` (layer errors, leak counters), or ``error``.
+"""
+
+from __future__ import annotations
+
+import traceback
+from typing import Any
+
+import numpy as np
+
+from rd2h.app.prefill import LayerTarget
+from rd2h.demo.config import DemoConfig, chunk_bounds, internal_id
+from rd2h.demo.faults import prefill_kill_layer
+from rd2h.demo.memory import enter_netns, killed, prefill_memory
+from rd2h.demo.synthetic import Allocation, block_pattern
+from rd2h.domain.chunks import chunk_block_range, external_request_id
+from rd2h.domain.errors import LayerSendError
+from rd2h.domain.protocol import ReadRequest
+from rd2h.domain.topology import compute_mapping, remote_port, tcp_endpoint
+
+
+def prefill_main(cfg: DemoConfig, p_rank: int, base_port: int, alloc: Allocation,
+                 go: Any, release: Any, out: Any) -> None:
+    try:
+        enter_netns(cfg.prefill_netns)
+        if cfg.via_provider:
+            from rd2h.demo.provider import prefill_rank_via_provider
+
+            prefill_rank_via_provider(cfg, p_rank, base_port, alloc, go, release, out)
+        else:
+            _prefill_rank(cfg, p_rank, base_port, alloc, go, release, out)
+    except BaseException as exc:
+        out.put(("error", f"prefill {p_rank}", f"{exc!r}\n{traceback.format_exc()}"))
+        raise SystemExit(1) from exc
+
+
+def _prefill_rank(cfg: DemoConfig, p_rank: int, base_port: int, alloc: Allocation,
+                  go: Any, release: Any, out: Any) -> None:
+    shapes = cfg.shapes
+    deadlines = cfg.deadlines()
+    container, transport, buffers, layouts, p_ids = prefill_memory(cfg, p_rank, alloc)
+    n_phys = cfg.shared_buffers or cfg.layers
+    comps = shapes.components
+
+    def write(layer: int, start: int, end: int) -> None:
+        b = layer % n_phys
+        idx = np.arange(start, end)
+        for r in range(cfg.requests):
+            for c in comps:
+                buffers[(b, c)][p_ids[r][start:end]] = block_pattern(
+                    r, layer, c, idx, shapes.bytes_per_block(c)
+                )
+
+    ranges = []
+    transferred = 0
+    bounds = chunk_bounds(cfg)
+    for i, computed in enumerate(bounds):
+        final = i == len(bounds) - 1
+        s, e = chunk_block_range(
+            block_size=cfg.block_size, computed_tokens=computed, transferred_tokens=transferred,
+            remote_cached_tokens=0, final=final, allocated_blocks=alloc.blocks_per_request,
+        )
+        ranges.append((s, e, final))
+        transferred = e * cfg.block_size
+    if not cfg.shared_buffers:  # every (layer, block) is written once: write it before timing
+        for layer in range(cfg.layers):
+            write(layer, 0, alloc.blocks_per_request)
+
+    mapping = compute_mapping(cfg.prefill_tp, cfg.decode_tp, p_rank)
+    endpoint = tcp_endpoint(cfg.host, remote_port(base_port, mapping.d_rank))
+    sender = container.prefill_sender(p_session=transport.session_id, layers=layouts)
+    events = container.device_events()
+    kill_layer = prefill_kill_layer(cfg.faults, p_rank)
+    sender.start()
+    # Connections persist across requests in serving: set this one up before timing.
+    failed = sender.prepare([endpoint], deadlines.meta_ack_s)
+    if failed:
+        raise ConnectionError(f"decode endpoint handshake failed: {failed}")
+    out.put(("ready", f"prefill {p_rank}", None))
+    if not go.wait(cfg.timeout_s):
+        raise TimeoutError("no start signal from the demo parent")
+    # A layer's gate resolves (acknowledged, failed or expired) within this budget.
+    gate_s = deadlines.device_event_s + deadlines.meta_ack_s + deadlines.layer_ack_s + 1.0
+    layer_errors: dict[str, None] = {}
+
+    def wait_gate(layer: int) -> None:
+        try:
+            sender.wait_for_layer_send(layer, gate_s)
+        except LayerSendError as exc:
+            layer_errors[str(exc)] = None
+            if not sender.gate_open(layer):  # never reuse storage Decode may still read
+                raise RuntimeError(f"layer {layer}'s gate still closed after {gate_s:g} s") from exc
+
+    for chunk, (start, end, final) in enumerate(ranges):
+        for layer in range(cfg.layers):
+            if chunk == 0 and layer == kill_layer:
+                # Die mid-request: Decode has read (and acknowledged) the layers before.
+                for earlier in range(layer):
+                    wait_gate(earlier)
+                killed()
+            if cfg.shared_buffers:
+                wait_gate(layer)
+                write(layer, start, end)
+            event = events.record()
+            done = final and layer == cfg.layers - 1
+            targets = []
+            for r in range(cfg.requests):
+                ext = external_request_id(internal_id(r))
+                req = None
+                if end > start:
+                    ids = tuple(int(x) for x in p_ids[r][start:end])
+                    req = ReadRequest(ext, ids, ids, start, start)
+                if req is not None or done:
+                    targets.append(LayerTarget(endpoint, req, done, mapping.member,
+                                               mapping.ratio, ext))
+            sender.submit(layer, event, targets)
+    for layer in range(cfg.layers):
+        wait_gate(layer)
+    drained = sender.drain(gate_s)
+    out.put(("prefill_done", f"prefill {p_rank}", {
+        "ack_ms": sender.stats.ack_latencies_ms,
+        "layers_sent": sender.stats.layers_sent,
+        "layers_failed": sender.stats.layers_failed,
+        "layer_errors": list(layer_errors),
+        "drained": drained,
+        "counters": sender.counters(),
+    }))
+    release.wait(cfg.timeout_s)  # keep memory alive for the raw replay
+    sender.stop(deadlines.stop_s)
+    transport.close()

@@ -1,0 +1,300 @@
+"""Decode's side of the control protocol as a sans-IO state machine (spec 4-7.2).
+
+The receive loop (``rd2h.app.decode``) decodes frames and feeds them in with
+the time; the session validates, plans and keeps the request book, and says
+what to do: ``SendAck``, ``Reply`` (exactly one READ_DONE or READ_FAILED per
+READ_READY_BATCH, also when this rank owns none of its blocks) or ``Read`` (one
+batched read of a plan; the loop performs it and reports ``read_done``). Events
+(``MetaStored``, ``LayerDone``, ``LayerFailed``, ``PeerLost``, ``Expired``,
+``Rejected``) say what happened, for logs, stats and the worker's wake-up.
+
+The engine side (admission, the per-step TP resolution) goes through the same
+object, so one lock in the caller covers every rule.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Collection, Hashable, Iterable, Mapping
+from dataclasses import dataclass
+
+from rd2h.domain.errors import (
+    AuthenticationError,
+    LayoutMismatch,
+    PlanningError,
+    ProtocolError,
+    UnknownMessageType,
+)
+from rd2h.domain.layout import DestinationLayout, SourceLayout
+from rd2h.domain.planning import ReadPlan, plan_reads
+from rd2h.domain.protocol import Message, MfMeta, ReadDone, ReadFailed, ReadReadyBatch, clip
+from rd2h.domain.request_book import DecodeRequestBook, RankReport, StepOutcome
+
+Peer = Hashable  # a control connection (the ROUTER identity)
+
+
+# ---------------------------------------------------------------- what comes out
+
+
+@dataclass(frozen=True)
+class SendAck:
+    peer: Peer
+
+
+@dataclass(frozen=True)
+class Reply:
+    peer: Peer
+    message: ReadDone | ReadFailed
+
+
+@dataclass(frozen=True)
+class Read:
+    """Perform this batched read, then report ``read_done(token, ...)``; call
+    ``begin_read(token)`` first (False: the peer is gone, skip the read)."""
+
+    token: int
+    peer: Peer
+    p_session: str
+    plan: ReadPlan
+
+
+@dataclass(frozen=True)
+class MetaStored:
+    peer: Peer
+    p_session: str
+    layers: int
+
+
+@dataclass(frozen=True)
+class LayerDone:
+    layer_idx: int
+    completed: tuple[str, ...]  # requests whose KV is now complete on this rank
+
+
+@dataclass(frozen=True)
+class LayerFailed:
+    layer_idx: int
+    reason: str
+    unexpected: bool = False  # the planner itself failed (a bug, not the peer)
+
+
+@dataclass(frozen=True)
+class PeerLost:
+    p_session: str
+    failed: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Expired:
+    requests: tuple[str, ...]
+    timeout_s: float
+
+
+@dataclass(frozen=True)
+class Rejected:
+    """A frame that could not be used: ``kind`` is ``unknown``, ``unauthenticated`` or
+    ``malformed``; a READ_FAILED went back when it named its layer."""
+
+    kind: str
+    detail: str
+    layer_idx: int | None = None
+
+
+Output = (SendAck | Reply | Read | MetaStored | LayerDone | LayerFailed | PeerLost | Expired
+          | Rejected)
+
+
+# ---------------------------------------------------------------- state
+
+
+@dataclass
+class _Peer:
+    session: str
+    layers: dict[str, SourceLayout | LayoutMismatch]
+
+
+@dataclass
+class _PendingRead:
+    peer: Peer
+    batch: ReadReadyBatch
+    started: bool = False
+    lost: bool = False
+
+
+class DecodeSession:
+    def __init__(
+        self,
+        *,
+        destinations: Mapping[str, DestinationLayout],
+        d_rank: int,
+        d_tp: int,
+        main_shared: bool = True,
+        request_timeout_s: float = 120.0,
+    ) -> None:
+        self._destinations = dict(destinations)
+        self.d_rank = d_rank
+        self.d_tp = d_tp
+        # True: one main pool shared by the Decode TP ranks, each reads its share.
+        # False: every rank has its own main cache and reads all main blocks.
+        self.main_shared = main_shared
+        self.request_timeout_s = request_timeout_s
+        self._peers: dict[Peer, _Peer] = {}
+        self._book = DecodeRequestBook()
+        self._reads: dict[int, _PendingRead] = {}
+        self._tokens = itertools.count()
+
+    # ------------------------------------------------------------ control inputs
+    def receive(self, peer: Peer, message: Message, now: float) -> list[Output]:
+        if isinstance(message, MfMeta):
+            return self._meta(peer, message)
+        if isinstance(message, ReadReadyBatch):
+            return self._ready(peer, message, now)
+        return [Rejected("unexpected", type(message).__name__)]
+
+    def reject(self, peer: Peer, error: ProtocolError) -> list[Output]:
+        """A frame that did not decode. Refused before anything in it is used: no
+        metadata stored, no read, no request failed; a READ_FAILED when it names a layer."""
+        if isinstance(error, UnknownMessageType):
+            return [Rejected("unknown", clip(repr(error.tag), 80))]
+        detail = clip(error.detail)
+        if isinstance(error, AuthenticationError):
+            out: list[Output] = [Rejected("unauthenticated", detail, error.layer_idx)]
+            if error.layer_idx is not None:
+                out.append(Reply(peer, ReadFailed(error.layer_idx,
+                                                  f"authentication failed: {detail}")))
+            return out
+        out = [Rejected("malformed", detail, error.layer_idx)]
+        if error.layer_idx is not None:
+            out.append(Reply(peer, ReadFailed(error.layer_idx, f"malformed message: {detail}")))
+        return out
+
+    def begin_read(self, token: int) -> bool:
+        """About to perform ``Read(token)``: False if its peer is gone (report
+        ``read_done`` anyway: the layer fails and is answered)."""
+        pending = self._reads.get(token)
+        if pending is None or pending.lost:
+            return False
+        pending.started = True
+        return True
+
+    def read_done(self, token: int, now: float, error: str | None = None) -> list[Output]:
+        pending = self._reads.pop(token, None)
+        if pending is None:
+            return []
+        if error is not None:
+            return self._fail(pending.peer, pending.batch, f"read failed: {error}", now)
+        if pending.lost:
+            # A peer that vanished (or reset the connection after its acknowledgement
+            # deadline) may have reused the source: do not trust what was read.
+            when = "during" if pending.started else "before"
+            return self._fail(pending.peer, pending.batch,
+                              f"prefill peer disconnected {when} the read", now)
+        return self._finish(pending.peer, pending.batch, now)
+
+    def peer_lost(self, peer: Peer, now: float) -> list[Output]:
+        """The connection closed: forget its metadata and fail the unfinished requests it
+        was contributing to (requests that never heard from it end at their deadline)."""
+        gone = self._peers.pop(peer, None)
+        session = gone.session if gone is not None else "?"
+        for pending in self._reads.values():
+            if pending.peer == peer:
+                pending.lost = True
+        failed = self._book.fail_peer(
+            peer, f"prefill peer {session} disconnected before announcing the final layer", now
+        )
+        return [PeerLost(session, tuple(failed))]
+
+    def tick(self, now: float) -> list[Output]:
+        """Fail admitted requests past the request deadline; drop stale state of requests
+        never admitted here."""
+        late = self._book.expire(now, self.request_timeout_s)
+        return [Expired(tuple(late), self.request_timeout_s)] if late else []
+
+    # ------------------------------------------------------------ engine inputs
+    def admit(self, internal_id: str, main_block_ids: Iterable[int],
+              indexer_block_ids: Iterable[int], now: float) -> str:
+        return self._book.admit(internal_id, list(main_block_ids), list(indexer_block_ids), now)
+
+    def local_report(self) -> RankReport:
+        return self._book.local_report()
+
+    def finish_step(self, reports: Collection[RankReport], finished_by_vllm: Iterable[str],
+                    now: float) -> StepOutcome:
+        return self._book.finish_step(reports, finished_by_vllm, now=now)
+
+    def drop(self, internal_ids: Iterable[str]) -> None:
+        self._book.drop(internal_ids)
+
+    def counters(self) -> dict[str, int]:
+        out = self._book.counters()
+        out["peers"] = len(self._peers)
+        return out
+
+    @property
+    def reads_in_flight(self) -> int:
+        return len(self._reads)
+
+    # ------------------------------------------------------------ rules
+    def _meta(self, peer: Peer, meta: MfMeta) -> list[Output]:
+        layers: dict[str, SourceLayout | LayoutMismatch] = {}
+        for name, lm in meta.layers.items():
+            if name not in self._destinations:  # never read: not kept (bounds peer state)
+                continue
+            try:
+                layers[name] = SourceLayout.from_metadata(name, lm)
+            except LayoutMismatch as exc:
+                layers[name] = exc
+        self._peers[peer] = _Peer(meta.p_session, layers)
+        return [SendAck(peer), MetaStored(peer, meta.p_session, len(layers))]
+
+    def _ready(self, peer: Peer, batch: ReadReadyBatch, now: float) -> list[Output]:
+        known = self._peers.get(peer)
+        if known is None:
+            return self._fail(peer, batch, "READ_READY_BATCH before MF_META on this connection",
+                              now)
+        src = known.layers.get(batch.layer_name)
+        dst = self._destinations.get(batch.layer_name)
+        if src is None or dst is None:
+            side = "decode destinations" if dst is None else "prefill metadata"
+            return self._fail(peer, batch, f"layer {batch.layer_name!r} is unknown to {side}",
+                              now)
+        if isinstance(src, LayoutMismatch):
+            return self._fail(peer, batch, str(src), now)
+        dests = {
+            r.ext_req_id: d
+            for r in batch.read_reqs
+            if (d := self._book.destination(r.ext_req_id)) is not None
+        }
+        try:
+            plan = plan_reads(batch, src, dst, dests, d_rank=self.d_rank, d_tp=self.d_tp,
+                              main_shared=self.main_shared)
+        except (LayoutMismatch, PlanningError) as exc:
+            return self._fail(peer, batch, str(exc), now)
+        except Exception as exc:  # a planner bug must still answer, or Prefill waits it out
+            return self._fail(peer, batch, f"cannot plan the layer: {type(exc).__name__}: "
+                              f"{exc}", now, unexpected=True)
+        # These requests now depend on this peer until it reports their final layer.
+        self._book.note_contribution(peer, (r.ext_req_id for r in batch.read_reqs))
+        if not plan.num_descriptors:
+            return self._finish(peer, batch, now)
+        token = next(self._tokens)
+        self._reads[token] = _PendingRead(peer, batch)
+        return [Read(token, peer, known.session, plan)]
+
+    def _finish(self, peer: Peer, batch: ReadReadyBatch, now: float) -> list[Output]:
+        try:
+            completed = self._book.record_done(
+                batch.done_ext_ids, batch.group_member_idx, batch.tp_ratio, peer=peer, now=now
+            )
+        except ProtocolError as exc:
+            return self._fail(peer, batch, exc.detail, now)
+        return [Reply(peer, ReadDone(batch.layer_idx)),
+                LayerDone(batch.layer_idx, tuple(completed))]
+
+    def _fail(self, peer: Peer, batch: ReadReadyBatch, reason: str, now: float | None,
+              *, unexpected: bool = False) -> list[Output]:
+        reason = clip(reason)  # names and ids in it come from the peer
+        self._book.record_failed(batch.named_ext_ids, reason, now)
+        return [Reply(peer, ReadFailed(batch.layer_idx, reason)),
+                LayerFailed(batch.layer_idx, reason, unexpected)]
+

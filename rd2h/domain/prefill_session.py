@@ -1,0 +1,396 @@
+"""Prefill's side of the control protocol as a sans-IO state machine (spec 3.3, 4, 7.1).
+
+Inputs go in as method calls with the current time as an argument; what must
+happen on the wire comes out as *actions* (``Connect``, ``SendMeta``,
+``SendBatch``, ``Disconnect``) and what happened comes out as *events*
+(``HandshakeDone``, ``LayerAnswered``, ``EndpointReset``). The caller (the
+sender thread in ``rd2h.app.prefill``) owns the sockets, the codec, the device
+events and the clock; this module owns every rule and every deadline.
+
+Unit of work: one *entry* per (announcement, Decode endpoint). An entry always
+sits in exactly one phase, each bounded by exactly one deadline:
+
+``event``      waiting for the layer's device event        (``device_event_s``)
+``handshake``  waiting for the endpoint's MF_META ``ACK``   (``meta_ack_s``)
+``sent``       READ_READY_BATCH sent, waiting for the reply (``layer_ack_s``)
+
+An entry ends answered (READ_DONE) or failed (READ_FAILED, a deadline, a lost
+connection, a refused handshake, the session stopped); either way its gate counts
+it, and an announcement's ticket resolves with its last entry. Replies from one
+endpoint come in send order: the oldest entry of (layer, endpoint) owns the next.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Hashable, Iterable, Mapping
+from dataclasses import dataclass, field
+
+from rd2h.domain.errors import CompletionError, LayerSendError
+from rd2h.domain.gates import GateState, StorageSlotGates
+from rd2h.domain.layout import SourceLayout
+from rd2h.domain.prefill_events import (
+    Connect,
+    Disconnect,
+    EndpointReset,
+    HandshakeDone,
+    LayerAnswered,
+    Output,
+    SendBatch,
+    SendMeta,
+)
+from rd2h.domain.protocol import ReadDone, ReadFailed, ReadReadyBatch
+
+
+@dataclass(frozen=True)
+class PrefillTimeouts:
+    meta_ack_s: float = 10.0
+    layer_ack_s: float = 30.0
+    device_event_s: float = 30.0
+    # After a failed handshake, sends to that endpoint fail at once for this long.
+    reconnect_after_s: float = 5.0
+
+
+@dataclass(eq=False)
+class _Entry:
+    aid: int
+    layer_idx: int
+    endpoint: str
+    batch: ReadReadyBatch
+    phase: str  # "event" | "handshake" | "sent"
+    deadline: float
+    sent_at: float = 0.0
+
+
+@dataclass(eq=False)
+class _Announcement:
+    layer_idx: int
+    ticket: Hashable | None
+    entries: dict[str, _Entry] = field(default_factory=dict)
+    error: str | None = None
+
+
+@dataclass(eq=False)
+class _Link:
+    """One Decode endpoint: ``down`` (no MF_META acknowledged on this connection),
+    ``handshaking`` (until ``deadline``), ``ready``, or ``backoff`` (a handshake failed
+    for ``reason``; sends fail at once until ``deadline``)."""
+
+    state: str = "down"
+    deadline: float = 0.0
+    reason: str = ""
+    waiting: list[_Entry] = field(default_factory=list)
+    inflight: list[_Entry] = field(default_factory=list)
+
+
+class PrefillSession:
+    def __init__(self, layers: Mapping[int, SourceLayout], timeouts: PrefillTimeouts) -> None:
+        self.timeouts = timeouts
+        self._names = {idx: lay.layer_name for idx, lay in layers.items()}
+        self._gates = StorageSlotGates()
+        for idx, lay in layers.items():
+            self._gates.register_layer(idx, *lay.storage_keys)
+        self._ids = itertools.count()
+        self._announcements: dict[int, _Announcement] = {}
+        self._links: dict[str, _Link] = {}
+        self._resolved: list[tuple[Hashable, str | None]] = []
+        self._tickets: set[Hashable] = set()  # open ones
+        self._dead: str | None = None
+
+    # ------------------------------------------------------------ inputs
+    def layer_name(self, layer_idx: int) -> str:
+        name = self._names.get(layer_idx)
+        if name is None:
+            raise CompletionError(f"layer {layer_idx} has no storage slot mapping")
+        return name
+
+    def announce(
+        self, layer_idx: int, batches: Mapping[str, ReadReadyBatch], now: float,
+        ticket: Hashable | None = None,
+    ) -> int:
+        """A layer was written: close its gates and wait for its device event (then
+        ``event_done``). Returns the announcement id. With a ``ticket``,
+        ``take_resolved()`` later reports ``(ticket, error)``."""
+        self.layer_name(layer_idx)
+        if self._dead is not None:
+            raise LayerSendError(layer_idx, self._dead)
+        if ticket is not None and ticket in self._tickets:
+            raise ValueError(f"ticket {ticket!r} is already open")
+        self._gates.announce(layer_idx, list(batches))
+        aid = next(self._ids)
+        if not batches:
+            if ticket is not None:
+                self._resolved.append((ticket, None))
+            return aid
+        ann = _Announcement(layer_idx, ticket)
+        if ticket is not None:
+            self._tickets.add(ticket)
+        deadline = now + self.timeouts.device_event_s
+        for ep, batch in batches.items():
+            ann.entries[ep] = _Entry(aid, layer_idx, ep, batch, "event", deadline)
+        self._announcements[aid] = ann
+        return aid
+
+    def awaiting_event(self, aid: int) -> bool:
+        ann = self._announcements.get(aid)
+        return ann is not None and any(e.phase == "event" for e in ann.entries.values())
+
+    def event_done(self, aid: int, now: float) -> list[Output]:
+        """The layer's KV is on the device: announce it to every endpoint still pending."""
+        out: list[Output] = []
+        ann = self._announcements.get(aid)
+        if ann is None:
+            return out
+        for entry in [e for e in ann.entries.values() if e.phase == "event"]:
+            out += self._dispatch(entry, now)
+        return out
+
+    def prepare(self, endpoints: Iterable[str], now: float) -> list[Output]:
+        """Handshake with ``endpoints`` now; each ends with a ``HandshakeDone``."""
+        out: list[Output] = []
+        for ep in dict.fromkeys(endpoints):
+            if self._dead is not None:
+                out.append(HandshakeDone(ep, self._dead))
+                continue
+            link = self._link(ep, now)
+            if link.state == "ready":
+                out.append(HandshakeDone(ep, None))
+            elif link.state == "backoff":
+                out.append(HandshakeDone(ep, link.reason))
+            elif link.state == "down":
+                out += self._start_handshake(ep, link, now)
+        return out
+
+    def ack_received(self, endpoint: str, now: float) -> list[Output]:
+        """Decode acknowledged MF_META; an ACK outside a handshake is stray."""
+        link = self._links.get(endpoint)
+        if link is None or link.state != "handshaking":
+            return []
+        link.state = "ready"
+        out: list[Output] = [HandshakeDone(endpoint, None)]
+        waiting, link.waiting = link.waiting, []
+        for entry in waiting:
+            out += self._send(entry, link, now)
+        return out
+
+    def ack_refused(self, endpoint: str, detail: str, now: float) -> list[Output]:
+        """An acknowledgement that failed authentication."""
+        link = self._links.get(endpoint)
+        if link is None or link.state != "handshaking":
+            return []
+        return self._handshake_failed(endpoint, link, f"decode endpoint {endpoint} refused: "
+                                      f"{detail}", now)
+
+    def reply(self, endpoint: str, message: ReadDone | ReadFailed, now: float) -> list[Output]:
+        """READ_DONE or READ_FAILED: the answer to the oldest entry of its layer."""
+        link = self._links.get(endpoint)
+        if link is None:
+            return []
+        error = None if isinstance(message, ReadDone) else (
+            message.error or "decode reported READ_FAILED")
+        entry = next((e for e in link.inflight if e.layer_idx == message.layer_idx), None)
+        if entry is None:
+            return []  # stray: nothing of this layer is waiting on that endpoint
+        if error is not None and link.state == "ready":
+            # Decode may have restarted behind the same endpoint (ZMQ reconnects silently
+            # and a new ROUTER has no MF_META of ours): handshake again before the next.
+            link.state = "down"
+        return self._end(entry, error, latency=now - entry.sent_at)
+
+    def sent(self, endpoint: str, aid: int, now: float) -> None:
+        """A ``SendBatch`` went out: its reply deadline runs from now."""
+        ann = self._announcements.get(aid)
+        entry = None if ann is None else ann.entries.get(endpoint)
+        if entry is not None and entry.phase == "sent":
+            entry.sent_at = now
+            entry.deadline = now + self.timeouts.layer_ack_s
+
+    def send_failed(self, action: SendMeta | SendBatch, reason: str, now: float) -> list[Output]:
+        link = self._links.get(action.endpoint)
+        if link is None:
+            return []
+        if isinstance(action, SendMeta):
+            if link.state != "handshaking":
+                return []
+            return self._handshake_failed(action.endpoint, link, reason, now)
+        ann = self._announcements.get(action.announcement)
+        entry = None if ann is None else ann.entries.get(action.endpoint)
+        if entry is None or entry.phase != "sent":
+            return []
+        return self._end(entry, reason)
+
+    def connection_lost(self, endpoint: str, now: float) -> list[Output]:
+        """The transport saw the connection close: no reply on it will come, and Decode
+        fails the requests this rank was contributing to, so nothing still queued for
+        the endpoint is worth sending either."""
+        link = self._links.get(endpoint)
+        if link is not None and link.state == "handshaking":
+            return self._handshake_failed(
+                endpoint, link,
+                f"decode endpoint {endpoint} disconnected during the MF_META handshake", now,
+            )
+        return self._reset(endpoint, f"decode endpoint {endpoint} disconnected (process "
+                           f"gone, connection reset or heartbeat timeout)", close=False)
+
+    def tick(self, now: float) -> list[Output]:
+        """Fail whatever passed its deadline."""
+        out: list[Output] = []
+        t = self.timeouts
+        for ann in list(self._announcements.values()):
+            for entry in [e for e in ann.entries.values()
+                          if e.phase == "event" and e.deadline <= now]:
+                out += self._end(entry, f"device event not complete within "
+                                 f"{t.device_event_s:g} s")
+        for ep, link in list(self._links.items()):
+            if link.state == "handshaking" and link.deadline <= now:
+                out += self._handshake_failed(
+                    ep, link,
+                    f"no MF_META acknowledgement from {ep} within {t.meta_ack_s:g} s (decode "
+                    f"down or unreachable, or refusing this peer: is auth_secret the same on "
+                    f"both sides?)", now,
+                )
+            late = min(link.inflight, key=lambda e: e.deadline, default=None)
+            if late is not None and late.deadline <= now:
+                # Reset the connection too, so that Decode fails the requests this rank was
+                # contributing to: it must not complete them from storage we may now reuse.
+                out += self._reset(ep, f"no acknowledgement of layer {late.layer_idx} "
+                                   f"from decode endpoint {ep} within {t.layer_ack_s:g} s",
+                                   close=True)
+        return out
+
+    def stop(self, reason: str) -> list[Output]:
+        """The sender is gone: every entry fails, every gate opens, nothing more is
+        accepted. The errors name what each layer was still waiting on."""
+        self._dead = reason
+        awaited = {lyr: self._gates.state(lyr).waiting_on for lyr in self._gates.pending_layers}
+        out: list[Output] = []
+        for ann in list(self._announcements.values()):
+            for entry in list(ann.entries.values()):
+                who = ", ".join(str(e) for e in awaited.get(entry.layer_idx, ())) or "no endpoint"
+                out += self._end(entry, f"{reason} (layer {entry.layer_idx} awaited {who})")
+        for layer_idx in self._gates.pending_layers:  # cannot happen; never leave one shut
+            self._gates.fail_layer(layer_idx, reason)
+        for ep, link in self._links.items():
+            if link.state == "handshaking":
+                out.append(HandshakeDone(ep, reason))
+            link.state = "down"
+        return out
+
+    # ------------------------------------------------------------ queries
+    def gate(self, layer_idx: int) -> GateState:
+        return self._gates.state(layer_idx)
+
+    def take_resolved(self) -> list[tuple[Hashable, str | None]]:
+        out, self._resolved = self._resolved, []
+        return out
+
+    def next_deadline(self) -> float | None:
+        """When ``tick`` next has something to fail (None: nothing is waiting)."""
+        times = [e.deadline for a in self._announcements.values() for e in a.entries.values()
+                 if e.phase != "handshake"]
+        times += [link.deadline for link in self._links.values() if link.state == "handshaking"]
+        return min(times, default=None)
+
+    @property
+    def dead(self) -> str | None:
+        return self._dead
+
+    @property
+    def idle(self) -> bool:
+        """Nothing announced is unresolved and every gate is open."""
+        return not self._announcements and not self._gates.pending_layers
+
+    @property
+    def pending_layers(self) -> tuple[int, ...]:
+        return self._gates.pending_layers
+
+    def counters(self) -> dict[str, int]:
+        """Leak accounting: every value is 0 when no announcement is in flight."""
+        return {
+            "pending_layers": len(self._gates.pending_layers),
+            "closed_slots": self._gates.closed_slots,
+            "unacked_sends": sum(len(link.inflight) for link in self._links.values()),
+            "open_tickets": len(self._tickets),
+        }
+
+    # ------------------------------------------------------------ rules
+    def _link(self, endpoint: str, now: float) -> _Link:
+        link = self._links.setdefault(endpoint, _Link())
+        if link.state == "backoff" and now >= link.deadline:
+            link.state, link.reason = "down", ""
+        return link
+
+    def _dispatch(self, entry: _Entry, now: float) -> list[Output]:
+        link = self._link(entry.endpoint, now)
+        if link.state == "backoff":
+            return self._end(entry, link.reason)
+        if link.state == "ready":
+            return self._send(entry, link, now)
+        entry.phase = "handshake"
+        entry.deadline = now + self.timeouts.meta_ack_s
+        link.waiting.append(entry)
+        return self._start_handshake(entry.endpoint, link, now) if link.state == "down" else []
+
+    def _start_handshake(self, endpoint: str, link: _Link, now: float) -> list[Output]:
+        link.state = "handshaking"
+        link.deadline = now + self.timeouts.meta_ack_s
+        return [Connect(endpoint), SendMeta(endpoint)]
+
+    def _send(self, entry: _Entry, link: _Link, now: float) -> list[Output]:
+        entry.phase = "sent"
+        entry.sent_at = now
+        entry.deadline = now + self.timeouts.layer_ack_s
+        link.inflight.append(entry)
+        return [SendBatch(entry.endpoint, entry.batch, entry.aid)]
+
+    def _handshake_failed(self, endpoint: str, link: _Link, reason: str,
+                          now: float) -> list[Output]:
+        """Drop the connection; sends to it fail at once for ``reconnect_after_s``."""
+        link.state = "backoff"
+        link.deadline = now + self.timeouts.reconnect_after_s
+        link.reason = reason
+        out: list[Output] = [Disconnect(endpoint), HandshakeDone(endpoint, reason)]
+        for entry in [*link.waiting, *link.inflight]:
+            out += self._end(entry, reason)
+        return out
+
+    def _reset(self, endpoint: str, reason: str, *, close: bool) -> list[Output]:
+        """No reply will come from ``endpoint`` for what was sent so far: fail every entry
+        for it, sent or still queued (gates open, the compute path raises). The next
+        announcement to it handshakes again (with ``close``, over a new connection)."""
+        entries = [e for ann in self._announcements.values() for e in ann.entries.values()
+                   if e.endpoint == endpoint]
+        link = self._links.get(endpoint)
+        if link is not None and link.state != "backoff":
+            link.state = "down"
+        out: list[Output] = [Disconnect(endpoint)] if close else []
+        for entry in entries:
+            out += self._end(entry, reason)
+        out.append(EndpointReset(endpoint, reason,
+                                 tuple(sorted({e.layer_idx for e in entries}))))
+        return out
+
+    def _end(self, entry: _Entry, error: str | None, latency: float | None = None
+             ) -> list[Output]:
+        ann = self._announcements.get(entry.aid)
+        if ann is None or ann.entries.get(entry.endpoint) is not entry:
+            return []
+        del ann.entries[entry.endpoint]
+        link = self._links.get(entry.endpoint)
+        if link is not None:
+            if entry.phase == "handshake" and entry in link.waiting:
+                link.waiting.remove(entry)
+            elif entry.phase == "sent" and entry in link.inflight:
+                link.inflight.remove(entry)
+        if error is not None and entry.endpoint not in error:
+            error = f"decode endpoint {entry.endpoint}: {error}"  # the caller learns who
+        if error is not None and ann.error is None:
+            ann.error = error
+        self._gates.acknowledge(entry.layer_idx, entry.endpoint, error)
+        if not ann.entries:
+            del self._announcements[entry.aid]
+            if ann.ticket is not None:
+                self._tickets.discard(ann.ticket)
+                self._resolved.append((ann.ticket, ann.error))
+        return [LayerAnswered(entry.layer_idx, entry.endpoint, error,
+                              latency if error is None else None)]

@@ -1,0 +1,268 @@
+"""One Decode rank's request state from admission to reporting (spec 7.2).
+
+Flow per worker step: ``local_report()`` -> exchange among TP ranks ->
+``finish_step(all_reports, finished_by_vllm)``, which resolves this step's
+completions first and cleans up the requests vLLM finished afterwards. Time is
+an argument (``now``); nothing here reads a clock.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Hashable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from rd2h.domain.chunks import external_request_id
+from rd2h.domain.contributors import ContributorTracker, PeerContributions
+from rd2h.domain.planning import Destination
+
+
+@dataclass(frozen=True)
+class RankReport:
+    """One Decode TP rank's terminal and failed external ids for a step."""
+
+    terminal: frozenset[str] = frozenset()
+    failed: frozenset[str] = frozenset()
+
+
+@dataclass(frozen=True)
+class MergedReport:
+    finished: frozenset[str]
+    failed: frozenset[str]
+
+
+def merge_tp_reports(reports: Collection[RankReport]) -> MergedReport:
+    """Finished = intersection of terminal sets; failed = union of failed sets."""
+    if not reports:
+        return MergedReport(frozenset(), frozenset())
+    finished = frozenset.intersection(*(r.terminal for r in reports))
+    failed = frozenset().union(*(r.failed for r in reports))
+    return MergedReport(finished, failed)
+
+
+@dataclass(frozen=True)
+class StepOutcome:
+    """What a Decode worker step reports to vLLM."""
+
+    finished: frozenset[str]
+    failed: frozenset[str]
+    invalid_block_ids: frozenset[int]
+    reasons: Mapping[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class _Admitted:
+    internal_id: str
+    destination: Destination
+    admitted_at: float
+
+
+class DecodeRequestBook:
+    def __init__(self) -> None:
+        self._admitted: dict[str, _Admitted] = {}
+        self._int_to_ext: dict[str, str] = {}
+        self.contributors = ContributorTracker()
+        self._terminal: set[str] = set()
+        self._failed: dict[str, str] = {}
+        self._invalid_reported: set[str] = set()
+        self._pending_finished: set[str] = set()
+        self._orphan_since: dict[str, float] = {}
+        self.peer_contributions = PeerContributions()
+
+    # -- admission
+    def admit(
+        self,
+        internal_id: str,
+        main_block_ids: Sequence[int],
+        indexer_block_ids: Sequence[int],
+        now: float,
+    ) -> str:
+        ext = external_request_id(internal_id)
+        self._admitted[ext] = _Admitted(
+            internal_id, Destination(tuple(main_block_ids), tuple(indexer_block_ids)), now
+        )
+        self._int_to_ext[internal_id] = ext
+        return ext
+
+    def destination(self, ext_id: str) -> Destination | None:
+        entry = self._admitted.get(ext_id)
+        return None if entry is None else entry.destination
+
+    @property
+    def destinations(self) -> Mapping[str, Destination]:
+        return _DestinationView(self._admitted)
+
+    def is_terminal(self, ext_id: str) -> bool:
+        return ext_id in self._terminal
+
+    # -- layer outcomes
+    def record_done(
+        self, ext_ids: Iterable[str], member: int, ratio: int, peer: Hashable | None = None,
+        now: float | None = None,
+    ) -> list[str]:
+        """Final-layer reports of one contributor (connection ``peer``, when known);
+        returns requests now complete. Raises ``ProtocolError`` for an impossible
+        member / ratio (nothing is recorded for the ids before the bad one). Reports for
+        requests not admitted here are kept (the admission may still come) and, with
+        ``now``, dropped by ``expire`` once stale, like every orphan."""
+        ext_ids = list(ext_ids)
+        if peer is not None:
+            self.peer_contributions.done(peer, ext_ids)
+        completed = []
+        for ext in ext_ids:
+            if ext in self._terminal:
+                continue
+            if now is not None and ext not in self._admitted:
+                self._orphan_since.setdefault(ext, now)
+            if self.contributors.report(ext, member, ratio):
+                self._terminal.add(ext)
+                self.contributors.discard(ext)
+                self.peer_contributions.discard_request(ext)
+                completed.append(ext)
+        return completed
+
+    def note_contribution(self, peer: Hashable, ext_ids: Iterable[str]) -> None:
+        """``peer`` announced blocks of ``ext_ids``; admitted, unfinished ones now depend
+        on it until it reports their final layer (see ``fail_peer``)."""
+        self.peer_contributions.note(
+            peer, (e for e in ext_ids if e in self._admitted and e not in self._terminal)
+        )
+
+    def fail_peer(self, peer: Hashable, reason: str, now: float | None = None) -> list[str]:
+        """The connection ``peer`` is gone: fail the unfinished requests it was still
+        contributing to (requests that never heard from it end at their deadline)."""
+        live = sorted(e for e in self.peer_contributions.take_peer(peer)
+                      if e not in self._terminal)
+        self.record_failed(live, reason, now)
+        return live
+
+    def record_failed(
+        self, ext_ids: Iterable[str], reason: str, now: float | None = None
+    ) -> None:
+        """Mark requests failed. Ids not admitted here are kept (the admission may still
+        come) and, when ``now`` is given, dropped by ``expire`` once they are stale."""
+        for ext in ext_ids:
+            self._mark_failed(ext, reason, now)
+
+    def _mark_failed(self, ext: str, reason: str, now: float | None) -> None:
+        """The one way a request becomes failed, whoever learned it first."""
+        self._failed.setdefault(ext, reason)
+        self._terminal.add(ext)
+        self.contributors.discard(ext)
+        self.peer_contributions.discard_request(ext)
+        if now is not None and ext not in self._admitted:
+            self._orphan_since.setdefault(ext, now)
+
+    def expire(self, now: float, timeout: float) -> list[str]:
+        """Fail admitted requests still waiting for their KV ``timeout`` after admission."""
+        late = [
+            ext
+            for ext, entry in self._admitted.items()
+            if ext not in self._terminal and now - entry.admitted_at >= timeout
+        ]
+        self.record_failed(late, f"no KV arrived within {timeout:g} s of admission")
+        # State for ids never admitted here (e.g. a message for a request Decode already
+        # aborted) must not live forever.
+        for ext, since in list(self._orphan_since.items()):
+            if ext in self._admitted:
+                del self._orphan_since[ext]
+            elif now - since >= timeout:
+                self._forget(ext)
+        return late
+
+    # -- step
+    def local_report(self) -> RankReport:
+        # Requests waiting only for their admission here (``_pending_finished``) were
+        # already finished on every rank: re-announcing their failure would make the
+        # ranks that forgot them fail them again, and they would never be cleaned.
+        failed = self._failed.keys() - self._pending_finished
+        return RankReport(frozenset(self._terminal), frozenset(failed))
+
+    def finish_step(
+        self,
+        reports: Collection[RankReport],
+        finished_by_vllm: Iterable[str] = (),
+        now: float | None = None,
+    ) -> StepOutcome:
+        """Resolve this step. With ``now``, state about ids never admitted here (learned
+        from other ranks) expires like any orphan instead of waiting for an admission
+        that may never come."""
+        merged = merge_tp_reports(reports)
+        for ext in merged.failed - self._failed.keys():  # another rank's failure is ours
+            self._mark_failed(ext, "failed on another decode rank", now)
+        invalid: set[int] = set()
+        failed_internal: set[str] = set()
+        reasons: dict[str, str] = {}
+        for ext in self._failed:
+            entry = self._admitted.get(ext)
+            if entry is None or ext in self._invalid_reported:
+                continue
+            # Destination ids are int64 arrays; vLLM gets plain ints.
+            invalid.update(entry.destination.main_block_ids.tolist())
+            invalid.update(entry.destination.indexer_block_ids.tolist())
+            self._invalid_reported.add(ext)
+        finished: set[str] = set()
+        for ext in merged.finished | self._pending_finished:
+            entry = self._admitted.get(ext)
+            if entry is None:
+                self._pending_finished.add(ext)
+                self._terminal.discard(ext)
+                if now is not None:
+                    self._orphan_since.setdefault(ext, now)
+                continue
+            finished.add(entry.internal_id)
+            if ext in self._failed:
+                failed_internal.add(entry.internal_id)
+                reasons[entry.internal_id] = self._failed[ext]
+            self._forget(ext)
+        for internal_id in finished_by_vllm:
+            self._forget(self._ext_of(internal_id))
+        return StepOutcome(
+            frozenset(finished), frozenset(failed_internal), frozenset(invalid), reasons
+        )
+
+    def drop(self, internal_ids: Iterable[str]) -> None:
+        """Forget requests the engine gave up on outside a step (aborted, or the TP group
+        that would resolve them is gone)."""
+        for internal_id in internal_ids:
+            self._forget(self._ext_of(internal_id))
+
+    def _ext_of(self, internal_id: str) -> str:
+        return self._int_to_ext.get(internal_id, external_request_id(internal_id))
+
+    def _forget(self, ext: str) -> None:
+        entry = self._admitted.pop(ext, None)
+        if entry is not None:
+            self._int_to_ext.pop(entry.internal_id, None)
+        self._terminal.discard(ext)
+        self._failed.pop(ext, None)
+        self._invalid_reported.discard(ext)
+        self._pending_finished.discard(ext)
+        self._orphan_since.pop(ext, None)
+        self.contributors.discard(ext)
+        self.peer_contributions.discard_request(ext)
+
+    # -- leak accounting
+    def counters(self) -> dict[str, int]:
+        return {
+            "admitted": len(self._admitted),
+            "terminal": len(self._terminal),
+            "failed": len(self._failed),
+            "pending_finished": len(self._pending_finished),
+            "contributors": len(self.contributors),
+            "orphans": len(self._orphan_since),
+            "peer_contributions": len(self.peer_contributions),
+        }
+
+
+class _DestinationView(Mapping[str, Destination]):
+    def __init__(self, admitted: Mapping[str, _Admitted]) -> None:
+        self._admitted = admitted
+
+    def __getitem__(self, key: str) -> Destination:
+        return self._admitted[key].destination
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._admitted)
+
+    def __len__(self) -> int:
+        return len(self._admitted)

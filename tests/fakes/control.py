@@ -1,0 +1,218 @@
+"""An in-memory control network implementing the control ports the way ZeroMQ does.
+
+``MemoryNetwork.server(endpoint)`` binds a ``ControlServer`` (Decode's ROUTER);
+``MemoryNetwork.clients()`` makes a ``ControlClients`` (Prefill's DEALERs). The
+behaviour follows ``rd2h.adapters.zmq`` and is checked against it by one contract
+suite (``tests/integration/test_control_contract.py``):
+
+* a connection is made on the first send after ``connect``; each connection has its
+  own identity on the server; a send with no server bound raises ``ConnectionError``
+  (ZeroMQ's ``IMMEDIATE``: nothing is queued for an absent peer);
+* empty frames never reach the other side (ZeroMQ delimiters);
+* a server that closes is a loss for every client connected to it
+  (``disconnected()``), reported after the replies that arrived before it; a client
+  that disconnects is a loss for the server; after a loss the next send connects
+  again (a new identity), like a DEALER reconnecting;
+* ``wake`` interrupts a ``poll`` from any thread; every wait takes a timeout.
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+import time
+from dataclasses import dataclass
+
+_WAKE = ("", b"")
+
+
+@dataclass(eq=False)
+class _Conn:
+    identity: bytes
+    clients: MemoryClients
+    endpoint: str
+    server: MemoryServer
+    alive: bool = True
+
+
+class MemoryNetwork:
+    def __init__(self) -> None:
+        self._lock = threading.RLock()
+        self._servers: dict[str, MemoryServer] = {}
+        self._ids = itertools.count(1)
+
+    def server(self, endpoint: str) -> MemoryServer:
+        with self._lock:
+            if endpoint in self._servers:
+                raise OSError(f"cannot bind {endpoint}: address already in use")
+            server = MemoryServer(self, endpoint)
+            self._servers[endpoint] = server
+            return server
+
+    def clients(self) -> MemoryClients:
+        return MemoryClients(self)
+
+    @property
+    def endpoints(self) -> set[str]:
+        with self._lock:
+            return set(self._servers)
+
+    def _lookup(self, endpoint: str) -> MemoryServer | None:
+        with self._lock:
+            return self._servers.get(endpoint)
+
+    def _identity(self) -> bytes:
+        return b"mem-%d" % next(self._ids)
+
+    def _unbind(self, server: MemoryServer) -> None:
+        with self._lock:
+            if self._servers.get(server.endpoint) is server:
+                del self._servers[server.endpoint]
+
+
+class MemoryServer:
+    """Decode side (``rd2h.ports.control.ControlServer``)."""
+
+    def __init__(self, net: MemoryNetwork, endpoint: str) -> None:
+        self._net = net
+        self._endpoint = endpoint
+        self._inbox: queue.Queue[tuple[bytes, bytes] | None] = queue.Queue()
+        self._conns: dict[bytes, _Conn] = {}
+        self._lost: list[bytes] = []
+        self._closed = False
+
+    @property
+    def endpoint(self) -> str:
+        return self._endpoint
+
+    def recv(self, timeout: float) -> tuple[bytes, bytes] | None:
+        deadline = time.monotonic() + max(0.0, timeout)
+        while True:
+            with self._net._lock:
+                if self._lost:
+                    return None  # let the caller handle the loss at once
+            try:
+                item = self._inbox.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                return None
+            if item is not None and item[1]:
+                return item
+            if time.monotonic() >= deadline:
+                return None
+
+    def send(self, identity: bytes, payload: bytes) -> bool:
+        with self._net._lock:
+            conn = self._conns.get(identity)
+            if conn is None or not conn.alive or self._closed:
+                return False
+            conn.clients._deliver(conn, payload)
+            return True
+
+    def disconnected(self) -> list[bytes]:
+        with self._net._lock:
+            lost, self._lost = list(dict.fromkeys(self._lost)), []
+            return lost
+
+    def close(self) -> None:
+        with self._net._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._net._unbind(self)
+            for conn in self._conns.values():
+                if conn.alive:
+                    conn.alive = False
+                    conn.clients._lose(conn)
+            self._conns.clear()
+
+    # -- called by clients, under the network lock
+    def _accept(self, clients: MemoryClients) -> _Conn:
+        conn = _Conn(self._net._identity(), clients, self._endpoint, self)
+        self._conns[conn.identity] = conn
+        return conn
+
+    def _deliver(self, conn: _Conn, payload: bytes) -> None:
+        self._inbox.put((conn.identity, payload))
+
+    def _drop(self, conn: _Conn) -> None:
+        conn.alive = False
+        self._conns.pop(conn.identity, None)
+        self._lost.append(conn.identity)
+        self._inbox.put(None)  # a waiting ``recv`` returns to report the loss
+
+
+class MemoryClients:
+    """Prefill side (``rd2h.ports.control.ControlClients``)."""
+
+    def __init__(self, net: MemoryNetwork) -> None:
+        self._net = net
+        self._conns: dict[str, _Conn | None] = {}  # connected endpoint -> live connection
+        self._replies: queue.Queue[tuple[str, bytes]] = queue.Queue()
+        self._lost: list[str] = []
+
+    def connect(self, endpoint: str) -> None:
+        with self._net._lock:
+            self._conns.setdefault(endpoint, None)
+
+    def disconnect(self, endpoint: str) -> None:
+        with self._net._lock:
+            conn = self._conns.pop(endpoint, None)
+            if conn is not None and conn.alive:
+                conn.server._drop(conn)
+            self._lost = [ep for ep in self._lost if ep != endpoint]
+
+    def send(self, endpoint: str, payload: bytes, timeout: float = 5.0) -> None:
+        deadline = time.monotonic() + max(0.0, timeout)
+        while True:
+            with self._net._lock:
+                if endpoint not in self._conns:
+                    raise ConnectionError(f"not connected to {endpoint}")
+                conn = self._conns[endpoint]
+                if conn is None or not conn.alive:
+                    server = self._net._lookup(endpoint)
+                    conn = None if server is None else server._accept(self)
+                    self._conns[endpoint] = conn
+                if conn is not None:
+                    if payload:
+                        conn.server._deliver(conn, payload)
+                    return
+            if time.monotonic() >= deadline:
+                raise ConnectionError(
+                    f"decode endpoint {endpoint} is not reachable within {timeout:g} s"
+                )
+            time.sleep(min(0.005, max(0.0, deadline - time.monotonic())))
+
+    def poll(self, timeout: float) -> list[tuple[str, bytes]]:
+        try:
+            out = [self._replies.get(timeout=max(0.0, timeout))]
+        except queue.Empty:
+            return []
+        while True:
+            try:
+                out.append(self._replies.get_nowait())
+            except queue.Empty:
+                return [(ep, payload) for ep, payload in out if payload]
+
+    def disconnected(self) -> list[str]:
+        with self._net._lock:
+            lost, self._lost = list(dict.fromkeys(self._lost)), []
+            return lost
+
+    def wake(self) -> None:
+        self._replies.put(_WAKE)
+
+    def close(self) -> None:
+        for endpoint in list(self._conns):
+            self.disconnect(endpoint)
+
+    # -- called by a server, under the network lock
+    def _deliver(self, conn: _Conn, payload: bytes) -> None:
+        if self._conns.get(conn.endpoint) is conn and payload:
+            self._replies.put((conn.endpoint, payload))
+
+    def _lose(self, conn: _Conn) -> None:
+        if self._conns.get(conn.endpoint) is conn:
+            self._conns[conn.endpoint] = None
+            self._lost.append(conn.endpoint)
+            self._replies.put(_WAKE)

@@ -1,0 +1,139 @@
+"""``DecodeSession`` alone, sans IO: decoded messages in with explicit times, replies,
+reads to perform and events out. Each scenario ends with the request book empty."""
+
+from __future__ import annotations
+
+from rd2h.domain.decode_session import (
+    DecodeSession,
+    Expired,
+    LayerDone,
+    LayerFailed,
+    MetaStored,
+    PeerLost,
+    Read,
+    Rejected,
+    Reply,
+    SendAck,
+)
+from rd2h.domain.errors import AuthenticationError, ProtocolError, UnknownMessageType
+from rd2h.domain.layout import DestinationLayout, DestTensor, SourceLayout, TensorComponent
+from rd2h.domain.protocol import MfMeta, ReadDone, ReadFailed, ReadReadyBatch, ReadRequest
+from rd2h.domain.request_book import StepOutcome
+
+X9 = "-abcdefgh"  # vLLM's engine suffix
+NAME = "model.layers.0.attn"
+BPB, NB = 64, 8
+SRC = SourceLayout(NAME, (TensorComponent(0x10000, BPB, num_blocks=NB),))
+DST = DestinationLayout(NAME, (DestTensor(0x90000, BPB, NB),))
+META = MfMeta("p-session", {NAME: SRC.to_metadata(),
+                            "model.layers.9.attn": SRC.to_metadata()})
+P = b"peer-1"
+
+
+def session(request_timeout_s: float = 10.0) -> DecodeSession:
+    return DecodeSession(destinations={NAME: DST}, d_rank=0, d_tp=1, main_shared=False,
+                         request_timeout_s=request_timeout_s)
+
+
+def batch(*reqs: ReadRequest, done: tuple[str, ...] = (), layer: int = 0) -> ReadReadyBatch:
+    return ReadReadyBatch(layer, NAME, reqs, done)
+
+
+def step(s: DecodeSession, now: float = 0.0, finished: tuple[str, ...] = ()) -> StepOutcome:
+    return s.finish_step([s.local_report()], finished, now)
+
+
+def assert_clean(s: DecodeSession) -> None:
+    counters = s.counters()
+    counters.pop("peers")
+    assert counters == dict.fromkeys(counters, 0), counters
+    assert s.reads_in_flight == 0
+
+
+def test_metadata_is_acknowledged_and_only_known_layers_are_kept() -> None:
+    s = session()
+    assert s.receive(P, META, 0.0) == [SendAck(P), MetaStored(P, "p-session", 1)]
+    assert s.counters()["peers"] == 1
+
+
+def test_a_ready_message_is_read_once_and_answered_once() -> None:
+    s = session()
+    s.receive(P, META, 0.0)
+    s.admit("a" + X9, [3, 4], [], 0.0)
+    (read,) = s.receive(P, batch(ReadRequest("a", (1, 2), (), 0, 0), done=("a",)), 1.0)
+    assert isinstance(read, Read) and read.p_session == "p-session"
+    assert read.plan.remote_addrs.tolist() == [0x10000 + BPB]  # blocks 1, 2: one run
+    assert read.plan.local_addrs.tolist() == [0x90000 + 3 * BPB]
+    assert read.plan.lengths.tolist() == [2 * BPB]
+    assert s.begin_read(read.token)
+    assert s.read_done(read.token, 1.1) == [Reply(P, ReadDone(0)), LayerDone(0, ("a",))]
+    assert s.read_done(read.token, 1.1) == []  # answered once
+    out = step(s)
+    assert out.finished == {"a" + X9} and not out.failed
+    assert_clean(s)
+
+
+def test_owning_nothing_is_answered_at_once() -> None:
+    s = session()
+    s.receive(P, META, 0.0)
+    s.admit("a" + X9, [1], [], 0.0)
+    assert s.receive(P, batch(done=("a",)), 0.0) == [Reply(P, ReadDone(0)),
+                                                      LayerDone(0, ("a",))]
+    step(s)
+    assert_clean(s)
+
+
+def test_failures_are_answered_and_fail_every_named_request() -> None:
+    s = session()
+    s.admit("a" + X9, [1], [], 0.0)
+    outs = s.receive(P, batch(ReadRequest("a", (1,), (), 0, 0)), 0.0)  # no MF_META yet
+    assert outs == [Reply(P, ReadFailed(0, "READ_READY_BATCH before MF_META on this "
+                                           "connection")),
+                    LayerFailed(0, "READ_READY_BATCH before MF_META on this connection")]
+    s.receive(P, META, 0.0)
+    s.admit("b" + X9, [2], [], 0.0)
+    (read,) = s.receive(P, batch(ReadRequest("b", (1,), (), 0, 0)), 0.0)
+    assert s.begin_read(read.token)
+    outs = s.read_done(read.token, 0.1, error="transfer returned -5")
+    assert outs[0] == Reply(P, ReadFailed(0, "read failed: transfer returned -5"))
+    out = step(s)
+    assert out.failed == {"a" + X9, "b" + X9} and out.invalid_block_ids == {1, 2}
+    assert_clean(s)
+
+
+def test_a_peer_lost_before_or_during_the_read_fails_the_layer() -> None:
+    s = session()
+    s.receive(P, META, 0.0)
+    s.admit("a" + X9, [1], [], 0.0)
+    s.admit("b" + X9, [2], [], 0.0)
+    (before,) = s.receive(P, batch(ReadRequest("a", (1,), (), 0, 0)), 0.0)
+    (during,) = s.receive(P, batch(ReadRequest("b", (2,), (), 0, 0), layer=0), 0.0)
+    assert s.begin_read(during.token)
+    (lost,) = s.peer_lost(P, 0.5)
+    assert isinstance(lost, PeerLost) and lost.failed == ("a", "b")
+    assert not s.begin_read(before.token)  # skip it: nothing read from a vanished peer
+    assert s.read_done(before.token, 0.6)[0].message.error == (
+        "prefill peer disconnected before the read")
+    assert s.read_done(during.token, 0.6)[0].message.error == (
+        "prefill peer disconnected during the read")
+    out = step(s)
+    assert out.failed == {"a" + X9, "b" + X9}
+    assert "disconnected before announcing the final layer" in out.reasons["a" + X9]
+    assert s.counters()["peers"] == 0
+    assert_clean(s)
+
+
+def test_frames_that_did_not_decode_are_refused_without_touching_state() -> None:
+    s = session()
+    s.admit("a" + X9, [1], [], 0.0)
+    assert s.reject(P, UnknownMessageType(b"nope")) == [Rejected("unknown", "b'nope'")]
+    assert s.reject(P, AuthenticationError("bad tag", layer_idx=3)) == [
+        Rejected("unauthenticated", "bad tag", 3),
+        Reply(P, ReadFailed(3, "authentication failed: bad tag"))]
+    assert s.reject(P, ProtocolError("garbage")) == [Rejected("malformed", "garbage")]
+    assert s.reject(P, ProtocolError("x" * 5000, layer_idx=1))[1].message.error.endswith("...")
+    assert s.counters()["failed"] == 0  # nothing a frame that did not decode says is used
+    assert s.tick(9.9) == []
+    assert s.tick(10.0) == [Expired(("a",), 10.0)]
+    step(s, now=10.0)
+    assert_clean(s)

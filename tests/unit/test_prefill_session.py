@@ -1,0 +1,285 @@
+"""``PrefillSession`` alone, sans IO: inputs with explicit times, actions and events out.
+
+Every deadline is reached by passing a later ``now``; nothing sleeps, no socket opens.
+Each scenario ends with the session idle and its leak counters at zero.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from rd2h.domain.announce import LayerTarget, group_batches
+from rd2h.domain.errors import CompletionError, LayerSendError
+from rd2h.domain.layout import SourceLayout, TensorComponent
+from rd2h.domain.prefill_events import (
+    Connect,
+    Disconnect,
+    EndpointReset,
+    HandshakeDone,
+    LayerAnswered,
+    SendBatch,
+    SendMeta,
+)
+from rd2h.domain.prefill_session import PrefillSession, PrefillTimeouts
+from rd2h.domain.protocol import ReadDone, ReadFailed, ReadRequest
+
+T = PrefillTimeouts(meta_ack_s=2.0, layer_ack_s=5.0, device_event_s=3.0, reconnect_after_s=4.0)
+REQ = ReadRequest("r", (0,), (0,), 0, 0)
+
+
+def session(layers: int = 3) -> PrefillSession:
+    return PrefillSession({n: SourceLayout(f"model.layers.{n}.attn",
+                                           (TensorComponent(0x1000 * (n + 1), 64),))
+                           for n in range(layers)}, T)
+
+
+def announce(s: PrefillSession, layer: int, endpoints: list[str], now: float = 0.0,
+             ticket: object = None) -> int:
+    targets = [LayerTarget(ep, REQ, False, 0, 1) for ep in endpoints]
+    return s.announce(layer, group_batches(layer, s.layer_name(layer), targets), now, ticket)
+
+
+def kinds(outs: list) -> list[str]:
+    return [type(o).__name__ for o in outs]
+
+
+def answered(outs: list) -> list[tuple[int, str, str | None]]:
+    return [(o.layer_idx, o.endpoint, o.error) for o in outs if isinstance(o, LayerAnswered)]
+
+
+def ready(s: PrefillSession, endpoint: str, now: float = 0.0) -> None:
+    """Handshake with ``endpoint`` so that later announcements go out at once."""
+    assert kinds(s.prepare([endpoint], now)) == ["Connect", "SendMeta"]
+    assert s.ack_received(endpoint, now) == [HandshakeDone(endpoint, None)]
+
+
+def assert_clean(s: PrefillSession) -> None:
+    assert s.idle and s.next_deadline() is None
+    assert s.counters() == {"pending_layers": 0, "closed_slots": 0, "unacked_sends": 0,
+                            "open_tickets": 0}
+
+
+# ====================================================================== the happy path
+
+
+def test_handshake_then_send_then_answer() -> None:
+    s = session()
+    aid = announce(s, 0, ["A"], now=1.0, ticket="t0")
+    assert not s.gate(0).open and s.gate(0).waiting_on == ("A",)
+    assert s.awaiting_event(aid) and s.next_deadline() == 1.0 + T.device_event_s
+    outs = s.event_done(aid, now=1.5)
+    assert outs == [Connect("A"), SendMeta("A")]
+    assert s.next_deadline() == 1.5 + T.meta_ack_s  # the handshake's deadline now
+    outs = s.ack_received("A", now=1.6)
+    assert kinds(outs) == ["HandshakeDone", "SendBatch"]
+    send = outs[1]
+    assert isinstance(send, SendBatch) and send.batch.layer_idx == 0
+    s.sent("A", send.announcement, now=1.7)  # the reply deadline runs from the real send
+    assert s.next_deadline() == pytest.approx(1.7 + T.layer_ack_s)
+    outs = s.reply("A", ReadDone(0), now=2.0)
+    assert outs == [LayerAnswered(0, "A", None, pytest.approx(0.3))]
+    assert s.gate(0).open and s.gate(0).error is None
+    assert s.take_resolved() == [("t0", None)] and s.take_resolved() == []
+    # The link stays ready: the next announcement goes out without a handshake.
+    aid = announce(s, 1, ["A"], now=3.0)
+    assert kinds(s.event_done(aid, now=3.0)) == ["SendBatch"]
+    s.reply("A", ReadDone(1), now=3.1)
+    assert_clean(s)
+
+
+def test_a_layer_with_nothing_to_send_stays_open_and_its_ticket_resolves_at_once() -> None:
+    s = session()
+    announce(s, 0, [], ticket="empty")
+    assert s.gate(0).open and s.take_resolved() == [("empty", None)]
+    assert_clean(s)
+
+
+def test_unknown_layers_and_duplicate_tickets_are_refused() -> None:
+    s = session()
+    with pytest.raises(CompletionError, match="layer 9 has no storage slot mapping"):
+        s.layer_name(9)
+    with pytest.raises(CompletionError):
+        s.announce(9, {}, 0.0)
+    announce(s, 0, ["A"], ticket="t")
+    with pytest.raises(ValueError, match="already open"):
+        announce(s, 1, ["A"], ticket="t")
+    s.stop("done")
+
+
+# ====================================================================== tickets and replies
+
+
+def test_replies_answer_the_oldest_announcement_of_their_layer_and_endpoint() -> None:
+    s = session()
+    ready(s, "e1")
+    ready(s, "e2")
+    for ticket, layer, eps in (("t1", 0, ["e1", "e2"]), ("t2", 0, ["e1"]), ("t3", 1, ["e1"])):
+        s.event_done(announce(s, layer, eps, ticket=ticket), 0.0)
+    s.reply("e1", ReadDone(0), 1.0)  # the oldest open announcement of (0, e1): t1
+    assert s.take_resolved() == []  # t1 still waits for e2
+    s.reply("e1", ReadDone(0), 1.0)
+    assert s.take_resolved() == [("t2", None)]
+    s.reply("e2", ReadFailed(0, "x"), 1.0)
+    s.reply("e1", ReadDone(1), 1.0)
+    assert s.take_resolved() == [("t1", "decode endpoint e2: x"), ("t3", None)]
+    assert s.reply("e1", ReadDone(0), 1.0) == []  # a reply nobody waits for is ignored
+    assert s.reply("nobody", ReadDone(0), 1.0) == []
+    assert_clean(s)
+
+
+def test_a_ticket_keeps_its_first_error_and_the_gate_its_layers_error() -> None:
+    s = session()
+    for ep in ("e1", "e2", "e3"):
+        ready(s, ep)
+    s.event_done(announce(s, 0, ["e1", "e2", "e3"], ticket="t"), 0.0)
+    s.reply("e1", ReadFailed(0, "first"), 1.0)
+    s.reply("e2", ReadFailed(0, ""), 1.0)
+    assert not s.gate(0).open  # e3 may still be reading the storage
+    s.reply("e3", ReadDone(0), 1.0)
+    assert s.take_resolved() == [("t", "decode endpoint e1: first")]
+    assert s.gate(0).open and s.gate(0).error == (
+        "decode endpoint e2: decode reported READ_FAILED")
+    assert_clean(s)
+
+
+def test_read_failed_makes_the_next_announcement_handshake_again() -> None:
+    """Decode may have restarted behind the same endpoint with no MF_META of ours."""
+    s = session()
+    ready(s, "A")
+    s.event_done(announce(s, 0, ["A"]), 0.0)
+    s.reply("A", ReadFailed(0, "READ_READY_BATCH before MF_META"), 1.0)
+    outs = s.event_done(announce(s, 1, ["A"]), 2.0)
+    assert outs == [Connect("A"), SendMeta("A")]
+    s.ack_received("A", 2.1)
+    s.reply("A", ReadDone(1), 2.2)
+    assert_clean(s)
+
+
+# ====================================================================== deadlines
+
+
+def test_each_phase_fails_exactly_at_its_own_deadline() -> None:
+    s = session()
+    # event: device_event_s after the announcement
+    announce(s, 0, ["A"], now=10.0)
+    assert s.tick(10.0 + T.device_event_s - 0.01) == []
+    outs = s.tick(10.0 + T.device_event_s)
+    assert answered(outs) == [(0, "A", "decode endpoint A: device event not complete within "
+                                        "3 s")]
+    assert s.gate(0).open
+    # handshake: meta_ack_s after MF_META went out
+    aid = announce(s, 1, ["A"], now=20.0)
+    s.event_done(aid, now=20.0)
+    assert s.tick(20.0 + T.meta_ack_s - 0.01) == []
+    outs = s.tick(20.0 + T.meta_ack_s)
+    assert kinds(outs)[:2] == ["Disconnect", "HandshakeDone"]
+    (err,) = [e for _, _, e in answered(outs)]
+    assert "no MF_META acknowledgement from A within 2 s" in err and "auth_secret" in err
+    assert_clean(s)
+
+
+def test_a_failed_handshake_backs_off_then_tries_again() -> None:
+    s = session()
+    s.event_done(announce(s, 0, ["A"]), 0.0)
+    s.tick(T.meta_ack_s)
+    # Within reconnect_after_s a send to A fails at once, with the handshake's reason.
+    outs = s.event_done(announce(s, 1, ["A"], now=1.0 + T.meta_ack_s), 1.0 + T.meta_ack_s)
+    assert kinds(outs) == ["LayerAnswered"] and "no MF_META acknowledgement" in outs[0].error
+    assert s.prepare(["A"], 3.0)[0].error is not None
+    later = T.meta_ack_s + T.reconnect_after_s
+    assert s.event_done(announce(s, 2, ["A"], now=later), later) == [Connect("A"), SendMeta("A")]
+    s.ack_received("A", later)
+    s.reply("A", ReadDone(2), later)
+    assert_clean(s)
+
+
+def test_no_reply_in_time_resets_the_endpoint_failing_everything_for_it() -> None:
+    s = session()
+    ready(s, "A")
+    ready(s, "B")
+    s.event_done(announce(s, 0, ["A"], now=0.0), 0.0)
+    s.event_done(announce(s, 1, ["A", "B"], now=1.0), 1.0)
+    announce(s, 2, ["A"], now=3.0)  # still waiting for its device event
+    assert s.tick(T.layer_ack_s - 0.01) == []
+    outs = s.tick(T.layer_ack_s)
+    assert outs[0] == Disconnect("A")  # Decode fails the requests through the lost peer
+    reason = "no acknowledgement of layer 0 from decode endpoint A within 5 s"
+    assert answered(outs) == [(0, "A", reason), (1, "A", reason), (2, "A", reason)]
+    assert outs[-1] == EndpointReset("A", reason, (0, 1, 2))
+    assert s.gate(0).open and s.gate(2).open
+    assert not s.gate(1).open and s.gate(1).waiting_on == ("B",)  # B still reads layer 1
+    s.reply("B", ReadDone(1), 6.0)
+    assert_clean(s)
+
+
+def test_a_lost_connection_fails_only_the_entries_for_that_endpoint() -> None:
+    s = session()
+    ready(s, "A")
+    ready(s, "B")
+    s.event_done(announce(s, 0, ["A", "B"]), 0.0)
+    s.event_done(announce(s, 1, ["A"]), 0.0)
+    s.event_done(announce(s, 1, ["A"]), 0.0)  # two chunks of layer 1 to A
+    s.event_done(announce(s, 2, ["B"]), 0.0)
+    outs = s.connection_lost("A", 1.0)
+    assert [a[:2] for a in answered(outs)] == [(0, "A"), (1, "A"), (1, "A")]
+    assert isinstance(outs[-1], EndpointReset) and outs[-1].layers == (0, 1)
+    assert Disconnect("A") not in outs  # the transport reconnects by itself
+    assert s.gate(1).open and "A disconnected" in s.gate(1).error
+    assert not s.gate(0).open and s.gate(0).waiting_on == ("B",)
+    assert "A disconnected" in s.gate(0).error and s.gate(2).error is None
+    assert answered(s.connection_lost("A", 1.0)) == []  # nothing left on A
+    s.reply("B", ReadDone(0), 2.0)
+    s.reply("B", ReadDone(2), 2.0)
+    assert_clean(s)
+    # The next announcement to A handshakes again.
+    assert s.event_done(announce(s, 0, ["A"]), 3.0) == [Connect("A"), SendMeta("A")]
+    s.stop("end")
+
+
+def test_losses_and_refusals_during_a_handshake_fail_it() -> None:
+    s = session()
+    s.event_done(announce(s, 0, ["A"]), 0.0)
+    outs = s.connection_lost("A", 0.5)
+    assert "disconnected during the MF_META handshake" in answered(outs)[0][2]
+    s.event_done(announce(s, 1, ["B"]), 0.0)
+    outs = s.ack_refused("B", "no signature", 0.5)
+    assert "decode endpoint B refused: no signature" in answered(outs)[0][2]
+    assert s.ack_received("B", 0.6) == [] and s.ack_refused("B", "x", 0.6) == []  # stray
+    s.event_done(announce(s, 2, ["C"]), 0.0)
+    outs = s.send_failed(SendMeta("C"), "decode endpoint C is not reachable", 0.5)
+    assert kinds(outs)[:2] == ["Disconnect", "HandshakeDone"]
+    assert_clean(s)
+
+
+def test_a_batch_that_could_not_be_sent_fails_its_entry() -> None:
+    s = session()
+    ready(s, "A")
+    (send,) = s.event_done(announce(s, 0, ["A"], ticket="t"), 0.0)
+    outs = s.send_failed(send, "queue full", 0.1)
+    assert answered(outs) == [(0, "A", "decode endpoint A: queue full")]
+    assert s.take_resolved() == [("t", "decode endpoint A: queue full")]
+    assert_clean(s)
+
+
+# ====================================================================== stop
+
+
+def test_stop_fails_everything_naming_what_each_layer_awaited() -> None:
+    s = session()
+    ready(s, "A")
+    s.event_done(announce(s, 0, ["A"], ticket="t"), 0.0)
+    announce(s, 1, ["B"])
+    s.event_done(announce(s, 2, ["C"]), 0.0)  # handshaking
+    outs = s.stop("prefill sender stopped")
+    assert set(answered(outs)) == {
+        (0, "A", "prefill sender stopped (layer 0 awaited A)"),
+        (1, "B", "prefill sender stopped (layer 1 awaited B)"),
+        (2, "C", "prefill sender stopped (layer 2 awaited C)"),
+    }
+    assert HandshakeDone("C", "prefill sender stopped") in outs
+    assert all(s.gate(n).open for n in range(3))
+    assert s.take_resolved() == [("t", "prefill sender stopped (layer 0 awaited A)")]
+    with pytest.raises(LayerSendError, match="stopped"):
+        announce(s, 0, ["A"])
+    assert s.prepare(["A"], 1.0) == [HandshakeDone("A", "prefill sender stopped")]
+    assert_clean(s)
