@@ -91,6 +91,8 @@ class DecodeReceiver(LoopThread):
     # ------------------------------------------------------------ lifecycle
     def start(self) -> str:
         """Bind and start the loop; a bind failure raises here (no thread started)."""
+        if self.started:
+            raise RuntimeError("decode receiver already started")
         self._server = self._server_factory()
         self._launch()
         self._log.info("decode receiver listening", endpoint=self._server.endpoint)

@@ -92,6 +92,8 @@ class PrefillSender(LoopThread):
 
     # ------------------------------------------------------------ lifecycle
     def start(self) -> None:
+        if self.started:
+            raise RuntimeError("prefill sender already started")
         self._clients = self._clients_factory()
         self._launch()
 

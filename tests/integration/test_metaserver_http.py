@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import json
 import threading
-import time
-from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
+from fakes.net import wait_until
 
 from rd2h.adapters.http.metaserver import MetaserverClient
 from rd2h.adapters.logging import make_logger
@@ -65,14 +64,6 @@ class _Handler(BaseHTTPRequestHandler):
         pass
 
 
-def wait_until(predicate: Callable[[], bool], timeout: float) -> bool:
-    """Poll ``predicate`` every 20 ms until it holds or ``timeout`` runs out."""
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            return False
-        threading.Event().wait(0.02)
-    return True
 
 
 def _client(**kw: object) -> MetaserverClient:
@@ -100,7 +91,7 @@ def test_server_down_then_up_is_delivered_by_a_later_retry() -> None:
     try:
         client.post("cmpl-y-0", server.url, {"request_id": "cmpl-y-0"})
         # First try and three immediate retries spent; the slow retries are running.
-        assert wait_until(lambda: client.stats().transport_errors >= 5, 10.0), client.stats()
+        wait_until(lambda: client.stats().transport_errors >= 5, "5 transport errors", 10.0)
         assert client.pending() == 1 and server.posts == []
         server.start()
         assert client.drain(10.0)
@@ -130,7 +121,7 @@ def test_shutdown_while_server_is_down_cancels_the_retries() -> None:
     client = _client(retry_delay_s=0.1)
     try:
         client.post("cmpl-w-0", server.url, {"request_id": "cmpl-w-0"})
-        assert wait_until(lambda: client.stats().transport_errors >= 4, 10.0), client.stats()
+        wait_until(lambda: client.stats().transport_errors >= 4, "4 transport errors", 10.0)
         assert client.shutdown(5.0)
         assert client.pending() == 0 and client.stats().cancelled == 1
         server.start()

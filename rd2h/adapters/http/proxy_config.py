@@ -1,0 +1,59 @@
+"""``rd2h proxy``'s configuration, validated at construction so that a bad flag fails
+before the server starts."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from urllib.parse import urlsplit
+
+METASERVER_PATH = "/v1/metaserver"
+FORWARDED_HEADERS = ("authorization",)
+
+
+def normalize_base_url(url: str, what: str) -> str:
+    """``http(s)://host[:port]`` without a trailing slash; ValueError naming ``what``."""
+    parts = urlsplit(url.strip())
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"{what} {url!r} must look like http://HOST:PORT")
+    try:
+        port = parts.port
+    except ValueError as exc:
+        raise ValueError(f"{what} {url!r} has an invalid port: {exc}") from exc
+    if port == 0:
+        raise ValueError(f"{what} {url!r} has port 0")
+    if parts.path not in ("", "/") or parts.query or parts.fragment:
+        raise ValueError(f"{what} {url!r} must be a base URL with no path, query or fragment")
+    return f"{parts.scheme}://{parts.netloc}"
+
+
+@dataclass(frozen=True)
+class ProxyConfig:
+    """Validated at construction, so a bad flag fails before the server starts."""
+
+    prefill: tuple[str, ...]
+    decode: tuple[str, ...]
+    public_url: str
+    connect_timeout_s: float = 10.0
+    decode_timeout_s: float = 600.0
+    prefill_timeout_s: float = 600.0
+    shutdown_timeout_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        for role in ("prefill", "decode"):
+            urls = tuple(normalize_base_url(u, f"{role} URL") for u in getattr(self, role))
+            if not urls:
+                raise ValueError(f"at least one {role} instance URL is needed")
+            dupes = sorted({u for u in urls if urls.count(u) > 1})
+            if dupes:
+                raise ValueError(f"{role} URL listed more than once: {', '.join(dupes)}")
+            object.__setattr__(self, role, urls)
+        object.__setattr__(self, "public_url", normalize_base_url(self.public_url, "public URL"))
+        for name in ("connect_timeout_s", "decode_timeout_s", "prefill_timeout_s",
+                     "shutdown_timeout_s"):
+            value = getattr(self, name)
+            if not value > 0:
+                raise ValueError(f"{name} must be > 0, not {value!r}")
+
+    @property
+    def metaserver_url(self) -> str:
+        return self.public_url + METASERVER_PATH
