@@ -17,9 +17,9 @@ from typing import Any
 
 import numpy as np
 import zmq
+
 from fakes.logs import RecordingLogger
 from fakes.net import HOST, free_port, wait_until
-
 from rd2h.adapters.inproc import InprocTransferEngine
 from rd2h.adapters.msgpack import MsgpackCodec
 from rd2h.adapters.torch.exchange import InMemoryExchangeGroup
