@@ -222,9 +222,10 @@ class DecodeReceiver(LoopThread):
             try:
                 self._transfer.batch_read(read.p_session, plan.local_addrs, plan.remote_addrs,
                                           plan.lengths)
-            except TransferError as exc:
+            except Exception as exc:  # any failure of the read fails its layer, answered
                 self.stats.reads_failed += 1
-                error = str(exc)
+                error = str(exc) if isinstance(exc, TransferError) else (
+                    f"{type(exc).__name__}: {exc}")
             else:
                 end = self._clock.now()
                 self.stats.last_read_end_at = end

@@ -3,6 +3,8 @@ Prefill -> Decode pull wired through an in-memory control channel (no sockets)."
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pydantic
 import pytest
@@ -19,7 +21,7 @@ from rd2h.app.prefill import LayerTarget, PrefillSender, group_batches
 from rd2h.app.settings import Rd2hSettings
 from rd2h.domain.errors import LayerSendError
 from rd2h.domain.layout import DestinationLayout, DestTensor, SourceLayout, TensorComponent
-from rd2h.domain.protocol import ReadRequest
+from rd2h.domain.protocol import MfMeta, ReadFailed, ReadReadyBatch, ReadRequest
 
 # ---------------------------------------------------------------- settings / container
 
@@ -180,3 +182,49 @@ def test_unanswered_layer_fails_at_its_deadline() -> None:
         assert sender.stop(2)
     with pytest.raises(LayerSendError, match="stopped"):
         sender.submit(0, None, [LayerTarget(silent.endpoint, req, True, 0, 1)])
+
+
+class ExplodingTransfer(InprocTransferEngine):
+    """A transfer engine whose read fails with something other than TransferError."""
+
+    def batch_read(self, session, local_addrs, remote_addrs, lengths) -> None:  # type: ignore[override]
+        raise RuntimeError("driver fell over")
+
+
+def test_any_read_failure_is_answered_for_its_layer_and_the_loop_goes_on() -> None:
+    net = MemoryNetwork()
+    codec = MsgpackCodec()
+    dst = np.zeros((NB, 64), dtype=np.uint8)
+    name = "model.layers.0.attn"
+    engine = ExplodingTransfer()
+    engine.register_memory(dst.ctypes.data, dst.nbytes)
+    receiver = DecodeReceiver(
+        server_factory=lambda: net.server(EP), codec=codec, transfer=engine,
+        destinations={name: DestinationLayout(name, (DestTensor(dst.ctypes.data, 64, NB),))},
+        d_rank=0, d_tp=1, clock=MonotonicClock(), log=make_logger("decode", 0),
+        poll_interval_s=0.01, main_shared=False,
+    )
+    receiver.start()
+    prefill = net.clients()
+    try:
+        prefill.connect(EP)
+        src = SourceLayout(name, (TensorComponent(0x10000, 64, num_blocks=NB),))
+        receiver.admit("r" + "X" * 9, [1], [])
+        prefill.send(EP, codec.encode(MfMeta("p", {name: src.to_metadata()})))
+        batch = ReadReadyBatch(0, name, (ReadRequest("r", (2,), (), 0, 0),), ("r",))
+        replies: list[bytes] = []
+        for frame in (None, codec.encode(batch)):
+            if frame is not None:
+                prefill.send(EP, frame)
+            deadline = time.monotonic() + 5
+            while len(replies) < (1 if frame is None else 2) and time.monotonic() < deadline:
+                replies += [p for _, p in prefill.poll(0.05)]
+        assert codec.is_ack(replies[0])
+        failed = codec.decode(replies[1])
+        assert failed == ReadFailed(0, "read failed: RuntimeError: driver fell over")
+        assert receiver.running and receiver.stats.reads_failed == 1
+        out = receiver.step(InMemoryExchangeGroup(1).member(0), (), timeout=5)
+        assert out.failed == {"r" + "X" * 9}
+    finally:
+        assert receiver.stop(2)
+        engine.close()
