@@ -7,6 +7,10 @@ import threading
 import time
 from collections.abc import Callable
 
+from rd2h.demo.run import free_ports  # consecutive free ports (the demo's own helper)
+
+__all__ = ["HOST", "free_port", "free_ports", "wait_until"]
+
 HOST = "127.0.0.1"
 
 
@@ -18,25 +22,6 @@ def free_port(host: str = HOST) -> int:
         return int(s.getsockname()[1])
 
 
-def free_ports(count: int, host: str = HOST) -> int:
-    """A base port with ``count`` consecutive ports free right now."""
-    for _ in range(200):
-        base = free_port(host)
-        if base + count > 65535:
-            continue
-        socks = []
-        try:
-            for i in range(count):
-                t = socket.socket()
-                socks.append(t)
-                t.bind((host, base + i))
-            return base
-        except OSError:
-            continue
-        finally:
-            for t in socks:
-                t.close()
-    raise RuntimeError(f"no {count} consecutive free ports on {host}")
 
 
 def wait_until(cond: Callable[[], bool], what: str = "the condition",
