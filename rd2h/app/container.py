@@ -257,7 +257,7 @@ def build_prefill_worker(
     worker = container.prefill_worker(
         sender=container.prefill_sender(p_session=transport.session_id, layers=by_idx),
         layer_names={i: lay.layer_name for i, lay in by_idx.items()},
-        reuse_timeout_s=d.layer_ack_s + d.meta_ack_s,
+        reuse_timeout_s=d.layer_ack_s + d.meta_ack_s, transport=transport,
     )
     worker.start()
     return worker

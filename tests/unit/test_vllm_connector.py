@@ -9,6 +9,7 @@ composition root, so no socket is opened (the gloo group of one rank aside)."""
 
 from __future__ import annotations
 
+import gc
 from typing import Any
 
 import pytest
@@ -372,6 +373,9 @@ def engines(tp_group, memory_control, metaserver):
     d_caches, p_caches = _caches(False), _caches(True)
     d_work.register_kv_caches(d_caches)
     p_work.register_kv_caches(p_caches)
+    # Nothing but the workers keeps the engines alive from here (the composition root's
+    # container is gone): collect now, as Python may at any time.
+    gc.collect()
     assert memory_control.endpoints == {f"tcp://127.0.0.1:{KV_PORT}"}
     yield d_sched, p_sched, d_work, p_work, d_caches, p_caches, metaserver[0]
     for conn in (p_work, d_work, d_sched, p_sched):

@@ -17,6 +17,7 @@ from rd2h.domain.errors import LayerSendError
 from rd2h.domain.protocol import ReadRequest
 from rd2h.domain.topology import compute_mapping, remote_port, tcp_endpoint
 from rd2h.ports.runtime import Clock, DeviceEvents, Logger
+from rd2h.ports.transfer import TransferEngine
 
 
 @dataclass
@@ -41,8 +42,12 @@ class PrefillWorker(ConnectorRole):
         buffer_reuse: bool = False,
         reuse_timeout_s: float = 60.0,
         stop_timeout_s: float = 5.0,
+        transport: TransferEngine | None = None,
     ) -> None:
         self._sender = sender
+        # The engine exposing this rank's caches: Decode reads through it for as long
+        # as this worker runs, so the worker owns it (closed at shutdown).
+        self._transport = transport
         self._events = events
         self._p_rank = p_rank
         self._p_tp = p_tp
@@ -183,3 +188,5 @@ class PrefillWorker(ConnectorRole):
 
     def shutdown(self) -> None:
         self._sender.stop(self._stop_timeout)
+        if self._transport is not None:
+            self._transport.close()
