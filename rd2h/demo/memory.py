@@ -67,3 +67,11 @@ def prefill_memory(cfg: DemoConfig, p_rank: int, alloc: Allocation) -> tuple[Any
     }
     p_ids = [np.asarray(ids, dtype=np.int64) for ids in alloc.p_blocks]
     return container, transport, buffers, layouts, p_ids
+
+
+def prefill_report(sender: Any, layer_errors: dict[str, None], drained: bool,
+                   counters: dict[str, int], **extra: Any) -> dict[str, Any]:
+    """What a Prefill rank tells the parent in ``prefill_done`` (both drivers)."""
+    return {"ack_ms": sender.stats.ack_latencies_ms, "layers_sent": sender.stats.layers_sent,
+            "layers_failed": sender.stats.layers_failed, "layer_errors": list(layer_errors),
+            "drained": drained, "counters": counters, **extra}

@@ -16,7 +16,7 @@ import numpy as np
 from rd2h.app.prefill import LayerTarget
 from rd2h.demo.config import DemoConfig, chunk_bounds, internal_id
 from rd2h.demo.faults import prefill_kill_layer
-from rd2h.demo.memory import enter_netns, killed, prefill_memory
+from rd2h.demo.memory import enter_netns, killed, prefill_memory, prefill_report
 from rd2h.demo.synthetic import Allocation, block_pattern
 from rd2h.domain.chunks import chunk_block_range, external_request_id
 from rd2h.domain.errors import LayerSendError
@@ -122,14 +122,8 @@ def _prefill_rank(cfg: DemoConfig, p_rank: int, base_port: int, alloc: Allocatio
     for layer in range(cfg.layers):
         wait_gate(layer)
     drained = sender.drain(gate_s)
-    out.put(("prefill_done", f"prefill {p_rank}", {
-        "ack_ms": sender.stats.ack_latencies_ms,
-        "layers_sent": sender.stats.layers_sent,
-        "layers_failed": sender.stats.layers_failed,
-        "layer_errors": list(layer_errors),
-        "drained": drained,
-        "counters": sender.counters(),
-    }))
+    out.put(("prefill_done", f"prefill {p_rank}",
+             prefill_report(sender, layer_errors, drained, sender.counters())))
     release.wait(cfg.timeout_s)  # keep memory alive for the raw replay
     sender.stop(deadlines.stop_s)
     transport.close()

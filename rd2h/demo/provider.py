@@ -28,7 +28,7 @@ import numpy as np
 
 from rd2h.demo.config import DemoConfig, chunk_bounds, internal_id, layer_name
 from rd2h.demo.faults import prefill_kill_layer
-from rd2h.demo.memory import killed, prefill_memory
+from rd2h.demo.memory import killed, prefill_memory, prefill_report
 from rd2h.demo.synthetic import Allocation, block_pattern
 from rd2h.domain.errors import LayerSendError
 from rd2h.domain.topology import compute_mapping, remote_port, tcp_endpoint
@@ -129,16 +129,10 @@ def prefill_rank_via_provider(cfg: DemoConfig, p_rank: int, base_port: int,
         released |= worker.get_finished(request_of)  # vLLM finished every request
         if len(released) < len(request_of):
             time.sleep(0.01)
-    out.put(("prefill_done", f"prefill {p_rank}", {
-        "ack_ms": sender.stats.ack_latencies_ms,
-        "layers_sent": sender.stats.layers_sent,
-        "layers_failed": sender.stats.layers_failed,
-        "layer_errors": list(layer_errors),
-        "drained": drained,
-        "counters": worker.counters(),  # requests and tickets left, with the sender's
-        "early_dispatches": early,
-        "released": len(released),
-    }))
+    # counters: the worker's requests and tickets left, with the sender's
+    out.put(("prefill_done", f"prefill {p_rank}",
+             prefill_report(sender, layer_errors, drained, worker.counters(),
+                            early_dispatches=early, released=len(released))))
     release.wait(cfg.timeout_s)  # keep memory alive for the raw replay
     worker.shutdown()
     transport.close()
