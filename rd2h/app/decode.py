@@ -15,7 +15,7 @@ import threading
 from collections.abc import Callable, Iterable, Mapping
 
 from rd2h.app.loop import LoopThread
-from rd2h.app.telemetry import DecodeStats, report_decode
+from rd2h.app.telemetry import DecodeStats, add_sample, report_decode
 from rd2h.domain.decode_session import (
     DecodeSession,
     Expired,
@@ -230,7 +230,7 @@ class DecodeReceiver(LoopThread):
                 end = self._clock.now()
                 self.stats.last_read_end_at = end
                 self.stats.read_seconds += end - t0
-                self.stats.read_latencies_ms.append((end - t0) * 1e3)
+                add_sample(self.stats.read_latencies_ms, (end - t0) * 1e3)
                 self.stats.bytes_read += plan.total_bytes
                 self.stats.descriptors += plan.num_descriptors
                 if self._on_read is not None:

@@ -115,8 +115,8 @@ class PrefillSender(LoopThread):
     ) -> int:
         """Queue a layer's announcements; returns the number of endpoints targeted.
 
-        With a ``ticket``, ``take_resolved()`` later reports ``(ticket, error)`` once
-        every endpoint of this announcement replied or the layer failed."""
+        With a ``ticket``, ``take_resolved()`` later reports ``(ticket, endpoint, error)``
+        as each endpoint of this announcement replies or fails."""
         batches = group_batches(layer_idx, self._session.layer_name(layer_idx), targets)
         with self._cond:
             if not self.started:
@@ -166,8 +166,8 @@ class PrefillSender(LoopThread):
                     )
                 self._cond.wait(min(remaining, 1.0))
 
-    def take_resolved(self) -> list[tuple[Hashable, str | None]]:
-        """Tickets (see ``submit``) resolved since the last call, with their error."""
+    def take_resolved(self) -> list[tuple[Hashable, str | None, str | None]]:
+        """``(ticket, endpoint, error)`` (see ``submit``) resolved since the last call."""
         with self._cond:
             return self._session.take_resolved()
 

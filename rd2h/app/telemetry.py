@@ -10,6 +10,16 @@ from rd2h.domain import decode_session as d
 from rd2h.domain import prefill_events as p
 from rd2h.ports.runtime import Logger
 
+# Latency samples kept between reads of the stats: beyond this the oldest half goes,
+# so a long-running rank nobody reads the stats of stays bounded.
+MAX_SAMPLES = 65536
+
+
+def add_sample(samples: list[float], value: float) -> None:
+    if len(samples) >= MAX_SAMPLES:
+        del samples[: MAX_SAMPLES // 2]
+    samples.append(value)
+
 
 @dataclass
 class SenderStats:
@@ -26,7 +36,7 @@ def report_prefill(outs: Iterable[p.Output], stats: SenderStats,
         if isinstance(out, p.LayerAnswered):
             if out.error is None:
                 if out.latency_s is not None:
-                    stats.ack_latencies_ms.append(out.latency_s * 1e3)
+                    add_sample(stats.ack_latencies_ms, out.latency_s * 1e3)
                 continue
             stats.layers_failed += 1
             log.warning("layer not read by decode", layer=out.layer_idx, endpoint=out.endpoint,
@@ -53,6 +63,7 @@ class DecodeStats:
     handle_seconds: float = 0.0
     malformed: int = 0
     auth_refused: int = 0
+    capped: int = 0  # times a bound on peer-driven state was reached
     first_ready_at: float | None = None
     last_read_end_at: float | None = None
     read_latencies_ms: list[float] = field(default_factory=list)
@@ -90,6 +101,10 @@ def report_decode(outs: Iterable[d.Output], stats: DecodeStats, log: Logger) -> 
             log.info("peer metadata stored", session=out.p_session, layers=out.layers)
         elif isinstance(out, d.Rejected):
             _rejected(out, stats, log)
+        elif isinstance(out, d.Capped):
+            stats.capped += 1
+            log.warning("peer state limit reached; refusing more until some expires",
+                        what=out.what, owner=out.owner, limit=out.limit)
     return progress
 
 
@@ -100,6 +115,8 @@ def _rejected(out: d.Rejected, stats: DecodeStats, log: Logger) -> None:
         stats.auth_refused += 1
         log.error("refusing unauthenticated control message", layer=out.layer_idx,
                   error=out.detail)
+    elif out.kind == "capped":
+        log.info("refusing control message", reason=out.detail)
     elif out.kind == "malformed":
         stats.malformed += 1
         what = "dropping malformed message" if out.layer_idx is None else "malformed ready message"

@@ -26,6 +26,7 @@ from rd2h.domain.errors import (
     UnknownMessageType,
 )
 from rd2h.domain.layout import DestinationLayout, SourceLayout
+from rd2h.domain.orphans import DEFAULT_ORPHANS_PER_PEER, DEFAULT_ORPHANS_TOTAL, CapHit
 from rd2h.domain.planning import ReadPlan, plan_reads
 from rd2h.domain.protocol import Message, MfMeta, ReadDone, ReadFailed, ReadReadyBatch, clip
 from rd2h.domain.request_book import DecodeRequestBook, RankReport, StepOutcome
@@ -91,6 +92,16 @@ class Expired:
 
 
 @dataclass(frozen=True)
+class Capped:
+    """A bound on what peers can make this rank hold was reached (``what``: ``orphans``
+    or ``peers``); state beyond it is not kept. Once per episode."""
+
+    what: str
+    owner: str
+    limit: int
+
+
+@dataclass(frozen=True)
 class Rejected:
     """A frame that could not be used: ``kind`` is ``unknown``, ``unauthenticated`` or
     ``malformed``; a READ_FAILED went back when it named its layer."""
@@ -101,7 +112,9 @@ class Rejected:
 
 
 Output = (SendAck | Reply | Read | MetaStored | LayerDone | LayerFailed | PeerLost | Expired
-          | Rejected)
+          | Rejected | Capped)
+
+DEFAULT_MAX_PEERS = 1024
 
 
 # ---------------------------------------------------------------- state
@@ -130,7 +143,12 @@ class DecodeSession:
         d_tp: int,
         main_shared: bool = True,
         request_timeout_s: float = 120.0,
+        max_peers: int = DEFAULT_MAX_PEERS,
+        max_orphans_per_peer: int = DEFAULT_ORPHANS_PER_PEER,
+        max_orphans: int = DEFAULT_ORPHANS_TOTAL,
     ) -> None:
+        if max_peers < 1:
+            raise ValueError("max_peers must be >= 1")
         self._destinations = dict(destinations)
         self.d_rank = d_rank
         self.d_tp = d_tp
@@ -138,8 +156,10 @@ class DecodeSession:
         # False: every rank has its own main cache and reads all main blocks.
         self.main_shared = main_shared
         self.request_timeout_s = request_timeout_s
+        self.max_peers = max_peers
         self._peers: dict[Peer, _Peer] = {}
-        self._book = DecodeRequestBook()
+        self._peers_capped = False
+        self._book = DecodeRequestBook(max_orphans_per_peer, max_orphans)
         self._reads: dict[int, _PendingRead] = {}
         self._tokens = itertools.count()
 
@@ -148,7 +168,7 @@ class DecodeSession:
         if isinstance(message, MfMeta):
             return self._meta(peer, message)
         if isinstance(message, ReadReadyBatch):
-            return self._ready(peer, message, now)
+            return self._ready(peer, message, now) + self._cap_hits()
         return [Rejected("unexpected", type(message).__name__)]
 
     def reject(self, peer: Peer, error: ProtocolError) -> list[Output]:
@@ -202,6 +222,8 @@ class DecodeSession:
         failed = self._book.fail_peer(
             peer, f"prefill peer {session} disconnected before announcing the final layer", now
         )
+        if len(self._peers) < self.max_peers:
+            self._peers_capped = False
         return [PeerLost(session, tuple(failed))]
 
     def tick(self, now: float) -> list[Output]:
@@ -235,7 +257,19 @@ class DecodeSession:
         return len(self._reads)
 
     # ------------------------------------------------------------ rules
+    def _cap_hits(self) -> list[Output]:
+        return [Capped("orphans", _label(hit), hit.limit)
+                for hit in self._book.orphans.take_hits()]
+
     def _meta(self, peer: Peer, meta: MfMeta) -> list[Output]:
+        if peer not in self._peers and len(self._peers) >= self.max_peers:
+            # Not acknowledged: that Prefill's handshake deadline reports it.
+            out: list[Output] = [Rejected("capped", f"MF_META from a new connection while "
+                                          f"{self.max_peers} peers are known")]
+            if not self._peers_capped:
+                self._peers_capped = True
+                out.append(Capped("peers", "all peers", self.max_peers))
+            return out
         layers: dict[str, SourceLayout | LayoutMismatch] = {}
         for name, lm in meta.layers.items():
             if name not in self._destinations:  # never read: not kept (bounds peer state)
@@ -288,13 +322,22 @@ class DecodeSession:
             )
         except ProtocolError as exc:
             return self._fail(peer, batch, exc.detail, now)
-        return [Reply(peer, ReadDone(batch.layer_idx)),
+        return [Reply(peer, ReadDone(batch.layer_idx, batch.seq)),
                 LayerDone(batch.layer_idx, tuple(completed))]
 
     def _fail(self, peer: Peer, batch: ReadReadyBatch, reason: str, now: float | None,
               *, unexpected: bool = False) -> list[Output]:
         reason = clip(reason)  # names and ids in it come from the peer
-        self._book.record_failed(batch.named_ext_ids, reason, now)
-        return [Reply(peer, ReadFailed(batch.layer_idx, reason)),
+        # A connection that never sent MF_META may fail admitted requests it names (a
+        # Prefill that reconnected) but leaves no state for ids unknown here.
+        self._book.record_failed(batch.named_ext_ids, reason, now, peer,
+                                 admitted_only=peer not in self._peers)
+        return [Reply(peer, ReadFailed(batch.layer_idx, reason, batch.seq)),
                 LayerFailed(batch.layer_idx, reason, unexpected)]
 
+
+def _label(hit: CapHit) -> str:
+    owner = hit.owner
+    if isinstance(owner, bytes):
+        return "peer " + owner.hex()[:16]
+    return str(owner)

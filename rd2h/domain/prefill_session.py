@@ -22,9 +22,9 @@ endpoint come in send order: the oldest entry of (layer, endpoint) owns the next
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Hashable, Iterable, Mapping
-from dataclasses import dataclass, field
 
 from rd2h.domain.errors import CompletionError, LayerSendError
 from rd2h.domain.gates import GateState, StorageSlotGates
@@ -39,48 +39,10 @@ from rd2h.domain.prefill_events import (
     SendBatch,
     SendMeta,
 )
+from rd2h.domain.prefill_state import PrefillTimeouts, Announcement, Entry, Link
 from rd2h.domain.protocol import ReadDone, ReadFailed, ReadReadyBatch
 
-
-@dataclass(frozen=True)
-class PrefillTimeouts:
-    meta_ack_s: float = 10.0
-    layer_ack_s: float = 30.0
-    device_event_s: float = 30.0
-    # After a failed handshake, sends to that endpoint fail at once for this long.
-    reconnect_after_s: float = 5.0
-
-
-@dataclass(eq=False)
-class _Entry:
-    aid: int
-    layer_idx: int
-    endpoint: str
-    batch: ReadReadyBatch
-    phase: str  # "event" | "handshake" | "sent"
-    deadline: float
-    sent_at: float = 0.0
-
-
-@dataclass(eq=False)
-class _Announcement:
-    layer_idx: int
-    ticket: Hashable | None
-    entries: dict[str, _Entry] = field(default_factory=dict)
-    error: str | None = None
-
-
-@dataclass(eq=False)
-class _Link:
-    """One Decode endpoint: ``down`` (no MF_META acknowledged on this connection),
-    ``handshaking`` (until ``deadline``), ``ready``, or ``backoff`` (a handshake failed
-    for ``reason``; sends fail at once until ``deadline``)."""
-
-    state: str = "down"
-    deadline: float = 0.0
-    reason: str = ""
-    waiting: list[_Entry] = field(default_factory=list)
-    inflight: list[_Entry] = field(default_factory=list)
+__all__ = ["PrefillSession", "PrefillTimeouts"]
 
 
 class PrefillSession:
@@ -91,9 +53,9 @@ class PrefillSession:
         for idx, lay in layers.items():
             self._gates.register_layer(idx, *lay.storage_keys)
         self._ids = itertools.count()
-        self._announcements: dict[int, _Announcement] = {}
-        self._links: dict[str, _Link] = {}
-        self._resolved: list[tuple[Hashable, str | None]] = []
+        self._announcements: dict[int, Announcement] = {}
+        self._links: dict[str, Link] = {}
+        self._resolved: list[tuple[Hashable, str | None, str | None]] = []
         self._tickets: set[Hashable] = set()  # open ones
         self._dead: str | None = None
 
@@ -109,8 +71,10 @@ class PrefillSession:
         ticket: Hashable | None = None,
     ) -> int:
         """A layer was written: close its gates and wait for its device event (then
-        ``event_done``). Returns the announcement id. With a ``ticket``,
-        ``take_resolved()`` later reports ``(ticket, error)``."""
+        ``event_done``). Returns the announcement id, which each READ_READY_BATCH
+        carries (``seq``) and its reply echoes. With a ``ticket``, ``take_resolved()``
+        later reports ``(ticket, endpoint, error)`` once per endpoint, as each one
+        ends (``(ticket, None, None)`` for an announcement to no endpoint)."""
         self.layer_name(layer_idx)
         if self._dead is not None:
             raise LayerSendError(layer_idx, self._dead)
@@ -120,14 +84,15 @@ class PrefillSession:
         aid = next(self._ids)
         if not batches:
             if ticket is not None:
-                self._resolved.append((ticket, None))
+                self._resolved.append((ticket, None, None))
             return aid
-        ann = _Announcement(layer_idx, ticket)
+        ann = Announcement(layer_idx, ticket)
         if ticket is not None:
             self._tickets.add(ticket)
         deadline = now + self.timeouts.device_event_s
         for ep, batch in batches.items():
-            ann.entries[ep] = _Entry(aid, layer_idx, ep, batch, "event", deadline)
+            ann.entries[ep] = Entry(aid, layer_idx, ep, dataclasses.replace(batch, seq=aid),
+                                    "event", deadline)
         self._announcements[aid] = ann
         return aid
 
@@ -182,15 +147,19 @@ class PrefillSession:
                                       f"{detail}", now)
 
     def reply(self, endpoint: str, message: ReadDone | ReadFailed, now: float) -> list[Output]:
-        """READ_DONE or READ_FAILED: the answer to the oldest entry of its layer."""
+        """READ_DONE or READ_FAILED: the answer to the announcement whose id it echoes
+        (a peer that echoes none: the oldest entry of its layer). A reply to nothing
+        waiting (late, after its entry failed, or stray) changes nothing."""
         link = self._links.get(endpoint)
         if link is None:
             return []
         error = None if isinstance(message, ReadDone) else (
             message.error or "decode reported READ_FAILED")
-        entry = next((e for e in link.inflight if e.layer_idx == message.layer_idx), None)
+        entry = next((e for e in link.inflight if e.layer_idx == message.layer_idx
+                      and message.seq in (None, e.aid)), None)
         if entry is None:
-            return []  # stray: nothing of this layer is waiting on that endpoint
+            return []
+        link.last_used = now
         if error is not None and link.state == "ready":
             # Decode may have restarted behind the same endpoint (ZMQ reconnects silently
             # and a new ROUTER has no MF_META of ours): handshake again before the next.
@@ -256,6 +225,18 @@ class PrefillSession:
                 out += self._reset(ep, f"no acknowledgement of layer {late.layer_idx} "
                                    f"from decode endpoint {ep} within {t.layer_ack_s:g} s",
                                    close=True)
+        return out + self._close_idle(now)
+
+    def _close_idle(self, now: float) -> list[Output]:
+        """Forget endpoints with nothing in flight for ``idle_link_s`` (Decode instances
+        come and go; their connections must not pile up)."""
+        out: list[Output] = []
+        for ep, link in list(self._links.items()):
+            if (link.state in ("ready", "down") or now >= link.deadline) and not (
+                    link.waiting or link.inflight or link.state == "handshaking") and (
+                    now - link.last_used >= self.timeouts.idle_link_s):
+                del self._links[ep]
+                out.append(Disconnect(ep))
         return out
 
     def stop(self, reason: str) -> list[Output]:
@@ -280,7 +261,7 @@ class PrefillSession:
     def gate(self, layer_idx: int) -> GateState:
         return self._gates.state(layer_idx)
 
-    def take_resolved(self) -> list[tuple[Hashable, str | None]]:
+    def take_resolved(self) -> list[tuple[Hashable, str | None, str | None]]:
         out, self._resolved = self._resolved, []
         return out
 
@@ -314,13 +295,15 @@ class PrefillSession:
         }
 
     # ------------------------------------------------------------ rules
-    def _link(self, endpoint: str, now: float) -> _Link:
-        link = self._links.setdefault(endpoint, _Link())
+    def _link(self, endpoint: str, now: float) -> Link:
+        link = self._links.get(endpoint)
+        if link is None:
+            link = self._links[endpoint] = Link(last_used=now)
         if link.state == "backoff" and now >= link.deadline:
             link.state, link.reason = "down", ""
         return link
 
-    def _dispatch(self, entry: _Entry, now: float) -> list[Output]:
+    def _dispatch(self, entry: Entry, now: float) -> list[Output]:
         link = self._link(entry.endpoint, now)
         if link.state == "backoff":
             return self._end(entry, link.reason)
@@ -331,19 +314,19 @@ class PrefillSession:
         link.waiting.append(entry)
         return self._start_handshake(entry.endpoint, link, now) if link.state == "down" else []
 
-    def _start_handshake(self, endpoint: str, link: _Link, now: float) -> list[Output]:
+    def _start_handshake(self, endpoint: str, link: Link, now: float) -> list[Output]:
         link.state = "handshaking"
         link.deadline = now + self.timeouts.meta_ack_s
         return [Connect(endpoint), SendMeta(endpoint)]
 
-    def _send(self, entry: _Entry, link: _Link, now: float) -> list[Output]:
+    def _send(self, entry: Entry, link: Link, now: float) -> list[Output]:
         entry.phase = "sent"
-        entry.sent_at = now
+        entry.sent_at = link.last_used = now
         entry.deadline = now + self.timeouts.layer_ack_s
         link.inflight.append(entry)
         return [SendBatch(entry.endpoint, entry.batch, entry.aid)]
 
-    def _handshake_failed(self, endpoint: str, link: _Link, reason: str,
+    def _handshake_failed(self, endpoint: str, link: Link, reason: str,
                           now: float) -> list[Output]:
         """Drop the connection; sends to it fail at once for ``reconnect_after_s``."""
         link.state = "backoff"
@@ -370,7 +353,7 @@ class PrefillSession:
                                  tuple(sorted({e.layer_idx for e in entries}))))
         return out
 
-    def _end(self, entry: _Entry, error: str | None, latency: float | None = None
+    def _end(self, entry: Entry, error: str | None, latency: float | None = None
              ) -> list[Output]:
         ann = self._announcements.get(entry.aid)
         if ann is None or ann.entries.get(entry.endpoint) is not entry:
@@ -387,10 +370,11 @@ class PrefillSession:
         if error is not None and ann.error is None:
             ann.error = error
         self._gates.acknowledge(entry.layer_idx, entry.endpoint, error)
+        if ann.ticket is not None:
+            self._resolved.append((ann.ticket, entry.endpoint, error))
         if not ann.entries:
             del self._announcements[entry.aid]
             if ann.ticket is not None:
                 self._tickets.discard(ann.ticket)
-                self._resolved.append((ann.ticket, ann.error))
         return [LayerAnswered(entry.layer_idx, entry.endpoint, error,
                               latency if error is None else None)]

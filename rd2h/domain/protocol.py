@@ -98,6 +98,9 @@ class ReadReadyBatch:
     done_ext_ids: tuple[str, ...] = ()
     group_member_idx: int = 0
     tp_ratio: int = 1
+    # Extension (field 7): the sender's id of this announcement, echoed in the reply so
+    # that Prefill matches every answer to exactly the announcement it answers.
+    seq: int | None = None
 
     @property
     def named_ext_ids(self) -> tuple[str, ...]:
@@ -113,12 +116,14 @@ class ReadReadyBatch:
 @dataclass(frozen=True)
 class ReadDone:
     layer_idx: int
+    seq: int | None = None  # extension (field 2): the answered announcement's ``seq``
 
 
 @dataclass(frozen=True)
 class ReadFailed:
     layer_idx: int
     error: str = field(default="")
+    seq: int | None = None  # extension (field 3): the answered announcement's ``seq``
 
 
 Message = MfMeta | ReadReadyBatch | ReadDone | ReadFailed
@@ -159,6 +164,15 @@ def _seq(value: Any, what: str, layer_idx: int | None = None) -> Sequence[Any]:
     if not isinstance(value, (list, tuple)):
         raise ProtocolError(f"{what} must be an array, got {type(value).__name__}", layer_idx)
     return value
+
+
+def _seq_field(fields: Sequence[Any], index: int, layer_idx: int | None) -> int | None:
+    """The optional announcement id at ``index``: absent (older peers) -> None, and so is
+    a value of another type there (e.g. the signature envelope of a signing peer read
+    without the secret): an id is only ever an int."""
+    if len(fields) <= index or type(fields[index]) is not int:
+        return None
+    return _int(fields[index], "announcement id", layer_idx, minimum=0, maximum=MAX_WIRE_INT)
 
 
 def _block_ids(value: Any, what: str, layer_idx: int) -> tuple[int, ...]:
@@ -274,7 +288,8 @@ def _decode_read_ready(fields: Sequence[Any]) -> ReadReadyBatch:
             )
     elif len(fields) == 6:
         raise ProtocolError("READ_READY_BATCH carries a member index without its ratio", layer_idx)
-    return ReadReadyBatch(layer_idx, layer_name, reqs, done, member, ratio)
+    return ReadReadyBatch(layer_idx, layer_name, reqs, done, member, ratio,
+                          _seq_field(fields, 7, layer_idx))
 
 
 def message_from_fields(
@@ -305,7 +320,8 @@ def message_from_fields(
     if tag == READ_DONE:
         if len(fields) < 2:
             raise ProtocolError("READ_DONE needs a layer index")
-        return ReadDone(_int(fields[1], "layer index", minimum=0))
+        layer_idx = _int(fields[1], "layer index", minimum=0)
+        return ReadDone(layer_idx, _seq_field(fields, 2, layer_idx))
     if tag == READ_FAILED:
         if len(fields) < 2:
             raise ProtocolError("READ_FAILED needs a layer index")
@@ -313,7 +329,8 @@ def message_from_fields(
         error = "" if len(fields) < 3 else fields[2]
         if isinstance(error, bytes):
             error = error.decode("utf-8", "replace")
-        return ReadFailed(layer_idx, _str(error, "READ_FAILED error", layer_idx))
+        return ReadFailed(layer_idx, _str(error, "READ_FAILED error", layer_idx),
+                          _seq_field(fields, 3, layer_idx))
     raise UnknownMessageType(tag)
 
 
@@ -335,13 +352,18 @@ def fields_of(message: Message, encode_nested_metadata: Any = None) -> list[Any]
             list(message.done_ext_ids),
             message.group_member_idx,
             message.tp_ratio,
+            *_opt(message.seq),
         ]
     if isinstance(message, MfMeta):
         layer_map = {name: meta.to_map() for name, meta in message.layers.items()}
         payload = layer_map if encode_nested_metadata is None else encode_nested_metadata(layer_map)
         return [MF_META, message.p_session, payload]
     if isinstance(message, ReadDone):
-        return [READ_DONE, message.layer_idx]
+        return [READ_DONE, message.layer_idx, *_opt(message.seq)]
     if isinstance(message, ReadFailed):
-        return [READ_FAILED, message.layer_idx, message.error]
+        return [READ_FAILED, message.layer_idx, message.error, *_opt(message.seq)]
     raise TypeError(f"not an rd2h message: {message!r}")
+
+
+def _opt(value: int | None) -> list[int]:
+    return [] if value is None else [value]

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from rd2h.domain.chunks import external_request_id
 from rd2h.domain.contributors import ContributorTracker, PeerContributions
+from rd2h.domain.orphans import DEFAULT_ORPHANS_PER_PEER, DEFAULT_ORPHANS_TOTAL, OrphanLedger
 from rd2h.domain.planning import Destination
 
 
@@ -57,7 +58,13 @@ class _Admitted:
 
 
 class DecodeRequestBook:
-    def __init__(self) -> None:
+    """State per request id. Ids never admitted here are *orphans*: kept for their
+    admission, capped per peer and in total, and dropped by ``expire`` once stale
+    (``rd2h.domain.orphans``); every entry keyed by such an id exists only while the
+    id is admitted or a held orphan."""
+
+    def __init__(self, max_orphans_per_peer: int = DEFAULT_ORPHANS_PER_PEER,
+                 max_orphans: int = DEFAULT_ORPHANS_TOTAL) -> None:
         self._admitted: dict[str, _Admitted] = {}
         self._int_to_ext: dict[str, str] = {}
         self.contributors = ContributorTracker()
@@ -65,8 +72,9 @@ class DecodeRequestBook:
         self._failed: dict[str, str] = {}
         self._invalid_reported: set[str] = set()
         self._pending_finished: set[str] = set()
-        self._orphan_since: dict[str, float] = {}
+        self.orphans = OrphanLedger(max_orphans_per_peer, max_orphans)
         self.peer_contributions = PeerContributions()
+        self._now = 0.0  # the latest time seen: orphans learned without one get it
 
     # -- admission
     def admit(
@@ -77,6 +85,8 @@ class DecodeRequestBook:
         now: float,
     ) -> str:
         ext = external_request_id(internal_id)
+        self._seen(now)
+        self.orphans.discard(ext)
         self._admitted[ext] = _Admitted(
             internal_id, Destination(tuple(main_block_ids), tuple(indexer_block_ids)), now
         )
@@ -102,17 +112,16 @@ class DecodeRequestBook:
         """Final-layer reports of one contributor (connection ``peer``, when known);
         returns requests now complete. Raises ``ProtocolError`` for an impossible
         member / ratio (nothing is recorded for the ids before the bad one). Reports for
-        requests not admitted here are kept (the admission may still come) and, with
-        ``now``, dropped by ``expire`` once stale, like every orphan."""
+        requests not admitted here are kept as orphans of ``peer`` (the admission may
+        still come) while its cap allows; ``expire`` drops them once stale."""
         ext_ids = list(ext_ids)
+        self._seen(now)
         if peer is not None:
             self.peer_contributions.done(peer, ext_ids)
         completed = []
         for ext in ext_ids:
-            if ext in self._terminal:
+            if ext in self._terminal or not self._holds(ext, peer):
                 continue
-            if now is not None and ext not in self._admitted:
-                self._orphan_since.setdefault(ext, now)
             if self.contributors.report(ext, member, ratio):
                 self._terminal.add(ext)
                 self.contributors.discard(ext)
@@ -136,24 +145,38 @@ class DecodeRequestBook:
         return live
 
     def record_failed(
-        self, ext_ids: Iterable[str], reason: str, now: float | None = None
+        self, ext_ids: Iterable[str], reason: str, now: float | None = None,
+        peer: Hashable | None = None, *, admitted_only: bool = False,
     ) -> None:
-        """Mark requests failed. Ids not admitted here are kept (the admission may still
-        come) and, when ``now`` is given, dropped by ``expire`` once they are stale."""
+        """Mark requests failed. Ids not admitted here are kept as orphans of ``peer``
+        (the admission may still come) while its cap allows, unless ``admitted_only``;
+        ``expire`` drops them once stale."""
+        self._seen(now)
         for ext in ext_ids:
-            self._mark_failed(ext, reason, now)
+            if admitted_only and ext not in self._admitted:
+                continue
+            self._mark_failed(ext, reason, peer)
 
-    def _mark_failed(self, ext: str, reason: str, now: float | None) -> None:
+    def _mark_failed(self, ext: str, reason: str, owner: Hashable | None) -> None:
         """The one way a request becomes failed, whoever learned it first."""
+        if not self._holds(ext, owner):
+            return
         self._failed.setdefault(ext, reason)
         self._terminal.add(ext)
         self.contributors.discard(ext)
         self.peer_contributions.discard_request(ext)
-        if now is not None and ext not in self._admitted:
-            self._orphan_since.setdefault(ext, now)
+
+    def _holds(self, ext: str, owner: Hashable | None) -> bool:
+        """Whether state may be kept for ``ext``: admitted, or an orphan within caps."""
+        return ext in self._admitted or self.orphans.add(ext, owner, self._now)
+
+    def _seen(self, now: float | None) -> None:
+        if now is not None and now > self._now:
+            self._now = now
 
     def expire(self, now: float, timeout: float) -> list[str]:
         """Fail admitted requests still waiting for their KV ``timeout`` after admission."""
+        self._seen(now)
         late = [
             ext
             for ext, entry in self._admitted.items()
@@ -161,12 +184,9 @@ class DecodeRequestBook:
         ]
         self.record_failed(late, f"no KV arrived within {timeout:g} s of admission")
         # State for ids never admitted here (e.g. a message for a request Decode already
-        # aborted) must not live forever.
-        for ext, since in list(self._orphan_since.items()):
-            if ext in self._admitted:
-                del self._orphan_since[ext]
-            elif now - since >= timeout:
-                self._forget(ext)
+        # aborted, or an id a peer invented) must not live forever.
+        for ext in self.orphans.stale(now, timeout):
+            self._forget(ext)
         return late
 
     # -- step
@@ -187,8 +207,9 @@ class DecodeRequestBook:
         from other ranks) expires like any orphan instead of waiting for an admission
         that may never come."""
         merged = merge_tp_reports(reports)
+        self._seen(now)
         for ext in merged.failed - self._failed.keys():  # another rank's failure is ours
-            self._mark_failed(ext, "failed on another decode rank", now)
+            self._mark_failed(ext, "failed on another decode rank", None)
         invalid: set[int] = set()
         failed_internal: set[str] = set()
         reasons: dict[str, str] = {}
@@ -204,10 +225,9 @@ class DecodeRequestBook:
         for ext in merged.finished | self._pending_finished:
             entry = self._admitted.get(ext)
             if entry is None:
-                self._pending_finished.add(ext)
                 self._terminal.discard(ext)
-                if now is not None:
-                    self._orphan_since.setdefault(ext, now)
+                if self.orphans.add(ext, None, self._now):
+                    self._pending_finished.add(ext)
                 continue
             finished.add(entry.internal_id)
             if ext in self._failed:
@@ -237,7 +257,7 @@ class DecodeRequestBook:
         self._failed.pop(ext, None)
         self._invalid_reported.discard(ext)
         self._pending_finished.discard(ext)
-        self._orphan_since.pop(ext, None)
+        self.orphans.discard(ext)
         self.contributors.discard(ext)
         self.peer_contributions.discard_request(ext)
 
@@ -249,7 +269,7 @@ class DecodeRequestBook:
             "failed": len(self._failed),
             "pending_finished": len(self._pending_finished),
             "contributors": len(self.contributors),
-            "orphans": len(self._orphan_since),
+            "orphans": len(self.orphans),
             "peer_contributions": len(self.peer_contributions),
         }
 

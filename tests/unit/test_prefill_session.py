@@ -79,7 +79,7 @@ def test_handshake_then_send_then_answer() -> None:
     outs = s.reply("A", ReadDone(0), now=2.0)
     assert outs == [LayerAnswered(0, "A", None, pytest.approx(0.3))]
     assert s.gate(0).open and s.gate(0).error is None
-    assert s.take_resolved() == [("t0", None)] and s.take_resolved() == []
+    assert s.take_resolved() == [("t0", "A", None)] and s.take_resolved() == []
     # The link stays ready: the next announcement goes out without a handshake.
     aid = announce(s, 1, ["A"], now=3.0)
     assert kinds(s.event_done(aid, now=3.0)) == ["SendBatch"]
@@ -90,7 +90,7 @@ def test_handshake_then_send_then_answer() -> None:
 def test_a_layer_with_nothing_to_send_stays_open_and_its_ticket_resolves_at_once() -> None:
     s = session()
     announce(s, 0, [], ticket="empty")
-    assert s.gate(0).open and s.take_resolved() == [("empty", None)]
+    assert s.gate(0).open and s.take_resolved() == [("empty", None, None)]
     assert_clean(s)
 
 
@@ -109,22 +109,63 @@ def test_unknown_layers_and_duplicate_tickets_are_refused() -> None:
 # ====================================================================== tickets and replies
 
 
-def test_replies_answer_the_oldest_announcement_of_their_layer_and_endpoint() -> None:
+def test_replies_without_an_id_answer_the_oldest_announcement_of_their_layer() -> None:
+    """A Decode that echoes no announcement id (an older peer): FIFO per (layer, endpoint).
+    Tickets resolve per endpoint, as each endpoint answers."""
     s = session()
     ready(s, "e1")
     ready(s, "e2")
     for ticket, layer, eps in (("t1", 0, ["e1", "e2"]), ("t2", 0, ["e1"]), ("t3", 1, ["e1"])):
         s.event_done(announce(s, layer, eps, ticket=ticket), 0.0)
     s.reply("e1", ReadDone(0), 1.0)  # the oldest open announcement of (0, e1): t1
-    assert s.take_resolved() == []  # t1 still waits for e2
+    assert s.take_resolved() == [("t1", "e1", None)]  # e2's part of t1 still open
     s.reply("e1", ReadDone(0), 1.0)
-    assert s.take_resolved() == [("t2", None)]
+    assert s.take_resolved() == [("t2", "e1", None)]
     s.reply("e2", ReadFailed(0, "x"), 1.0)
     s.reply("e1", ReadDone(1), 1.0)
-    assert s.take_resolved() == [("t1", "decode endpoint e2: x"), ("t3", None)]
+    assert s.take_resolved() == [("t1", "e2", "decode endpoint e2: x"), ("t3", "e1", None)]
     assert s.reply("e1", ReadDone(0), 1.0) == []  # a reply nobody waits for is ignored
     assert s.reply("nobody", ReadDone(0), 1.0) == []
     assert_clean(s)
+
+
+def test_replies_answer_exactly_the_announcement_whose_id_they_echo() -> None:
+    """Every batch carries its announcement id; a reply echoing an id answers that one,
+    and a late reply to an announcement that already failed counts for nothing, not
+    for a newer announcement of the same (layer, endpoint)."""
+    s = session()
+    ready(s, "A")
+    (old,) = s.event_done(announce(s, 0, ["A"], ticket="old"), 0.0)
+    assert isinstance(old, SendBatch) and old.batch.seq == old.announcement
+    s.sent("A", old.announcement, 0.0)
+    s.tick(T.layer_ack_s + 0.1)  # no reply in time: failed, connection reset
+    assert s.take_resolved()[0][:2] == ("old", "A")
+    ready(s, "A", 6.0)
+    (new,) = s.event_done(announce(s, 0, ["A"], ticket="new"), 6.0)
+    assert new.batch.seq != old.batch.seq
+    late = ReadDone(0, old.batch.seq)
+    assert s.reply("A", late, 6.5) == []  # the old announcement's reply, late
+    assert not s.gate(0).open and s.take_resolved() == []
+    (second,) = s.event_done(announce(s, 0, ["A"], ticket="second"), 6.6)
+    s.reply("A", ReadDone(0, second.batch.seq), 7.0)  # answers the second, not the first
+    assert s.take_resolved() == [("second", "A", None)]
+    s.reply("A", ReadFailed(0, "no", new.batch.seq), 7.1)
+    assert s.take_resolved() == [("new", "A", "decode endpoint A: no")]
+    assert_clean(s)
+
+
+def test_idle_connections_are_closed_and_forgotten() -> None:
+    s = session()
+    ready(s, "A", now=0.0)
+    ready(s, "B", now=0.0)
+    assert s.tick(T.idle_link_s - 1) == []
+    (send,) = s.event_done(announce(s, 0, ["B"]), T.idle_link_s - 1)
+    assert s.tick(T.idle_link_s) == [Disconnect("A")]  # B has a batch in flight
+    s.reply("B", ReadDone(0, send.batch.seq), T.idle_link_s + 1)
+    assert s.tick(2 * T.idle_link_s) == []
+    assert s.tick(2 * T.idle_link_s + 1) == [Disconnect("B")]
+    assert s.prepare(["A"], 1000.0) == [Connect("A"), SendMeta("A")]  # a new connection
+    s.stop("done")
 
 
 def test_a_ticket_keeps_its_first_error_and_the_gate_its_layers_error() -> None:
@@ -136,7 +177,9 @@ def test_a_ticket_keeps_its_first_error_and_the_gate_its_layers_error() -> None:
     s.reply("e2", ReadFailed(0, ""), 1.0)
     assert not s.gate(0).open  # e3 may still be reading the storage
     s.reply("e3", ReadDone(0), 1.0)
-    assert s.take_resolved() == [("t", "decode endpoint e1: first")]
+    assert s.take_resolved() == [("t", "e1", "decode endpoint e1: first"),
+                                 ("t", "e2", "decode endpoint e2: decode reported READ_FAILED"),
+                                 ("t", "e3", None)]
     assert s.gate(0).open and s.gate(0).error == (
         "decode endpoint e2: decode reported READ_FAILED")
     assert_clean(s)
@@ -257,7 +300,7 @@ def test_a_batch_that_could_not_be_sent_fails_its_entry() -> None:
     (send,) = s.event_done(announce(s, 0, ["A"], ticket="t"), 0.0)
     outs = s.send_failed(send, "queue full", 0.1)
     assert answered(outs) == [(0, "A", "decode endpoint A: queue full")]
-    assert s.take_resolved() == [("t", "decode endpoint A: queue full")]
+    assert s.take_resolved() == [("t", "A", "decode endpoint A: queue full")]
     assert_clean(s)
 
 
@@ -278,7 +321,7 @@ def test_stop_fails_everything_naming_what_each_layer_awaited() -> None:
     }
     assert HandshakeDone("C", "prefill sender stopped") in outs
     assert all(s.gate(n).open for n in range(3))
-    assert s.take_resolved() == [("t", "prefill sender stopped (layer 0 awaited A)")]
+    assert s.take_resolved() == [("t", "A", "prefill sender stopped (layer 0 awaited A)")]
     with pytest.raises(LayerSendError, match="stopped"):
         announce(s, 0, ["A"])
     assert s.prepare(["A"], 1.0) == [HandshakeDone("A", "prefill sender stopped")]

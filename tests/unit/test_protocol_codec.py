@@ -333,10 +333,14 @@ def test_member_1_with_ratio_below_one_is_rejected(ratio):
 
 
 def test_appended_fields_from_newer_builds_are_ignored():
-    msg = decode_value([b"read_ready_batch", 2, L5, [["r", [1], [2], 0, 0, "x"]], [], 1, 2, 99])
-    assert msg == ReadReadyBatch(2, L5, (ReadRequest("r", (1,), (2,)),), (), 1, 2)
+    msg = decode_value([b"read_ready_batch", 2, L5, [["r", [1], [2], 0, 0, "x"]], [], 1, 2, 99,
+                        "future"])
+    assert msg == ReadReadyBatch(2, L5, (ReadRequest("r", (1,), (2,)),), (), 1, 2, 99)
     assert decode_value([b"read_done", 1, "extra"]) == ReadDone(1)
-    assert decode_value([b"read_failed", 1, "e", 5]) == ReadFailed(1, "e")
+    assert decode_value([b"read_failed", 1, "e", 5]) == ReadFailed(1, "e", 5)  # the id
+    assert decode_value([b"read_failed", 1, "e", 5, "x"]) == ReadFailed(1, "e", 5)
+    with pytest.raises(ProtocolError):
+        decode_value([b"read_done", 1, -1])  # an id is never negative
 
 
 def test_read_failed_without_error_and_with_bin_error():

@@ -88,7 +88,7 @@ class SessionPair(RuleBasedStateMachine):
                 self.p[r].sent(EP, out.announcement, self.now)
             else:
                 assert not isinstance(out, Connect) or out.endpoint == EP
-        for ticket, _ in self.p[r].take_resolved():
+        for ticket, _, _ in self.p[r].take_resolved():
             assert ticket in self.open, f"ticket {ticket} resolved twice or never opened"
             del self.open[ticket]
             self.resolved.add(ticket)

@@ -20,9 +20,12 @@ from rd2h.ports.runtime import Clock, DeviceEvents, Logger
 from rd2h.ports.transfer import TransferEngine
 
 
+Ticket = tuple[int, str]  # (announcement ticket, Decode endpoint)
+
+
 @dataclass
 class _Request:
-    open_tickets: set[int]
+    open_tickets: set[Ticket]
     final_sent: bool = False
     finished: bool = False
     error: str | None = None
@@ -61,7 +64,9 @@ class PrefillWorker(ConnectorRole):
         self._sends: tuple[PrefillSend, ...] = ()
         self._dispatched: set[int] = set()
         self._ticket_ids = itertools.count()
-        self._ticket_reqs: dict[int, tuple[str, ...]] = {}
+        # Per (layer announcement, endpoint): a slow Decode instance holds back only
+        # the requests it reads, not those of other instances in the same layer.
+        self._ticket_reqs: dict[Ticket, tuple[str, ...]] = {}
         self._requests: dict[str, _Request] = {}
         self._lock = threading.Lock()
         self.layers_announced = 0
@@ -118,7 +123,7 @@ class PrefillWorker(ConnectorRole):
         if not self._sends:
             return False
         targets = []
-        names = []
+        names: dict[str, list[str]] = {}
         for s in self._sends:
             m = compute_mapping(self._p_tp, s.decode.tp_size, self._p_rank)
             endpoint = tcp_endpoint(s.decode.host, remote_port(s.decode.base_port, m.d_rank))
@@ -130,14 +135,15 @@ class PrefillWorker(ConnectorRole):
             if req is None and not done:
                 continue
             targets.append(LayerTarget(endpoint, req, done, m.member, m.ratio, s.ext_id))
-            names.append(s.internal_id)
+            names.setdefault(endpoint, []).append(s.internal_id)
         if not targets:
             return False
         ticket = next(self._ticket_ids)
         with self._lock:
-            self._ticket_reqs[ticket] = tuple(dict.fromkeys(names))
-            for rid in self._ticket_reqs[ticket]:
-                self._requests[rid].open_tickets.add(ticket)
+            for endpoint, rids in names.items():
+                self._ticket_reqs[(ticket, endpoint)] = tuple(dict.fromkeys(rids))
+                for rid in rids:
+                    self._requests[rid].open_tickets.add((ticket, endpoint))
             if idx == self._last_layer:
                 for s in self._sends:
                     if s.final:
@@ -145,7 +151,8 @@ class PrefillWorker(ConnectorRole):
         try:
             self._sender.submit(idx, self._events.record(), targets, ticket=ticket)
         except LayerSendError as exc:
-            self._resolve(ticket, str(exc))
+            for endpoint in names:
+                self._resolve((ticket, endpoint), str(exc))
             raise
         self.layers_announced += 1
         return True
@@ -153,8 +160,8 @@ class PrefillWorker(ConnectorRole):
     # -- completion
     def get_finished(self, finished_req_ids: Iterable[str]) -> set[str]:
         """Requests vLLM finished whose announcements have all been answered."""
-        for ticket, error in self._sender.take_resolved():
-            self._resolve(ticket, error)  # type: ignore[arg-type]
+        for ticket, endpoint, error in self._sender.take_resolved():
+            self._resolve((ticket, endpoint), error)  # type: ignore[arg-type]
         done = set()
         with self._lock:
             for rid in finished_req_ids:
@@ -167,7 +174,7 @@ class PrefillWorker(ConnectorRole):
                     del self._requests[rid]
         return done
 
-    def _resolve(self, ticket: int, error: str | None) -> None:
+    def _resolve(self, ticket: Ticket, error: str | None) -> None:
         with self._lock:
             for rid in self._ticket_reqs.pop(ticket, ()):
                 r = self._requests.get(rid)

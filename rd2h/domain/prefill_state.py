@@ -1,0 +1,52 @@
+"""The state a ``PrefillSession`` keeps: its timeouts, entries, announcements, links."""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from dataclasses import dataclass, field
+
+from rd2h.domain.protocol import ReadReadyBatch
+
+
+@dataclass(frozen=True)
+class PrefillTimeouts:
+    meta_ack_s: float = 10.0
+    layer_ack_s: float = 30.0
+    device_event_s: float = 30.0
+    # After a failed handshake, sends to that endpoint fail at once for this long.
+    reconnect_after_s: float = 5.0
+    # A connection with nothing in flight for this long is closed and forgotten.
+    idle_link_s: float = 300.0
+
+
+@dataclass(eq=False)
+class Entry:
+    aid: int
+    layer_idx: int
+    endpoint: str
+    batch: ReadReadyBatch
+    phase: str  # "event" | "handshake" | "sent"
+    deadline: float
+    sent_at: float = 0.0
+
+
+@dataclass(eq=False)
+class Announcement:
+    layer_idx: int
+    ticket: Hashable | None
+    entries: dict[str, Entry] = field(default_factory=dict)
+    error: str | None = None
+
+
+@dataclass(eq=False)
+class Link:
+    """One Decode endpoint: ``down`` (no MF_META acknowledged on this connection),
+    ``handshaking`` (until ``deadline``), ``ready``, or ``backoff`` (a handshake failed
+    for ``reason``; sends fail at once until ``deadline``)."""
+
+    state: str = "down"
+    deadline: float = 0.0
+    reason: str = ""
+    waiting: list[Entry] = field(default_factory=list)
+    inflight: list[Entry] = field(default_factory=list)
+    last_used: float = 0.0
