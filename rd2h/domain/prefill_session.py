@@ -39,7 +39,7 @@ from rd2h.domain.prefill_events import (
     SendBatch,
     SendMeta,
 )
-from rd2h.domain.prefill_state import PrefillTimeouts, Announcement, Entry, Link
+from rd2h.domain.prefill_state import Announcement, Entry, Link, PrefillTimeouts
 from rd2h.domain.protocol import ReadDone, ReadFailed, ReadReadyBatch
 
 __all__ = ["PrefillSession", "PrefillTimeouts"]

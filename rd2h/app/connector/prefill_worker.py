@@ -19,7 +19,6 @@ from rd2h.domain.topology import compute_mapping, remote_port, tcp_endpoint
 from rd2h.ports.runtime import Clock, DeviceEvents, Logger
 from rd2h.ports.transfer import TransferEngine
 
-
 Ticket = tuple[int, str]  # (announcement ticket, Decode endpoint)
 
 
