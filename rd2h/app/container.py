@@ -21,7 +21,12 @@ from dependency_injector import containers, providers
 
 from rd2h.adapters.logging import configure_logging, make_logger
 from rd2h.adapters.msgpack import AuthenticatedCodec, MsgpackCodec
-from rd2h.adapters.zmq import ZmqControlClients, ZmqControlServer
+from rd2h.adapters.zmq import (
+    CurveClientKeys,
+    CurveServerKeys,
+    ZmqControlClients,
+    ZmqControlServer,
+)
 from rd2h.app.clock import MonotonicClock
 from rd2h.app.connector.decode_scheduler import DecodeScheduler
 from rd2h.app.connector.decode_worker import DecodeWorker
@@ -71,12 +76,28 @@ def _memfabric(host: str, role: str, store_url: str, transfer_type: str, device_
     return MemFabricTransferEngine(config, library=library)
 
 
-def _codec(max_frame_bytes: int, auth_secret: Any) -> Any:
+def _codec(max_frame_bytes: int, max_objects: int, auth_secret: Any = None,
+           max_connections: int = 1024) -> Any:
     """The wire codec; signing when a shared secret is configured."""
-    codec = MsgpackCodec(max_frame_bytes=max_frame_bytes)
+    codec = MsgpackCodec(max_frame_bytes=max_frame_bytes, max_objects=max_objects)
     if auth_secret is None:
         return codec
-    return AuthenticatedCodec(codec, auth_secret.get_secret_value().encode())
+    return AuthenticatedCodec(codec, auth_secret.get_secret_value().encode(),
+                              max_connections=max_connections)
+
+
+def _server_keys(secret: Any, allowed: Sequence[str]) -> Any:
+    """Decode's CURVE keys, or None (plain ZeroMQ)."""
+    if secret is None:
+        return None
+    return CurveServerKeys(secret.get_secret_value(), tuple(allowed))
+
+
+def _client_keys(secret: Any, server_key: str | None) -> Any:
+    """Prefill's CURVE keys, or None (plain ZeroMQ)."""
+    if secret is None or server_key is None:
+        return None
+    return CurveClientKeys(secret.get_secret_value(), server_key)
 
 
 def _logger(role: str, rank: int, level: str) -> Any:
@@ -122,7 +143,12 @@ class Container(containers.DeclarativeContainer):
     deadlines = config.deadlines
 
     clock = providers.Singleton(MonotonicClock)
-    codec = providers.Singleton(_codec, config.max_frame_bytes, config.auth_secret)
+    limits = config.limits
+    codec = providers.Singleton(_codec, config.max_frame_bytes, limits.max_frame_objects,
+                                config.auth_secret, limits.max_peers)
+    # A plain codec with the same limits, for wrappers that only look at frames (a
+    # signing codec would count a second look as a replay).
+    peek_codec = providers.Singleton(_codec, config.max_frame_bytes, limits.max_frame_objects)
     logger = providers.Factory(_logger, role=config.role, rank=config.tp_rank,
                                level=config.log_level)
     device_events = providers.Singleton(_device_events, config.device_events)
@@ -149,11 +175,15 @@ class Container(containers.DeclarativeContainer):
         port=providers.Callable(_rank_port, config.kv_port, config.global_dp_rank,
                                 config.tp_size, config.tp_rank),
         max_frame_bytes=config.max_frame_bytes, heartbeat_ivl_s=deadlines.heartbeat_ivl_s,
-        heartbeat_timeout_s=deadlines.heartbeat_timeout_s,
+        heartbeat_timeout_s=deadlines.heartbeat_timeout_s, recv_hwm=limits.recv_hwm,
+        curve=providers.Callable(_server_keys, config.curve_secret_key,
+                                 config.curve_allowed_keys),
     )
     control_clients = providers.Factory(
         ZmqControlClients, heartbeat_ivl_s=deadlines.heartbeat_ivl_s,
-        heartbeat_timeout_s=deadlines.heartbeat_timeout_s,
+        heartbeat_timeout_s=deadlines.heartbeat_timeout_s, recv_hwm=limits.recv_hwm,
+        curve=providers.Callable(_client_keys, config.curve_secret_key,
+                                 config.curve_server_key),
     )
     tp_exchange = providers.Factory(_exchange, config.tp_rank, config.tp_size,
                                     deadlines.tp_exchange_s)
@@ -166,7 +196,8 @@ class Container(containers.DeclarativeContainer):
         PrefillSender, clients_factory=control_clients.provider, codec=codec, clock=clock,
         log=logger, meta_ack_timeout_s=deadlines.meta_ack_s,
         layer_ack_timeout_s=deadlines.layer_ack_s, event_timeout_s=deadlines.device_event_s,
-        start_timeout_s=deadlines.start_s, stop_timeout_s=deadlines.stop_s,
+        idle_link_s=deadlines.idle_link_s, start_timeout_s=deadlines.start_s,
+        stop_timeout_s=deadlines.stop_s,
     )
     decode_receiver = providers.Factory(
         DecodeReceiver, server_factory=control_server.provider, codec=codec,
@@ -174,6 +205,8 @@ class Container(containers.DeclarativeContainer):
         log=logger, request_timeout_s=deadlines.request_s, start_timeout_s=deadlines.start_s,
         stop_timeout_s=deadlines.stop_s, main_shared=providers.Callable(
             lambda d: d == "sparse_kv_pool", config.destinations),
+        max_peers=limits.max_peers, max_orphans_per_peer=limits.max_orphans_per_peer,
+        max_orphans=limits.max_orphans,
     )
     prefill_scheduler = providers.Factory(PrefillScheduler, p_tp=config.tp_size, log=logger)
     prefill_worker = providers.Factory(
@@ -342,3 +375,10 @@ def serve_proxy(config: Any, host: str, port: int, log_level: str) -> None:
     log.info("proxy starting", listen=f"{host}:{port}", prefill=config.prefill,
              decode=config.decode, metaserver=config.metaserver_url)
     serve(create_app(config, log=log), host, port, log_level=log_level)
+
+
+def curve_keypair() -> tuple[str, str]:
+    """A new ZeroMQ CURVE key pair ``(public, secret)`` as Z85 text (``rd2h keys``)."""
+    from rd2h.adapters.zmq import generate_keypair
+
+    return generate_keypair()

@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterable, Mapping
 from rd2h.app.loop import LoopThread
 from rd2h.app.telemetry import DecodeStats, add_sample, report_decode
 from rd2h.domain.decode_session import (
+    DEFAULT_MAX_PEERS,
     DecodeSession,
     Expired,
     Output,
@@ -26,6 +27,7 @@ from rd2h.domain.decode_session import (
 )
 from rd2h.domain.errors import ProtocolError, TransferError
 from rd2h.domain.layout import DestinationLayout
+from rd2h.domain.orphans import DEFAULT_ORPHANS_PER_PEER, DEFAULT_ORPHANS_TOTAL
 from rd2h.domain.planning import ReadPlan
 from rd2h.domain.protocol import ReadReadyBatch
 from rd2h.domain.request_book import StepOutcome
@@ -59,6 +61,9 @@ class DecodeReceiver(LoopThread):
         main_shared: bool = True,
         start_timeout_s: float = 10.0,
         stop_timeout_s: float = 5.0,
+        max_peers: int = DEFAULT_MAX_PEERS,
+        max_orphans_per_peer: int = DEFAULT_ORPHANS_PER_PEER,
+        max_orphans: int = DEFAULT_ORPHANS_TOTAL,
     ) -> None:
         super().__init__(f"rd2h-decode-{d_rank}", start_timeout_s, stop_timeout_s)
         self._server_factory = server_factory
@@ -70,7 +75,10 @@ class DecodeReceiver(LoopThread):
         self._on_read = on_read
         self._session = DecodeSession(destinations=destinations, d_rank=d_rank, d_tp=d_tp,
                                       main_shared=main_shared,
-                                      request_timeout_s=request_timeout_s)
+                                      request_timeout_s=request_timeout_s,
+                                      max_peers=max_peers,
+                                      max_orphans_per_peer=max_orphans_per_peer,
+                                      max_orphans=max_orphans)
         self._lock = threading.Lock()
         self._progress = threading.Event()
         self._server: ControlServer | None = None
@@ -180,11 +188,13 @@ class DecodeReceiver(LoopThread):
             now = self._clock.now()
             with self._lock:
                 outs = [o for peer in lost for o in self._session.peer_lost(peer, now)]
+            for peer in lost:
+                self._codec.forget(peer)
             self._report(outs)
 
     def _handle(self, identity: bytes, payload: bytes) -> None:
         try:
-            message = self._codec.decode(payload)
+            message = self._codec.decode(payload, identity)
         except ProtocolError as exc:
             with self._lock:
                 outs = self._session.reject(identity, exc)
@@ -203,9 +213,10 @@ class DecodeReceiver(LoopThread):
         self._report(outs)
         for out in outs:
             if isinstance(out, SendAck):
-                self._server.send(out.peer, self._codec.encode_ack())  # type: ignore[arg-type]
+                self._server.send(out.peer, self._codec.encode_ack(out.peer))  # type: ignore[arg-type]
             elif isinstance(out, Reply):
-                if not self._server.send(out.peer, self._codec.encode(out.message)):  # type: ignore[arg-type]
+                frame = self._codec.encode(out.message, out.peer)
+                if not self._server.send(out.peer, frame):  # type: ignore[arg-type]
                     self._log.warning("reply not delivered", layer=out.message.layer_idx)
             elif isinstance(out, Read):
                 self._perform(self._read(out))

@@ -66,6 +66,7 @@ class PrefillSender(LoopThread):
         layer_ack_timeout_s: float = 30.0,
         event_timeout_s: float = 30.0,
         reconnect_after_s: float = 5.0,
+        idle_link_s: float = 300.0,
         poll_interval_s: float = 0.02,
         start_timeout_s: float = 10.0,
         stop_timeout_s: float = 5.0,
@@ -78,10 +79,10 @@ class PrefillSender(LoopThread):
         self._poll = poll_interval_s
         self._session = PrefillSession(layers, PrefillTimeouts(
             meta_ack_s=meta_ack_timeout_s, layer_ack_s=layer_ack_timeout_s,
-            device_event_s=event_timeout_s, reconnect_after_s=reconnect_after_s))
-        self._meta_frame = codec.encode(
-            MfMeta(p_session, {lay.layer_name: lay.to_metadata() for lay in layers.values()})
-        )
+            device_event_s=event_timeout_s, reconnect_after_s=reconnect_after_s,
+            idle_link_s=idle_link_s))
+        self._meta = MfMeta(p_session,
+                            {lay.layer_name: lay.to_metadata() for lay in layers.values()})
         self._cond = threading.Condition()  # guards the session, the queues and the jobs
         self._events: deque[tuple[int, DeviceEvent | None]] = deque()
         self._jobs: deque[_Handshake] = deque()
@@ -248,13 +249,13 @@ class PrefillSender(LoopThread):
 
     def _receive(self, endpoint: str, payload: bytes, now: float) -> list[Output]:
         try:
-            if self._codec.is_ack(payload):
+            if self._codec.is_ack(payload, endpoint):
                 return self._session.ack_received(endpoint, now)
         except ProtocolError as exc:  # an ACK without valid authentication
             self._log.error("refusing acknowledgement", endpoint=endpoint, error=exc.detail)
             return self._session.ack_refused(endpoint, exc.detail, now)
         try:
-            msg = self._codec.decode(payload)
+            msg = self._codec.decode(payload, endpoint)
         except ProtocolError as exc:
             self._log.warning("malformed reply", endpoint=endpoint, error=exc.detail)
             return []
@@ -308,12 +309,13 @@ class PrefillSender(LoopThread):
             elif isinstance(out, Disconnect):
                 self._outbox.pop(out.endpoint, None)
                 self._clients.disconnect(out.endpoint)
+                self._codec.forget(out.endpoint)
             elif isinstance(out, SendMeta | SendBatch):
                 if out.endpoint in unreachable:
                     self._send_failed(out, unreachable[out.endpoint])
                     continue
-                frame = self._meta_frame if isinstance(out, SendMeta) else self._codec.encode(
-                    out.batch)
+                message = self._meta if isinstance(out, SendMeta) else out.batch
+                frame = self._codec.encode(message, out.endpoint)
                 self._outbox.setdefault(out.endpoint, deque()).append((out, frame))
         self._flush()
         with self._cond:

@@ -9,6 +9,7 @@ builds its objects from an ``Rd2hSettings`` through ``rd2h.app.container``.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from typing import Any, Literal
 
@@ -46,6 +47,10 @@ class Deadlines(BaseModel):
         5.0, gt=0, description="a silent control connection is dropped (and its pending "
         "layers / requests failed) after this long"
     )
+    idle_link_s: float = Field(
+        300.0, gt=0, description="Prefill: a Decode connection with nothing in flight "
+        "for this long is closed (reopened on demand)"
+    )
 
     @model_validator(mode="after")
     def _check_heartbeat(self) -> Deadlines:
@@ -55,6 +60,34 @@ class Deadlines(BaseModel):
                 f"heartbeat_ivl_s {self.heartbeat_ivl_s:g}"
             )
         return self
+
+
+class Limits(BaseModel):
+    """Bounds on what peers can make an endpoint hold (README: "Bounded state")."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    recv_hwm: int = Field(
+        64, ge=1, description="control messages queued per connection before ZeroMQ "
+        "stops reading from it (the peer's sends then wait)")
+    max_frame_objects: int = Field(
+        1 << 21, ge=16, description="msgpack objects one control frame may decode to, "
+        "nested MF_META metadata included (checked while decoding)")
+    max_peers: int = Field(
+        1024, ge=1, description="Decode: connections whose MF_META is kept; MF_META from "
+        "more is not acknowledged")
+    max_orphans_per_peer: int = Field(
+        4096, ge=1, description="Decode: ids of requests not admitted here that one "
+        "connection may make this rank remember (each expires after request_s)")
+    max_orphans: int = Field(65536, ge=1, description="Decode: the same, all peers together")
+
+
+_Z85_KEY = re.compile(r"^[0-9a-zA-Z.\-:+=^!/*?&<>()\[\]{}@%$#]{40}$")
+
+
+def _check_key(value: str, what: str) -> None:
+    if not _Z85_KEY.match(value):
+        raise ValueError(f"{what} must be a CURVE key: 40 Z85 characters (see 'rd2h keys')")
 
 
 class Rd2hOptions(BaseModel):
@@ -118,10 +151,29 @@ class Rd2hOptions(BaseModel):
         "control message; Prefill and Decode must configure the same one. Unset: "
         "unsigned legacy messages. Set: unsigned or wrongly signed messages are refused",
     )
+    curve_secret_key: SecretStr | None = Field(
+        None,
+        description="ZeroMQ CURVE (encrypted, authenticated control channel): this "
+        "endpoint's secret key (Z85, from 'rd2h keys'). Decode then admits only "
+        "curve_allowed_keys; Prefill needs curve_server_key. Unset: plain ZeroMQ",
+    )
+    curve_server_key: str | None = Field(
+        None, description="Prefill with CURVE: the Decode endpoints' public key")
+    curve_allowed_keys: tuple[str, ...] = Field(
+        (), description="Decode with CURVE: the Prefill public keys it accepts")
+    limits: Limits = Field(default_factory=Limits)
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "WARNING"
 
     @model_validator(mode="after")
     def _check_options(self) -> Rd2hOptions:
+        if self.curve_secret_key is not None:
+            _check_key(self.curve_secret_key.get_secret_value(), "curve_secret_key")
+        elif self.curve_server_key is not None or self.curve_allowed_keys:
+            raise ValueError("curve_server_key / curve_allowed_keys need curve_secret_key")
+        if self.curve_server_key is not None:
+            _check_key(self.curve_server_key, "curve_server_key")
+        for n, key in enumerate(self.curve_allowed_keys):
+            _check_key(key, f"curve_allowed_keys[{n}]")
         secret = self.auth_secret
         if secret is not None and len(secret.get_secret_value()) < MIN_SECRET_CHARS:
             raise ValueError(
@@ -194,6 +246,12 @@ class Rd2hSettings(Rd2hOptions):
                 plan_ports(self.kv_port, self.global_dp_rank, self.tp_size)
             except TopologyError as exc:
                 raise ValueError(str(exc)) from exc
+        if self.curve_secret_key is not None:
+            if self.role == "decode" and not self.curve_allowed_keys:
+                raise ValueError("CURVE on Decode needs curve_allowed_keys (the Prefill "
+                                 "public keys it accepts)")
+            if self.role == "prefill" and self.curve_server_key is None:
+                raise ValueError("CURVE on Prefill needs curve_server_key (Decode's public key)")
         return self
 
     @property

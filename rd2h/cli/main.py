@@ -7,6 +7,7 @@ import sys
 
 from rd2h import __version__
 from rd2h.cli.demo import add_demo_parser
+from rd2h.cli.keys import add_keys_parser
 from rd2h.cli.probe import add_probe_parser
 from rd2h.cli.proxy import add_proxy_parser
 
@@ -21,6 +22,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_demo_parser(sub)
     add_probe_parser(sub)
     add_proxy_parser(sub)
+    add_keys_parser(sub)
     return parser
 
 

@@ -98,13 +98,13 @@ def _decode_rank(cfg: DemoConfig, d_rank: int, base_port: int, dist_port: int, s
             indexer=dt("indexer"), scale=dt("scale"),
         )
     recorded: list[tuple[str, Any]] = []
-    codec = container.codec()
+    peek = container.peek_codec()  # the fault wrappers only look at frames
     receiver = container.decode_receiver(
         destinations=destinations,
         on_read=(lambda session, plan: recorded.append((session, plan))) if cfg.replay else None,
         transfer=decode_transfer(cfg.faults, d_rank, transport, cfg.seed),
         server_factory=lambda: decode_server(
-            cfg.faults, d_rank, container.control_server(), codec, killed
+            cfg.faults, d_rank, container.control_server(), peek, killed
         ),
     )
     receiver.start()

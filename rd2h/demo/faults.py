@@ -223,6 +223,9 @@ class SlowTransfer:
 
 
 class _ServerDecorator:
+    """``codec`` only peeks at frames: a plain codec, which reads signed frames as the
+    plain message (a signing one would count each look as a replay)."""
+
     def __init__(self, inner: ControlServer, codec: WireCodec) -> None:
         self._inner = inner
         self._codec = codec

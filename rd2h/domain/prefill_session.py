@@ -196,7 +196,8 @@ class PrefillSession:
         if link is not None and link.state == "handshaking":
             return self._handshake_failed(
                 endpoint, link,
-                f"decode endpoint {endpoint} disconnected during the MF_META handshake", now,
+                f"decode endpoint {endpoint} disconnected during the MF_META handshake "
+                f"(Decode gone, or refusing this peer: are the CURVE keys right?)", now,
             )
         return self._reset(endpoint, f"decode endpoint {endpoint} disconnected (process "
                            f"gone, connection reset or heartbeat timeout)", close=False)

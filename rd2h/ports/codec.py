@@ -1,27 +1,41 @@
-"""Wire codec port: control-channel frames <-> typed messages (spec 4)."""
+"""Wire codec port: control-channel frames <-> typed messages (spec 4).
+
+``conn`` names the connection a frame travels on (Decode: the peer identity;
+Prefill: the Decode endpoint). A plain codec ignores it; a signing codec binds
+every frame to its connection and refuses replays, keeping a little state per
+connection until ``forget``.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from typing import Protocol
 
 from rd2h.domain.protocol import Message
 
 
 class WireCodec(Protocol):
-    def encode(self, message: Message) -> bytes:
+    max_frame_bytes: int
+
+    def encode(self, message: Message, conn: Hashable = None) -> bytes:
         """One frame holding the message's positional tuple."""
         ...
 
-    def decode(self, frame: bytes) -> Message:
+    def decode(self, frame: bytes, conn: Hashable = None) -> Message:
         """The message in ``frame``; anything malformed raises ``ProtocolError`` only
-        (``AuthenticationError`` when a configured signature is missing or wrong)."""
+        (``AuthenticationError`` when a configured signature is missing, wrong, or
+        replayed)."""
         ...
 
-    def encode_ack(self) -> bytes:
+    def encode_ack(self, conn: Hashable = None) -> bytes:
         """Decode's MF_META acknowledgement frame (raw ``b"ACK"`` without authentication)."""
         ...
 
-    def is_ack(self, frame: bytes) -> bool:
+    def is_ack(self, frame: bytes, conn: Hashable = None) -> bool:
         """Whether ``frame`` is an acknowledgement; raises ``AuthenticationError`` for an
         acknowledgement that lacks or fails the configured signature."""
+        ...
+
+    def forget(self, conn: Hashable) -> None:
+        """The connection is gone: drop whatever the codec kept for it."""
         ...

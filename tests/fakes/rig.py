@@ -214,7 +214,7 @@ def start_decode(
     layers: Iterable[int] | Mapping[int, Shape], codec: WireCodec = PLAIN, *,
     engine: InprocTransferEngine | None = None, d_rank: int = 0, d_tp: int = 1,
     shared_main: Bufs | None = None, request_timeout_s: float = 600.0,
-    max_frame_bytes: int = 64 * 1024 * 1024,
+    max_frame_bytes: int = 64 * 1024 * 1024, **receiver_kw: Any,
 ) -> DSide:
     engine = engine or InprocTransferEngine()
     whole, bufs, dests = decode_memory(layers, engine, shared_main)
@@ -226,7 +226,7 @@ def start_decode(
                 HOST, port, max_frame_bytes=max_frame_bytes),
             codec=codec, transfer=engine, destinations=dests, d_rank=d_rank, d_tp=d_tp,
             clock=MonotonicClock(), log=log, request_timeout_s=request_timeout_s,
-            poll_interval_s=0.01,
+            poll_interval_s=0.01, **receiver_kw,
         )
         try:
             endpoint = receiver.start()

@@ -228,30 +228,85 @@ def test_prefill_drops_unsigned_replies(rig: Rig) -> None:
     """A fake Decode that signs its ACK but then answers READ_DONE unsigned: the reply is
     dropped (logged), so the layer ends by its deadline, not as acknowledged."""
     router, endpoint = rig.router()
+    fake = AuthenticatedCodec(PLAIN, SECRET.encode())  # the fake Decode's own codec
     p = rig.prefill()
     log = RecordingLogger(role="prefill")
     sender = rig.sender(p, SIGNED, log, layer_ack_timeout_s=SHORT, meta_ack_timeout_s=SHORT)
     sender.submit(0, None, targets(endpoint, [ReadRequest("r", (1,), (1,))]))
-    frames = router.recv_multipart()
-    identity = frames[0]
-    router.send_multipart([identity, b"", SIGNED.encode_ack()])
     frames = recv_frames(router)
-    batch = SIGNED.decode(frames[-1])
+    identity = frames[0]
+    assert isinstance(fake.decode(frames[-1], identity), MfMeta)
+    router.send_multipart([identity, b"", fake.encode_ack(identity)])
+    frames = recv_frames(router)
+    batch = fake.decode(frames[-1], identity)
     assert isinstance(batch, ReadReadyBatch) and batch.layer_idx == 0
-    router.send_multipart([identity, b"", PLAIN.encode(ReadDone(0))])
+    router.send_multipart([identity, b"", PLAIN.encode(ReadDone(0, batch.seq))])
     with pytest.raises(LayerSendError, match="no acknowledgement"):
         sender.wait_for_layer_send(0, WAIT)
     assert any("not signed" in line for line in log.lines("warning")), log.lines()
-    # a signed reply for the next announcement is accepted (after a new handshake, if
-    # the sender started one)
+    # The same signed reply sent twice counts once; a replay is refused (logged). The
+    # deadline reset the connection, so the next announcement handshakes again.
     sender.submit(0, None, targets(endpoint, [ReadRequest("r", (1,), (1,))]))
     while True:
         frames = recv_frames(router)
-        msg = SIGNED.decode(frames[-1])
+        msg = fake.decode(frames[-1], frames[0])
         if isinstance(msg, MfMeta):
-            router.send_multipart([frames[0], b"", SIGNED.encode_ack()])
+            router.send_multipart([frames[0], b"", fake.encode_ack(frames[0])])
             continue
         assert isinstance(msg, ReadReadyBatch)
         break
-    router.send_multipart([frames[0], b"", SIGNED.encode(ReadDone(0))])
+    reply = fake.encode(ReadDone(0, msg.seq), frames[0])
+    router.send_multipart([frames[0], b"", reply])
     sender.wait_for_layer_send(0, WAIT)
+    router.send_multipart([frames[0], b"", reply])
+    deadline = time.monotonic() + WAIT
+    while not any("replayed" in line for line in log.lines("warning")):
+        assert time.monotonic() < deadline, log.lines()
+        time.sleep(0.02)
+
+
+# ====================================================================== replays
+
+
+def test_decode_refuses_replayed_and_foreign_signed_frames(rig: Rig) -> None:
+    """A holder of the secret on one connection; its frames replayed on the same and on
+    another connection (whose MF_META was itself a replay): each replay is answered
+    READ_FAILED naming the replay, nothing is read and the request is not failed; the
+    real transfer of the same request then lands."""
+    p = rig.prefill()
+    d = rig.decode(SIGNED)
+    d.receiver.admit(internal(REQ.ext), REQ.d_main, REQ.d_idx)
+    honest = rig.dealer(d.endpoint)
+    codec = AuthenticatedCodec(PLAIN, SECRET.encode())
+    meta = codec.encode(p.meta(), "ep")
+    honest.send(meta)
+    (ack,) = recv_frames(honest)
+    assert codec.is_ack(ack, "ep")
+    nothing = ReadReadyBatch(0, layer_name(0), (), (), 0, 1, 99)  # names no request
+    frame = codec.encode(nothing, "ep")
+    honest.send(frame)
+    (reply,) = recv_frames(honest)
+    assert codec.decode(reply, "ep") == ReadDone(0, 99)
+    honest.send(frame)  # the same frame again, on its own connection
+    (reply,) = recv_frames(honest)
+    refused = codec.decode(reply, "ep")
+    assert isinstance(refused, ReadFailed) and "replayed" in refused.error
+    # Another connection: the captured MF_META is accepted (an ACK it cannot use), the
+    # captured batch is not.
+    thief = rig.dealer(d.endpoint)
+    thief.send(meta)
+    assert recv_frames(thief)[0].startswith(b"ACK")
+    read = REQ.read(0, 3)
+    thief.send(codec.encode(ReadReadyBatch(1, layer_name(1), (read,), (REQ.ext,), 0, 1, 5),
+                            "ep"))
+    (reply,) = recv_frames(thief)
+    msg = PLAIN.decode(reply)
+    assert isinstance(msg, ReadFailed) and msg.layer_idx == 1
+    assert "another connection" in msg.error or "does not match" in msg.error
+    assert d.receiver.stats.bytes_read == 0 and d.receiver.stats.auth_refused == 2
+    assert_guarded(d, NOTHING)
+    assert step(d.receiver).failed == frozenset()
+    sender = rig.sender(p, SIGNED)
+    out = run_transfer(p, d, sender, REQ, [(0, 3)])
+    assert out.failed == frozenset() and internal(REQ.ext) in out.finished
+    assert_transfer_landed(p, d, REQ)

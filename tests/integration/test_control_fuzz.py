@@ -72,6 +72,7 @@ SECRET = b"fuzz-shared-secret-0123456789"
 WRONG_SECRET = b"not-the-shared-secret-987654"
 CODEC_MAX = 64 * 1024  # the codec's frame limit (decode error, connection kept)
 ZMQ_MAX = 256 * 1024  # the socket's limit (ZeroMQ drops the connection)
+PLAIN_READER = MsgpackCodec(max_frame_bytes=CODEC_MAX)
 LAYERS = (0, 1)
 RUN = uuid.uuid4().hex[:8]  # valid request ids no hostile frame can guess
 OK_BLOCKS = tuple(range(0, 6))  # Decode blocks of the valid peer's requests
@@ -112,10 +113,14 @@ class FuzzRig:
     marker: Iterator[int] = field(default_factory=lambda: itertools.count(1 << 40))
 
     def expected(self, frame: bytes) -> str | int | None:
-        """What Decode answers to ``frame``: "ACK", a layer index, or nothing (the real
-        codec, holding the secret where Decode holds it, is the oracle)."""
+        """What Decode answers to ``frame``: "ACK", a layer index, or nothing (a real
+        codec, holding the secret where Decode holds it, is the oracle: a fresh one per
+        frame, like Decode facing a connection it accepted no MF_META on)."""
+        oracle = self.codec
+        if isinstance(oracle, AuthenticatedCodec):
+            oracle = AuthenticatedCodec(PLAIN_READER, SECRET)
         try:
-            msg = self.codec.decode(frame)
+            msg = oracle.decode(frame)
         except UnknownMessageType:
             return None
         except ProtocolError as exc:
@@ -125,9 +130,9 @@ class FuzzRig:
         return msg.layer_idx if isinstance(msg, ReadReadyBatch) else None
 
     def reply_of(self, frame: bytes) -> str | int:
-        if self.codec.is_ack(frame):
+        if frame.startswith(b"ACK"):  # plain, or signed (ACK + its envelope)
             return "ACK"
-        msg = self.codec.decode(frame)
+        msg = PLAIN_READER.decode(frame)  # a signed reply reads as the plain message
         assert not isinstance(msg, (MfMeta, ReadReadyBatch)), msg
         return msg.layer_idx
 
@@ -497,8 +502,8 @@ def test_port_is_still_served_after_fuzzing(rig: FuzzRig) -> None:
     sock.setsockopt(zmq.LINGER, 0)
     try:
         sock.connect(rig.d.endpoint)
-        sock.send(rig.codec.encode(rig.p.meta()))
-        assert rig.codec.is_ack(recv_frames(sock)[0])
+        sock.send(rig.codec.encode(rig.p.meta(), "probe"))
+        assert rig.codec.is_ack(recv_frames(sock)[0], "probe")
     finally:
         sock.close(0)
     assert rig.d.endpoint.startswith(f"tcp://{HOST}:")

@@ -30,41 +30,63 @@ from rd2h.domain.protocol import (
 
 SECRET = b"0123456789abcdef-secret"
 PLAIN = MsgpackCodec()
-SIGNED = AuthenticatedCodec(PLAIN, SECRET)
-OTHER = AuthenticatedCodec(PLAIN, b"another-secret-of-16+")
 L = "model.layers.2.self_attn"
 
 META = MfMeta("inproc:abc", {L: LayerMetadata((4096, 8192), (64, 8), (1, 1), (0, 1), 1, True,
                                               num_blocks=(8, 8))})
-BATCH = ReadReadyBatch(5, L, (ReadRequest("req-1", (1, 2), (3,), 0, 1),), ("req-1",), 1, 2)
-MESSAGES = [META, BATCH, ReadDone(5), ReadFailed(5, "boom")]
+BATCH = ReadReadyBatch(5, L, (ReadRequest("req-1", (1, 2), (3,), 0, 1),), ("req-1",), 1, 2, 7)
+MESSAGES = [META, BATCH, ReadDone(5, 7), ReadFailed(5, "boom", 7)]
+
+
+def signed(secret: bytes = SECRET) -> AuthenticatedCodec:
+    return AuthenticatedCodec(PLAIN, secret)
 
 
 def pack(value) -> bytes:
     return msgpack.packb(value, use_bin_type=True)
 
 
-def mac(data: bytes, key: bytes = SECRET) -> bytes:
+def mac(receiver: bytes, sender: bytes, seq: int, plain: bytes, key: bytes = SECRET) -> bytes:
+    data = b"rd2h-auth-2" + receiver + sender + seq.to_bytes(8, "big") + plain
     return hmac.new(key, data, hashlib.sha256).digest()
+
+
+def pair(secret_p: bytes = SECRET, secret_d: bytes = SECRET):
+    """A Prefill codec and a Decode codec after a handshake on one connection."""
+    p, d = signed(secret_p), signed(secret_d)
+    assert d.decode(p.encode(META, "ep"), b"id") == META
+    assert p.is_ack(d.encode_ack(b"id"), "ep")
+    return p, d
 
 
 # ====================================================================== the framing rule
 
 
-@pytest.mark.parametrize("msg", MESSAGES, ids=lambda m: type(m).__name__)
-def test_signed_frame_is_the_plain_tuple_plus_an_hmac_of_its_encoding(msg):
-    plain = PLAIN.encode(msg)
-    signed = SIGNED.encode(msg)
-    fields = msgpack.unpackb(plain, raw=False)
-    # one appended bin field: HMAC-SHA256(secret, plain encoding)
-    assert msgpack.unpackb(signed, raw=False) == [*fields, mac(plain)]
-    assert signed == array_header(len(fields) + 1) + plain[1:] + b"\xc4\x20" + mac(plain)
-    assert SIGNED.decode(signed) == msg
+def test_signed_frame_is_the_plain_tuple_plus_an_envelope_bound_to_both_nonces():
+    p, d = signed(), signed()
+    meta = p.encode(META, "ep")
+    plain = PLAIN.encode(META)
+    env = msgpack.unpackb(meta, raw=False)[-1]
+    p_nonce, seq = env[:16], int.from_bytes(env[16:24], "big")
+    assert seq == 1 and env[24:] == mac(bytes(16), p_nonce, 1, plain)  # no Decode nonce yet
+    assert meta == array_header(4) + plain[1:] + b"\xc4\x38" + env
+    assert d.decode(meta, b"id") == META
+    ack = d.encode_ack(b"id")
+    d_nonce = ack[3:19]
+    assert ack == ACK + d_nonce + (1).to_bytes(8, "big") + mac(p_nonce, d_nonce, 1, ACK)
+    assert p.is_ack(ack, "ep")
+    frame = p.encode(BATCH, "ep")
+    env = msgpack.unpackb(frame, raw=False)[-1]
+    assert env[:16] == p_nonce and env[24:] == mac(d_nonce, p_nonce, 2, PLAIN.encode(BATCH))
+    assert d.decode(frame, b"id") == BATCH
+    reply = d.encode(ReadDone(5, 7), b"id")
+    assert p.decode(reply, "ep") == ReadDone(5, 7)
 
 
 @pytest.mark.parametrize("msg", MESSAGES, ids=lambda m: type(m).__name__)
 def test_a_peer_without_the_secret_reads_signed_frames_as_the_plain_message(msg):
-    assert PLAIN.decode(SIGNED.encode(msg)) == msg
+    p, _ = pair()
+    assert PLAIN.decode(p.encode(msg, "ep")) == msg
 
 
 @pytest.mark.parametrize("count", [0, 1, 14, 15, 16, 17, 65535, 65536, 70000])
@@ -78,10 +100,83 @@ def test_array_headers_are_msgpacks_shortest_form(count):
 def test_signing_works_across_the_fixarray_boundary():
     fields = [READ_READY_BATCH, 1, L, [], [], 0, 1, *range(8)]  # 15 fields (newer build)
     plain = pack(fields)
-    signed = array_header(16) + plain[1:] + b"\xc4\x20" + mac(plain)
-    assert signed[0] == 0xDC  # 16 elements need an array 16 header
-    assert split_signed(signed) == (plain, mac(plain))
-    assert msgpack.unpackb(signed, raw=False) == [*fields, mac(plain)]
+    env = bytes(range(56))
+    frame = array_header(16) + plain[1:] + b"\xc4\x38" + env
+    assert frame[0] == 0xDC  # 16 elements need an array 16 header
+    assert split_signed(frame) == (plain, env)
+    assert msgpack.unpackb(frame, raw=False) == [*fields, env]
+
+
+# ====================================================================== replays
+
+
+def test_a_frame_sent_again_on_its_connection_is_refused():
+    p, d = pair()
+    frame = p.encode(BATCH, "ep")
+    assert d.decode(frame, b"id") == BATCH
+    with pytest.raises(AuthenticationError, match="replayed") as ei:
+        d.decode(frame, b"id")
+    assert ei.value.layer_idx == 5
+    reply = d.encode(ReadDone(5, 7), b"id")
+    assert p.decode(reply, "ep") == ReadDone(5, 7)
+    with pytest.raises(AuthenticationError, match="replayed"):
+        p.decode(reply, "ep")
+    assert d.decode(p.encode(BATCH, "ep"), b"id") == BATCH  # the next one is fine
+
+
+def test_a_frame_captured_on_one_connection_is_refused_on_another():
+    p, d = pair()
+    captured = p.encode(BATCH, "ep")
+    # The attacker replays the captured MF_META on its own connection: Decode answers
+    # it (harmless: metadata under the attacker's connection) with a new nonce ...
+    p2 = signed()
+    meta = p2.encode(META, "ep")
+    assert d.decode(meta, b"attacker") == META
+    d.encode_ack(b"attacker")
+    # ... so the captured batch, bound to the first connection's nonces, is refused.
+    with pytest.raises(AuthenticationError, match="does not match") as ei:
+        d.decode(captured, b"attacker")
+    assert ei.value.layer_idx == 5
+    assert d.decode(captured, b"id") == BATCH  # on its own connection, once
+    with pytest.raises(AuthenticationError, match="another connection"):
+        d.decode(captured, b"nobody")  # no MF_META on that connection at all
+
+
+def test_an_ack_from_another_connection_is_refused():
+    p, d = signed(), signed()
+    d.decode(p.encode(META, "ep"), b"id")
+    other = signed()
+    d.decode(other.encode(META, "x"), b"other")
+    with pytest.raises(AuthenticationError, match="acknowledgement refused"):
+        p.is_ack(d.encode_ack(b"other"), "ep")
+    assert p.is_ack(d.encode_ack(b"id"), "ep")
+
+
+def test_a_restarted_peer_starts_a_new_count():
+    """Prefill re-handshakes over the same endpoint with a Decode that restarted: the
+    new Decode nonce restarts the count, so its sequence 1 is not a replay."""
+    p, d = pair()
+    for _ in range(3):
+        assert p.decode(d.encode(ReadDone(1, 1), b"id"), "ep") == ReadDone(1, 1)
+    d2 = signed()
+    assert d2.decode(p.encode(META, "ep"), b"new") == META
+    assert p.is_ack(d2.encode_ack(b"new"), "ep")
+    assert d2.decode(p.encode(BATCH, "ep"), b"new") == BATCH
+    assert p.decode(d2.encode(ReadDone(5, 7), b"new"), "ep") == ReadDone(5, 7)
+
+
+def test_state_is_per_connection_bounded_and_forgotten():
+    d = AuthenticatedCodec(PLAIN, SECRET, max_connections=3)
+    for n in range(10):
+        d.decode(signed().encode(META, "ep"), n)
+    assert d.connections == 3
+    d.forget(9)
+    assert d.connections == 2
+    # A refusal to a connection Decode knows nothing of keeps no state either.
+    d.encode(ReadFailed(1, "no", 1), b"unknown")
+    assert d.connections == 2
+    with pytest.raises(ValueError):
+        AuthenticatedCodec(PLAIN, SECRET, max_connections=0)
 
 
 # ====================================================================== without the secret
@@ -104,52 +199,57 @@ def test_old_shape_messages_decode_without_authentication(frame):
 @pytest.mark.parametrize("frame", OLD_SHAPES)
 def test_old_shape_messages_are_refused_when_a_secret_is_configured(frame):
     with pytest.raises(AuthenticationError, match=r"not signed.*auth_secret") as ei:
-        SIGNED.decode(frame)
+        signed().decode(frame)
     assert ei.value.layer_idx == (4 if b"read_ready" in frame else None)
 
 
 def test_wrong_secret_is_refused_naming_the_layer_of_a_ready_batch():
+    d, other = signed(), signed(b"another-secret-of-16+")
     with pytest.raises(AuthenticationError, match="does not match") as ei:
-        SIGNED.decode(OTHER.encode(BATCH))
-    assert ei.value.layer_idx == BATCH.layer_idx
-    with pytest.raises(AuthenticationError, match="does not match") as ei:
-        SIGNED.decode(OTHER.encode(META))
+        d.decode(other.encode(META, "ep"), b"id")
     assert ei.value.layer_idx is None
+    with pytest.raises(AuthenticationError) as ei:
+        d.decode(other.encode(BATCH, "ep"), b"id")
+    assert ei.value.layer_idx == BATCH.layer_idx
 
 
 def test_a_refused_malformed_ready_batch_still_names_its_layer():
     with pytest.raises(AuthenticationError) as ei:
-        SIGNED.decode(pack([READ_READY_BATCH, 9, L, "not-a-list"]))
+        signed().decode(pack([READ_READY_BATCH, 9, L, "not-a-list"]))
     assert ei.value.layer_idx == 9
 
 
 def test_a_signature_over_other_bytes_is_refused():
-    plain = PLAIN.encode(BATCH)
+    p, d = pair()
+    good = p.encode(BATCH, "ep")
     forged = PLAIN.encode(ReadReadyBatch(5, L, (ReadRequest("req-1", (7,), (7,)),)))
     header = read_array_header(forged)
     assert header is not None
-    frame = array_header(header[0] + 1) + forged[header[1]:] + b"\xc4\x20" + mac(plain)
+    frame = array_header(header[0] + 1) + forged[header[1]:] + good[-58:]
     with pytest.raises(AuthenticationError, match="does not match"):
-        SIGNED.decode(frame)
+        d.decode(frame, b"id")
+    assert d.decode(good, b"id") == BATCH
 
 
 @given(st.integers(0, 10_000), st.integers(1, 255), st.sampled_from(MESSAGES))
 @settings(max_examples=300, deadline=None)
 def test_any_changed_byte_of_a_signed_frame_is_refused(at, delta, msg):
-    frame = bytearray(SIGNED.encode(msg))
+    p, d = pair()
+    frame = bytearray(p.encode(msg, "ep"))
     at %= len(frame)
     frame[at] = (frame[at] + delta) % 256
     with pytest.raises(ProtocolError):
-        SIGNED.decode(bytes(frame))
+        d.decode(bytes(frame), b"id")
 
 
 @given(st.binary(max_size=200))
 @settings(max_examples=300, deadline=None)
 def test_random_bytes_only_raise_protocol_error(frame):
+    _, d = pair()
     with pytest.raises(ProtocolError):
-        SIGNED.decode(frame + b"\xc4\x20" + bytes(32))
+        d.decode(frame + b"\xc4\x38" + bytes(56), b"id")
     try:
-        SIGNED.decode(frame)
+        d.decode(frame, b"id")
     except ProtocolError:
         pass
     else:
@@ -162,7 +262,10 @@ def test_oversized_and_non_bytes_frames_are_protocol_errors():
         small.decode(b"\x90" * 5000)
     with pytest.raises(ProtocolError, match="bytes"):
         small.decode("text")  # type: ignore[arg-type]
-    assert small.decode(memoryview(small.encode(ReadDone(1)))) == ReadDone(1)
+    p = AuthenticatedCodec(MsgpackCodec(max_frame_bytes=1024), SECRET)
+    small.decode(p.encode(META, "ep"), "c")
+    p.is_ack(small.encode_ack("c"), "ep")
+    assert small.decode(memoryview(p.encode(ReadDone(1), "ep")), "c") == ReadDone(1)
 
 
 def test_empty_secret_is_a_configuration_error():
@@ -173,19 +276,26 @@ def test_empty_secret_is_a_configuration_error():
 # ====================================================================== the acknowledgement
 
 
-def test_signed_ack_is_ack_plus_its_hmac():
-    assert SIGNED.encode_ack() == ACK + mac(ACK)
-    assert SIGNED.is_ack(SIGNED.encode_ack())
-    assert not SIGNED.is_ack(SIGNED.encode(ReadDone(1)))
+def test_signed_ack_is_recognised_and_only_once():
+    p, d = signed(), signed()
+    d.decode(p.encode(META, "ep"), b"id")
+    ack = d.encode_ack(b"id")
+    assert p.is_ack(ack, "ep")
+    with pytest.raises(AuthenticationError, match="replayed"):
+        p.is_ack(ack, "ep")
+    assert not p.is_ack(d.encode(ReadDone(1), b"id"), "ep")
     assert PLAIN.encode_ack() == ACK and PLAIN.is_ack(ACK)
-    assert not PLAIN.is_ack(SIGNED.encode_ack())  # a legacy Prefill never takes it for ACK
+    assert not PLAIN.is_ack(ack)  # a legacy Prefill never takes it for ACK
 
 
 def test_unsigned_or_wrongly_signed_ack_is_refused_clearly():
+    p, other = signed(), signed(b"another-secret-of-16+")
+    other.decode(signed(b"another-secret-of-16+").encode(META, "x"), b"id")
+    p.encode(META, "ep")
     with pytest.raises(AuthenticationError, match=r"not signed.*auth_secret"):
-        SIGNED.is_ack(ACK)
+        p.is_ack(ACK, "ep")
     with pytest.raises(AuthenticationError, match="does not match"):
-        SIGNED.is_ack(OTHER.encode_ack())
+        p.is_ack(other.encode_ack(b"id"), "ep")
 
 
 # ====================================================================== settings / container
@@ -198,8 +308,9 @@ def test_container_signs_only_when_a_secret_is_configured():
         Rd2hSettings(role="prefill", auth_secret=SECRET.decode(), max_frame_bytes=4096)
     ).codec()
     assert isinstance(signed, AuthenticatedCodec)
-    assert SIGNED.decode(signed.encode(BATCH)) == BATCH  # same secret, same tag
-    assert signed.is_ack(SIGNED.encode_ack())
+    d = AuthenticatedCodec(PLAIN, SECRET)
+    assert d.decode(signed.encode(META, "ep"), b"id") == META  # same secret: verified
+    assert signed.is_ack(d.encode_ack(b"id"), "ep")
 
 
 def test_short_secret_is_refused_without_echoing_it():

@@ -1,39 +1,65 @@
-"""Optional shared-secret authentication of control messages (HMAC-SHA256).
+"""Shared-secret authentication of control messages (HMAC-SHA256), replay-proof.
 
 The framing rule lives here and nowhere else:
 
 - A signed message is the plain positional array with one element appended: a
-  32-byte bin (msgpack ``bin 8``: ``c4 20`` + tag) holding
-  ``HMAC-SHA256(secret, P)``, where ``P`` is the plain message's msgpack encoding
+  56-byte bin (msgpack ``bin 8``: ``c4 38``) holding ``nonce (16) | seq (8, big
+  endian) | tag (32)``, where ``tag = HMAC-SHA256(secret, "rd2h-auth-2" | peer
+  nonce | nonce | seq | P)`` and ``P`` is the plain message's msgpack encoding
   with its array header in the shortest form (as every msgpack packer writes it).
-  On the wire: ``header(n + 1) + P[len(header(n)):] + c4 20 + tag``. Dropping the
-  last 34 bytes and rewriting the header gives ``P`` back byte for byte, so a
+  On the wire: ``header(n + 1) + P[len(header(n)):] + c4 38 + envelope``. Dropping
+  the last 58 bytes and rewriting the header gives ``P`` back byte for byte, so a
   receiver verifies the exact bytes it got and never re-encodes.
-- The signed MF_META acknowledgement is ``b"ACK" + HMAC-SHA256(secret, b"ACK")``.
-- Protocol extensions only append fields, so a peer without a secret reads a
-  signed message as the plain one and ignores the tag. Signed messages always
-  carry every field of the current layout (``fields_of`` writes all seven of
-  READ_READY_BATCH), so the tag is never mistaken for an optional field.
+- ``nonce`` is the sender's random 16 bytes for this connection and ``peer nonce``
+  the receiver's, as the sender learned it (16 zero bytes in MF_META, the first
+  message, when Prefill knows no Decode nonce yet); ``seq`` counts the sender's
+  signed frames on the connection from 1.
+- The signed MF_META acknowledgement is ``b"ACK" + nonce + seq + tag`` with
+  ``P = b"ACK"``: it tells Prefill the Decode nonce of the connection.
 
-What it gives: nobody without the secret can make Decode store metadata, read,
-or fail a request, and Prefill accepts no acknowledgement or reply it did not get
-from a holder of the secret. What it does not give: confidentiality, or replay
-protection (an on-path attacker can resend a captured signed frame).
+So every frame after MF_META is bound to both nonces of its connection: a frame
+captured on one connection is refused on any other, and one sent again on its own
+connection is refused by its sequence number. A replayed MF_META only earns the
+replayer an ACK it cannot use (metadata stored under its own connection, within the
+peer cap). A receiver seeing a new nonce from its peer takes it as a restarted
+peer and restarts the count. Protocol extensions only append fields, so a peer
+without a secret reads a signed message as the plain one and ignores the envelope.
+
+What it gives: nobody without the secret can make Decode store metadata, read, or
+fail a request, nor replay what a holder of the secret sent; Prefill accepts no
+acknowledgement or reply it did not get from a holder of the secret on that
+connection. What it does not give: confidentiality or protection from an attacker
+inside an established TCP connection (configure CURVE for those).
+
+State per connection (``conn``: Decode's peer identity, Prefill's endpoint) is
+created only by a verified frame or by sending, dropped by ``forget`` and capped
+(the least recently used goes first).
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
+import os
+import threading
+from collections import OrderedDict
+from collections.abc import Hashable
+from dataclasses import dataclass, field
 
 from rd2h.adapters.msgpack.codec import MsgpackCodec
 from rd2h.domain.errors import AuthenticationError, ProtocolError
 from rd2h.domain.protocol import ACK, Message, ReadReadyBatch
 
 DIGEST_BYTES = 32
-_TAG_HEADER = b"\xc4\x20"  # msgpack bin 8 of 32 bytes
-_TAG_FIELD = len(_TAG_HEADER) + DIGEST_BYTES
+NONCE_BYTES = 16
+SEQ_BYTES = 8
+ENVELOPE_BYTES = NONCE_BYTES + SEQ_BYTES + DIGEST_BYTES
+_ENVELOPE_HEADER = b"\xc4" + bytes((ENVELOPE_BYTES,))  # msgpack bin 8 of 56 bytes
+_ENVELOPE_FIELD = len(_ENVELOPE_HEADER) + ENVELOPE_BYTES
+_CONTEXT = b"rd2h-auth-2"
+_NO_NONCE = bytes(NONCE_BYTES)
 _HINT = "configure the same auth_secret on Prefill and Decode"
+DEFAULT_MAX_CONNECTIONS = 4096
 
 
 def array_header(count: int) -> bytes:
@@ -60,46 +86,131 @@ def read_array_header(frame: bytes) -> tuple[int, int] | None:
 
 
 def split_signed(frame: bytes) -> tuple[bytes, bytes] | None:
-    """``(plain encoding, tag)`` of a frame whose last element is a 32-byte bin,
+    """``(plain encoding, envelope)`` of a frame whose last element is a 56-byte bin,
     or None when it carries no such field (an unsigned message)."""
-    if len(frame) <= _TAG_FIELD or frame[-_TAG_FIELD:-DIGEST_BYTES] != _TAG_HEADER:
+    if len(frame) <= _ENVELOPE_FIELD or (
+            frame[-_ENVELOPE_FIELD:-ENVELOPE_BYTES] != _ENVELOPE_HEADER):
         return None
     header = read_array_header(frame)
     if header is None or header[0] < 2:
         return None
     count, size = header
-    return array_header(count - 1) + frame[size:-_TAG_FIELD], frame[-DIGEST_BYTES:]
+    return array_header(count - 1) + frame[size:-_ENVELOPE_FIELD], frame[-ENVELOPE_BYTES:]
+
+
+_META_TAG = b"\xc4\x07mf_meta"  # MF_META's type tag as msgpack bin
+
+
+def _is_meta(plain: bytes) -> bool:
+    header = read_array_header(plain)
+    return header is not None and plain[header[1]:header[1] + len(_META_TAG)] == _META_TAG
+
+
+@dataclass
+class _Conn:
+    mine: bytes = field(default_factory=lambda: os.urandom(NONCE_BYTES))
+    theirs: bytes | None = None  # the peer's nonce, once a verified frame told it
+    sent: int = 0  # last sequence number this side signed
+    received: int = 0  # last sequence number accepted from the peer
 
 
 class AuthenticatedCodec:
     """A ``WireCodec`` that signs every frame it encodes and accepts only frames signed
-    with the same secret; refusals are ``AuthenticationError`` (a ``ProtocolError``)
-    carrying the layer index when the refused message names one."""
+    with the same secret for the same connection, each once; refusals are
+    ``AuthenticationError`` (a ``ProtocolError``) carrying the layer index when the
+    refused message names one. Thread-safe."""
 
-    def __init__(self, inner: MsgpackCodec, secret: bytes) -> None:
+    def __init__(self, inner: MsgpackCodec, secret: bytes,
+                 max_connections: int = DEFAULT_MAX_CONNECTIONS) -> None:
         if not secret:
             raise ValueError("the shared secret must not be empty")
+        if max_connections < 1:
+            raise ValueError("max_connections must be >= 1")
         self._inner = inner
         self._key = bytes(secret)
-        self._ack = ACK + self._mac(ACK)
-        self.max_frame_bytes = inner.max_frame_bytes + _TAG_FIELD + 4
+        self._max_conns = max_connections
+        self._conns: OrderedDict[Hashable, _Conn] = OrderedDict()
+        self._lock = threading.Lock()
+        self.max_frame_bytes = inner.max_frame_bytes + _ENVELOPE_FIELD + 4
 
-    def _mac(self, data: bytes) -> bytes:
-        return hmac.new(self._key, data, hashlib.sha256).digest()
+    # -- connection state
+    def forget(self, conn: Hashable) -> None:
+        """The connection is gone: its nonces and counters go too."""
+        with self._lock:
+            self._conns.pop(conn, None)
+
+    @property
+    def connections(self) -> int:
+        with self._lock:
+            return len(self._conns)
+
+    def _conn(self, conn: Hashable, create: bool) -> _Conn | None:
+        state = self._conns.get(conn)
+        if state is not None:
+            self._conns.move_to_end(conn)
+        elif create:
+            state = self._conns[conn] = _Conn()
+            while len(self._conns) > self._max_conns:
+                self._conns.popitem(last=False)
+        return state
+
+    def _envelope(self, plain: bytes, conn: Hashable) -> bytes:
+        """Only the opening MF_META creates a connection's state; anything else sent on
+        a connection without one (a refusal to an unknown peer) is signed with a
+        throwaway nonce and keeps nothing."""
+        opening = _is_meta(plain)
+        with self._lock:
+            state = self._conn(conn, create=opening)
+            if state is None:
+                state = _Conn()
+            state.sent += 1
+            seq = state.sent.to_bytes(SEQ_BYTES, "big")
+            # MF_META may reach a Decode that never saw this connection (or restarted).
+            mine, theirs = state.mine, (None if opening else state.theirs) or _NO_NONCE
+        return mine + seq + self._mac(theirs, mine, seq, plain)
+
+    def _mac(self, receiver: bytes, sender: bytes, seq: bytes, plain: bytes) -> bytes:
+        return hmac.new(self._key, b"".join((_CONTEXT, receiver, sender, seq, plain)),
+                        hashlib.sha256).digest()
+
+    def _verify(self, plain: bytes, envelope: bytes, conn: Hashable, first: bool) -> str | None:
+        """None when ``envelope`` is a fresh, valid signature of ``plain`` on ``conn``
+        (and the connection's state now records it); else why not."""
+        nonce, seq = envelope[:NONCE_BYTES], envelope[NONCE_BYTES:NONCE_BYTES + SEQ_BYTES]
+        tag = envelope[-DIGEST_BYTES:]
+        with self._lock:
+            state = self._conn(conn, create=False)
+            mine = _NO_NONCE if first or state is None else state.mine
+            if not hmac.compare_digest(tag, self._mac(mine, nonce, seq, plain)):
+                if state is None and not first:
+                    return "control message is signed for another connection (no MF_META " \
+                           "was accepted on this one)"
+                return ("control message signature does not match (the shared secrets "
+                        "differ, or it was signed for another connection)")
+            count = int.from_bytes(seq, "big")
+            if state is None:
+                state = self._conn(conn, create=True)
+                assert state is not None
+            if state.theirs == nonce and count <= state.received:
+                return f"control message replayed (sequence {count} already seen on this " \
+                       f"connection)"
+            state.theirs, state.received = nonce, count  # a new nonce: the peer restarted
+        return None
 
     # -- encode
-    def encode(self, message: Message) -> bytes:
+    def encode(self, message: Message, conn: Hashable = None) -> bytes:
         plain = self._inner.encode(message)
         header = read_array_header(plain)
         assert header is not None, "rd2h messages are arrays"
         count, size = header
-        return array_header(count + 1) + plain[size:] + _TAG_HEADER + self._mac(plain)
+        return (array_header(count + 1) + plain[size:] + _ENVELOPE_HEADER
+                + self._envelope(plain, conn))
 
-    def encode_ack(self) -> bytes:
-        return self._ack
+    def encode_ack(self, conn: Hashable = None) -> bytes:
+        return ACK + self._envelope(ACK, conn)
 
     # -- decode
-    def decode(self, frame: bytes) -> Message:
+    def decode(self, frame: bytes, conn: Hashable = None) -> Message:
         if not isinstance(frame, (bytes, bytearray, memoryview)):
             raise ProtocolError(f"frame must be bytes, got {type(frame).__name__}")
         raw = bytes(frame)
@@ -108,16 +219,14 @@ class AuthenticatedCodec:
                 f"frame of {len(raw)} bytes exceeds the {self.max_frame_bytes}-byte limit"
             )
         signed = split_signed(raw)
-        if signed is not None:
-            plain, tag = signed
-            if hmac.compare_digest(tag, self._mac(plain)):
-                return self._inner.decode(plain)
-            reason = "control message signature does not match (the shared secrets differ)"
-            readable = plain
-        else:
+        if signed is None:
             reason = "control message is not signed (the sender has no shared secret)"
-            readable = raw
-        raise AuthenticationError(f"{reason}; {_HINT}", self._layer_of(readable))
+            raise AuthenticationError(f"{reason}; {_HINT}", self._layer_of(raw))
+        plain, envelope = signed
+        reason = self._verify(plain, envelope, conn, first=_is_meta(plain))
+        if reason is not None:
+            raise AuthenticationError(f"{reason}; {_HINT}", self._layer_of(plain))
+        return self._inner.decode(plain)
 
     def _layer_of(self, frame: bytes) -> int | None:
         """The layer a refused frame names, so Decode can answer READ_FAILED for it
@@ -128,18 +237,16 @@ class AuthenticatedCodec:
             return exc.layer_idx
         return message.layer_idx if isinstance(message, ReadReadyBatch) else None
 
-    def is_ack(self, frame: bytes) -> bool:
+    def is_ack(self, frame: bytes, conn: Hashable = None) -> bool:
         raw = bytes(frame)
-        if hmac.compare_digest(raw, self._ack):
-            return True
         if raw == ACK:
             raise AuthenticationError(
                 f"MF_META acknowledgement is not signed (the decode endpoint has no shared "
                 f"secret); {_HINT}"
             )
-        if len(raw) == len(self._ack) and raw.startswith(ACK):
-            raise AuthenticationError(
-                f"MF_META acknowledgement signature does not match (the shared secrets "
-                f"differ); {_HINT}"
-            )
-        return False
+        if len(raw) != len(ACK) + ENVELOPE_BYTES or not raw.startswith(ACK):
+            return False
+        reason = self._verify(ACK, raw[len(ACK):], conn, first=False)
+        if reason is not None:
+            raise AuthenticationError(f"MF_META acknowledgement refused: {reason}; {_HINT}")
+        return True

@@ -11,6 +11,10 @@ monitor reports every closed connection (``EVENT_DISCONNECTED``). On Prefill
 each DEALER has its own monitor, so a loss names the Decode endpoint. On Decode
 the ROUTER's monitor names a file descriptor; each message's source descriptor
 (``SRCFD``) maps it to the peer identity the receiver knows.
+
+Security: with ``curve`` keys both sides run CURVE (encrypted, authenticated; see
+``curve.py``); a CURVE server owns its context and ZAP handler. Without keys the
+wire is plain ZMTP (NULL mechanism), as before.
 """
 
 from __future__ import annotations
@@ -22,6 +26,15 @@ import time
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
+from rd2h.adapters.zmq.curve import (
+    CurveClientKeys,
+    CurveServerKeys,
+    ZapGate,
+    apply_client_keys,
+    apply_server_keys,
+    require_curve,
+    term_bounded,
+)
 from rd2h.domain.errors import Rd2hError
 from rd2h.domain.topology import tcp_endpoint
 
@@ -31,6 +44,15 @@ DEFAULT_HEARTBEAT_TIMEOUT_S = 5.0
 
 class BindError(Rd2hError):
     """The Decode control socket could not bind its port."""
+
+
+DEFAULT_RECV_HWM = 64
+
+
+def _check_hwm(recv_hwm: int) -> int:
+    if isinstance(recv_hwm, bool) or not isinstance(recv_hwm, int) or recv_hwm < 1:
+        raise ValueError(f"recv_hwm must be an integer >= 1, got {recv_hwm!r}")
+    return recv_hwm
 
 
 def _non_empty(frames: list[bytes]) -> list[bytes]:
@@ -88,30 +110,47 @@ class ZmqControlServer:
         heartbeat_ivl_s: float = DEFAULT_HEARTBEAT_IVL_S,
         heartbeat_timeout_s: float = DEFAULT_HEARTBEAT_TIMEOUT_S,
         context: zmq.Context | None = None,
+        curve: CurveServerKeys | None = None,
+        recv_hwm: int = DEFAULT_RECV_HWM,
     ) -> None:
+        _check_hwm(recv_hwm)
+        if curve is not None:
+            require_curve()
+            if context is not None:
+                raise ValueError("a CURVE server owns its zmq context: do not pass one")
         if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535:
             raise BindError(
                 f"cannot bind decode control socket on {host!r}: port {port!r} is outside "
                 "1..65535 (check kv_port, global_dp_rank and tp_size)"
             )
-        self._ctx = context or zmq.Context.instance()
-        self._sock = self._ctx.socket(zmq.ROUTER)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes)
-        self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        try:
-            _set_heartbeat(self._sock, heartbeat_ivl_s, heartbeat_timeout_s)
-        except ValueError:
-            self._sock.close(0)
-            raise
-        if ":" in host:
-            self._sock.setsockopt(zmq.IPV6, 1)
         self._endpoint = tcp_endpoint(host, port)
+        self._gate: ZapGate | None = None
+        self._own_ctx = curve is not None
+        # Curve: a context of our own, so its ZAP handler governs this server only.
+        self._ctx = zmq.Context() if self._own_ctx else context or zmq.Context.instance()
+        self._sock: zmq.Socket | None = None
         try:
-            self._sock.bind(self._endpoint)
-        except zmq.ZMQError as exc:
-            self._sock.close(0)
-            raise BindError(f"cannot bind decode control socket {self._endpoint}: {exc}") from exc
+            if curve is not None:
+                self._gate = ZapGate(self._ctx, curve.allowed_raw())
+            self._sock = self._ctx.socket(zmq.ROUTER)
+            self._sock.setsockopt(zmq.LINGER, 0)
+            self._sock.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes)
+            self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+            self._sock.setsockopt(zmq.RCVHWM, recv_hwm)
+            _set_heartbeat(self._sock, heartbeat_ivl_s, heartbeat_timeout_s)
+            if curve is not None:
+                apply_server_keys(self._sock, curve)
+            if ":" in host:
+                self._sock.setsockopt(zmq.IPV6, 1)
+            try:
+                self._sock.bind(self._endpoint)
+            except zmq.ZMQError as exc:
+                raise BindError(
+                    f"cannot bind decode control socket {self._endpoint}: {exc}"
+                ) from exc
+        except BaseException:
+            self._release()
+            raise
         self._monitor = self._sock.get_monitor_socket(
             zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED
         )
@@ -189,10 +228,22 @@ class ZmqControlServer:
             return False
         return True
 
-    def close(self) -> None:
-        if not self._sock.closed:
-            _close_monitor(self._sock, self._monitor)
+    def _release(self) -> None:
+        """Close the socket, then (curve) stop the ZAP handler and end the own context;
+        every wait is bounded."""
+        if self._sock is not None and not self._sock.closed:
             self._sock.close(0)
+        stopped = True
+        if self._gate is not None:
+            stopped = self._gate.stop()
+            self._gate = None
+        if self._own_ctx and stopped and not self._ctx.closed:
+            term_bounded(self._ctx)
+
+    def close(self) -> None:
+        if self._sock is not None and not self._sock.closed:
+            _close_monitor(self._sock, self._monitor)
+        self._release()
 
 
 class ZmqControlClients:
@@ -204,7 +255,13 @@ class ZmqControlClients:
         heartbeat_ivl_s: float = DEFAULT_HEARTBEAT_IVL_S,
         heartbeat_timeout_s: float = DEFAULT_HEARTBEAT_TIMEOUT_S,
         context: zmq.Context | None = None,
+        curve: CurveClientKeys | None = None,
+        recv_hwm: int = DEFAULT_RECV_HWM,
     ) -> None:
+        self._recv_hwm = _check_hwm(recv_hwm)
+        if curve is not None:
+            require_curve()
+        self._curve = curve
         if heartbeat_ivl_s > 0 and heartbeat_timeout_s <= heartbeat_ivl_s:
             raise ValueError(f"heartbeat timeout {heartbeat_timeout_s:g} s must exceed the "
                              f"interval {heartbeat_ivl_s:g} s")
@@ -228,6 +285,9 @@ class ZmqControlClients:
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.IMMEDIATE, 1)
+        sock.setsockopt(zmq.RCVHWM, self._recv_hwm)
+        if self._curve is not None:
+            apply_client_keys(sock, self._curve)
         if endpoint.startswith("tcp://["):
             sock.setsockopt(zmq.IPV6, 1)
         _set_heartbeat(sock, *self._heartbeat)
