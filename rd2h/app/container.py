@@ -174,7 +174,9 @@ class Container(containers.DeclarativeContainer):
         ZmqControlServer, host=config.host,
         port=providers.Callable(_rank_port, config.kv_port, config.global_dp_rank,
                                 config.tp_size, config.tp_rank),
-        max_frame_bytes=config.max_frame_bytes, heartbeat_ivl_s=deadlines.heartbeat_ivl_s,
+        # ZeroMQ's own cap leaves room for a signature envelope on a full-size frame.
+        max_frame_bytes=providers.Callable(lambda n: n + 4096, config.max_frame_bytes),
+        heartbeat_ivl_s=deadlines.heartbeat_ivl_s,
         heartbeat_timeout_s=deadlines.heartbeat_timeout_s, recv_hwm=limits.recv_hwm,
         curve=providers.Callable(_server_keys, config.curve_secret_key,
                                  config.curve_allowed_keys),

@@ -71,7 +71,7 @@ class Limits(BaseModel):
         64, ge=1, description="control messages queued per connection before ZeroMQ "
         "stops reading from it (the peer's sends then wait)")
     max_frame_objects: int = Field(
-        1 << 21, ge=16, description="msgpack objects one control frame may decode to, "
+        1 << 20, ge=16, description="msgpack objects one control frame may decode to, "
         "nested MF_META metadata included (checked while decoding)")
     max_peers: int = Field(
         1024, ge=1, description="Decode: connections whose MF_META is kept; MF_META from "
@@ -144,7 +144,11 @@ class Rd2hOptions(BaseModel):
     metaserver_timeout_s: float = Field(5.0, gt=0, description="one metaserver POST")
     metaserver_retries: int = Field(3, ge=0, description="immediate retries on transport error")
     metaserver_retry_interval_s: float = Field(1.0, gt=0)
-    max_frame_bytes: int = Field(64 * 1024 * 1024, ge=1024)
+    max_frame_bytes: int = Field(
+        16 * 1024 * 1024, ge=1024,
+        description="longest control frame (a READ_READY_BATCH of 256 requests x 1,024 "
+        "blocks is ~1.5 MiB); with limits.max_frame_objects it bounds what decoding one "
+        "frame can cost (README: 'Decode cost of a frame')")
     auth_secret: SecretStr | None = Field(
         None,
         description="shared secret (>= 16 characters) for HMAC-SHA256 signing of every "

@@ -12,9 +12,9 @@ gets one total budget, shared with the MF_META layer map nested in it:
   more and each map two more (their own headers and hash tables). msgpack's C
   unpacker calls a hook as each container completes; the hook charges it and
   aborts the decode the moment the budget is spent. A piece (the frame, or the
-  nested map) of at most 256 bytes, too short to overrun what is left (3 units
-  per byte at most), is decoded without hooks and charged that worst case. The
-  nested layer map also has its own, smaller cap (``max_metadata_objects``).
+  nested map) too short to overrun what is left (3 units per byte at most) is
+  decoded without hooks and charged that worst case instead. The nested layer
+  map also has its own, smaller cap (``max_metadata_objects``).
 - bytes: the wire bytes decoded (the frame, then the nested map's bin again),
   checked before each piece is decoded. No str or bin payload is longer than
   the bytes carrying it.
@@ -263,11 +263,14 @@ class MsgpackCodec:
             )
         budget.bytes -= size
         allowance = cap if cap < budget.objects else budget.objects
-        if size <= _SHORT_PIECE_BYTES and _UNITS_PER_BYTE * (size + 1) <= allowance:
-            # Too short to overrun the budget: no check pass, no hooks; charged its
-            # worst case.
-            value = self._run(raw, what, self._short_limits)
-            budget.objects -= _UNITS_PER_BYTE * (size + 1)
+        worst = _UNITS_PER_BYTE * (size + 1)
+        if worst <= allowance:  # too short to overrun the budget: no hooks
+            if size <= _SHORT_PIECE_BYTES:
+                value = self._run(raw, what, self._short_limits)
+            else:
+                self._check(raw, size, what)
+                value = self._run(raw, what, self._limits)
+            budget.objects -= worst
             return value
         self._check(raw, size, what)
         on_array, on_map, used = _counting_hooks(allowance, what)
