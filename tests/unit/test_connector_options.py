@@ -21,7 +21,11 @@ def test_defaults(extra) -> None:
     assert o.deadlines == Deadlines()
     assert (o.metaserver_timeout_s, o.metaserver_retries, o.metaserver_retry_interval_s) == (
         5.0, 3, 1.0)
-    assert o.max_frame_bytes == 64 * 1024 * 1024 and o.log_level == "WARNING"
+    assert o.max_frame_bytes == 16 * 1024 * 1024 and o.log_level == "WARNING"
+    assert (o.limits.recv_hwm, o.limits.max_frame_objects, o.limits.max_peers) == (
+        64, 1 << 20, 1024)
+    assert (o.limits.max_orphans_per_peer, o.limits.max_orphans) == (4096, 65536)
+    assert o.curve_secret_key is None and o.curve_allowed_keys == ()
 
 
 def test_values_are_taken_and_frozen() -> None:
