@@ -44,6 +44,12 @@ PER_PEER, TOTAL = 4096, 16384
 REQUEST_S = 3.0
 
 
+def rss_mib() -> float:
+    """This process's resident memory (the receiver runs in it)."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
 def pack(value: object) -> bytes:
     return msgpack.packb(value, use_bin_type=True)
 
@@ -85,6 +91,7 @@ def test_flood_of_hostile_ids_and_malformed_frames_leaves_no_state(capsys) -> No
         frames = malformed_frames(MALFORMED, seed=5)
         sent_ids = replies = 0
         peak_orphans = 0
+        rss = [rss_mib()]
         t0 = time.monotonic()
         for rnd in range(ROUNDS):
             for _ in range(HOSTILE_IDS // ROUNDS // IDS_PER_MESSAGE):
@@ -104,6 +111,7 @@ def test_flood_of_hostile_ids_and_malformed_frames_leaves_no_state(capsys) -> No
             assert out.failed == frozenset(), out
             assert_transfer_landed(p, d, t)
             peak_orphans = max(peak_orphans, d.receiver.counters()["orphans"])
+            rss.append(rss_mib())
         got = 0
         deadline = time.monotonic() + 4 * WAIT
         while got < replies:  # every hostile READ_READY_BATCH was answered
@@ -140,6 +148,8 @@ def test_flood_of_hostile_ids_and_malformed_frames_leaves_no_state(capsys) -> No
                   f"frames, {ROUNDS} valid transfers verified in {flood_s:.1f} s; orphan "
                   f"ids held at most {peak_orphans} (caps {PER_PEER}/peer, {TOTAL} in all), "
                   f"{stats.capped} cap episodes, {stats.malformed} malformed counted; "
-                  f"state left after the {REQUEST_S:g} s deadline: none")
+                  f"state left after the {REQUEST_S:g} s deadline: none; process RSS "
+                  f"{rss[0]:.0f} MiB before, per round "
+                  f"{', '.join(f'{r:.0f}' for r in rss[1:])} MiB")
     finally:
         rig.close()
