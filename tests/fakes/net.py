@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import socket
 import threading
 import time
@@ -9,9 +10,41 @@ from collections.abc import Callable
 
 from rd2h.demo.run import free_ports  # consecutive free ports (the demo's own helper)
 
-__all__ = ["HOST", "free_port", "free_ports", "wait_until"]
+__all__ = ["HOST", "free_port", "free_ports", "quiet_ports", "wait_until"]
 
 HOST = "127.0.0.1"
+
+
+def _ephemeral_low() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def quiet_ports(count: int, host: str = HOST) -> int:
+    """A base port with ``count`` consecutive ports free now, chosen *below* the
+    kernel's ephemeral range, so that no process's outgoing connection or port-0 bind
+    takes one before it is bound: for ports bound minutes later (a vLLM worker's
+    control socket binds after the model loads)."""
+    rnd = random.Random()
+    top = _ephemeral_low() - count
+    for _ in range(200):
+        base = rnd.randrange(10_000, top)
+        socks = []
+        try:
+            for i in range(count):
+                t = socket.socket()
+                socks.append(t)
+                t.bind((host, base + i))
+            return base
+        except OSError:
+            continue
+        finally:
+            for t in socks:
+                t.close()
+    raise RuntimeError("could not find free consecutive ports below the ephemeral range")
 
 
 def free_port(host: str = HOST) -> int:

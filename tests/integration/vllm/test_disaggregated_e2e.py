@@ -19,7 +19,7 @@ import pytest
 
 # Sibling helpers: pytest puts this directory on sys.path (it is deliberately not a
 # package: a package named "vllm" under tests/ would shadow the real vLLM).
-from fakes.net import free_port, free_ports
+from fakes.net import free_port, quiet_ports
 from servers import proxy_server, vllm_server
 from tiny_model import VOCAB, make_tiny_llama
 
@@ -57,7 +57,7 @@ def _tokens(resp: httpx.Response) -> list[list[int]]:
 def cluster(tmp_path_factory):
     root = tmp_path_factory.mktemp("vllm-e2e")
     model = make_tiny_llama(root / "model")
-    kv_port = free_ports(4)
+    kv_port = quiet_ports(4)  # bound after the model loads: keep it out of the way
     extra = {"transport": "cma", "log_level": "INFO",
              "deadlines": {"request_s": REQUEST_DEADLINE_S, "layer_ack_s": 10.0,
                            "meta_ack_s": 5.0}}
