@@ -255,3 +255,18 @@ def test_a_big_read_ready_batch_round_trips_at_the_default_limits():
 def test_an_mf_meta_of_61_layers_round_trips_at_the_default_limits():
     meta = MfMeta("session-1", layers(61, tensors=4))
     assert DEFAULT.decode(DEFAULT.encode(meta)) == meta
+
+
+def test_the_deployment_defaults_bound_is_the_one_the_readme_states():
+    """What a deployment gets without tuning (``Rd2hOptions``' defaults, built by the
+    composition root)."""
+    from rd2h.app.container import build_container
+    from rd2h.app.settings import Rd2hSettings
+
+    codec = build_container(Rd2hSettings(role="decode")).codec()
+    assert isinstance(codec, MsgpackCodec)
+    assert (codec.max_frame_bytes, codec.max_objects) == (16 * 2**20, 2**20)
+    bound = codec.worst_case_decode_bytes()
+    print(f"\ndeployment defaults (16 MiB frames, 1,048,576 units): bound "
+          f"{bound / 2**20:.0f} MiB")
+    assert round(bound / 2**20) == 369  # README "Decode cost of a frame"
