@@ -43,26 +43,30 @@ from rd2h.demo.synthetic import allocate
 CONSEQUENCES = ("failed on another decode rank", "TP exchange failed")
 
 
+def ports_free(base: int, count: int, host: str = "127.0.0.1") -> bool:
+    """Whether ports ``base .. base + count - 1`` can all be bound right now."""
+    socks = []
+    try:
+        for i in range(count):
+            t = socket.socket()
+            socks.append(t)
+            t.bind((host, base + i))
+        return True
+    except OSError:
+        return False
+    finally:
+        for t in socks:
+            t.close()
+
+
 def free_ports(count: int, host: str = "127.0.0.1") -> int:
     """A base port with ``count`` consecutive ports free right now."""
     for _ in range(200):
         with socket.socket() as s:
             s.bind((host, 0))
             base = s.getsockname()[1]
-        if base + count > 65535:
-            continue
-        socks = []
-        try:
-            for i in range(count):
-                t = socket.socket()
-                socks.append(t)
-                t.bind((host, base + i))
+        if base + count <= 65535 and ports_free(base, count, host):
             return base
-        except OSError:
-            continue
-        finally:
-            for t in socks:
-                t.close()
     raise RuntimeError("could not find free consecutive ports")
 
 

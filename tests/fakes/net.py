@@ -8,7 +8,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from rd2h.demo.run import free_ports  # consecutive free ports (the demo's own helper)
+from rd2h.demo.run import free_ports, ports_free  # the demo's own helpers
 
 __all__ = ["HOST", "free_port", "free_ports", "quiet_ports", "wait_until"]
 
@@ -32,18 +32,8 @@ def quiet_ports(count: int, host: str = HOST) -> int:
     top = _ephemeral_low() - count
     for _ in range(200):
         base = rnd.randrange(10_000, top)
-        socks = []
-        try:
-            for i in range(count):
-                t = socket.socket()
-                socks.append(t)
-                t.bind((host, base + i))
+        if ports_free(base, count, host):
             return base
-        except OSError:
-            continue
-        finally:
-            for t in socks:
-                t.close()
     raise RuntimeError("could not find free consecutive ports below the ephemeral range")
 
 
