@@ -42,6 +42,9 @@ class DecodeReceiver(LoopThread):
 
     ``on_read`` (optional) sees every successful read as ``(p_session, plan)``; the
     demo uses it to replay the same descriptors on the bare transport.
+    ``on_progress`` (optional) is called, on the loop thread, each time a request
+    reached a terminal state on this rank: a worker loop that sleeps between steps
+    (and the other TP ranks' loops, which must step with it) can wake at once.
     """
 
     def __init__(
@@ -58,6 +61,7 @@ class DecodeReceiver(LoopThread):
         request_timeout_s: float = 120.0,
         poll_interval_s: float = 0.05,
         on_read: Callable[[str, ReadPlan], None] | None = None,
+        on_progress: Callable[[], None] | None = None,
         main_shared: bool = True,
         start_timeout_s: float = 10.0,
         stop_timeout_s: float = 5.0,
@@ -73,6 +77,7 @@ class DecodeReceiver(LoopThread):
         self._log = log
         self._poll = poll_interval_s
         self._on_read = on_read
+        self._on_progress = on_progress
         self._session = DecodeSession(destinations=destinations, d_rank=d_rank, d_tp=d_tp,
                                       main_shared=main_shared,
                                       request_timeout_s=request_timeout_s,
@@ -253,3 +258,5 @@ class DecodeReceiver(LoopThread):
     def _report(self, outs: Iterable[Output]) -> None:
         if report_decode(outs, self.stats, self._log):
             self._progress.set()
+            if self._on_progress is not None:
+                self._on_progress()
