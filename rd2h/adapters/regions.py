@@ -14,6 +14,8 @@ import numpy as np
 from rd2h.domain.errors import TransferError
 
 _INT64_MAX = np.iinfo(np.int64).max
+_NONE = np.zeros(0, np.intp)
+_NONE.setflags(write=False)
 
 
 def _as_int64(name: str, values: np.ndarray) -> np.ndarray:
@@ -45,6 +47,12 @@ def validate_batch(
         )
     if lens.size == 0:
         return local, remote, lens
+    # The common case, every descriptor valid, in a few whole-array reductions; the
+    # exact search below (which names the first bad descriptor) runs otherwise.
+    if lens.min() > 0:
+        room = _INT64_MAX - lens  # lengths are positive: no overflow
+        if np.minimum(local, remote).min() >= 0 and (np.maximum(local, remote) <= room).all():
+            return local, remote, lens
     bad = np.flatnonzero(lens <= 0)
     if bad.size:
         i = int(bad[0])
@@ -113,6 +121,8 @@ class RegionTable:
         if starts.size == 0:
             return np.arange(addrs.size)
         idx = np.searchsorted(starts, addrs, side="right") - 1
+        if idx.size and idx.min() >= 0 and (max_ends[idx] >= addrs + lengths).all():
+            return _NONE  # every range inside a region (the common case)
         covered = (idx >= 0) & (max_ends[np.maximum(idx, 0)] >= addrs + lengths)
         return np.flatnonzero(~covered)
 

@@ -72,6 +72,15 @@ def add_demo_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--timeout", type=float, default=d.timeout_s, help="whole-run deadline (s)")
     p.add_argument("--no-replay", action="store_true",
                    help="skip the bare-transport replay (raw_gbps)")
+    p.add_argument("--rounds", type=int, default=d.rounds,
+                   help="A/B rounds in the same processes: each pulls every request anew "
+                        "(new ids, every byte verified) and replays round 0's reads on the "
+                        "bare transport, alternating which goes first; the summary gives "
+                        "each round's pipeline/bare ratio and the medians")
+    p.add_argument("--layer-compute-ms", type=float, default=d.layer_compute_ms, metavar="M",
+                   help="each Prefill rank spends M ms per layer (host idle, as while a "
+                        "device computes) before the layer is ready; the summary reports "
+                        "tail_ms: last layer ready -> request complete on every Decode rank")
     p.add_argument("--fault", action="append", default=[], metavar="KIND@KEY=VALUE",
                    help="inject a fault (repeatable): " + fault_help() + ". Each also takes "
                         "rank=R (default: rank 0 for kill-*, every Decode rank otherwise), "
@@ -115,7 +124,8 @@ def _run_demo(args: argparse.Namespace) -> int:
         timeout_s=args.timeout, replay=not args.no_replay, log_level=args.log_level,
         faults=faults, request_timeout_s=args.request_timeout,
         layer_ack_timeout_s=args.layer_ack_timeout, meta_ack_timeout_s=args.meta_ack_timeout,
-        exchange_timeout_s=args.exchange_timeout,
+        exchange_timeout_s=args.exchange_timeout, rounds=args.rounds,
+        layer_compute_ms=args.layer_compute_ms,
     )
     try:
         cfg.validate()

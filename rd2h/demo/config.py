@@ -10,11 +10,12 @@ import numpy as np
 from rd2h.app.settings import MIN_SECRET_CHARS, Deadlines
 from rd2h.demo.faults import Fault, check_faults
 from rd2h.demo.synthetic import Allocation, Shapes, block_pattern
+from rd2h.domain.chunks import chunk_block_range
 from rd2h.domain.topology import check_topology
 
 ENGINE_SUFFIX = "-e0000001"  # vLLM appends 9 characters to request ids
 SENTINEL = 0xEE  # destination bytes before any pull
-STEP_INTERVAL_S = 0.05  # longest pause between Decode worker steps
+STEP_INTERVAL_S = 0.05  # longest pause between Decode worker steps without news
 
 # DemoConfig field -> Deadlines field it overrides (None keeps the library default)
 DEADLINE_FLAGS = {
@@ -58,6 +59,11 @@ class DemoConfig:
     layer_ack_timeout_s: float | None = None
     meta_ack_timeout_s: float | None = None
     exchange_timeout_s: float | None = None
+    # Pipeline / bare-transport A/B rounds in the same processes (rd2h.demo.run).
+    rounds: int = 1
+    # Each Prefill rank spends this long per layer (host idle, like a device computing)
+    # before the layer is ready and announced.
+    layer_compute_ms: float = 0.0
 
     def validate(self) -> None:
         check_topology(self.prefill_tp, self.decode_tp)
@@ -81,6 +87,13 @@ class DemoConfig:
             raise ValueError("--chunks must not exceed the number of blocks of a prompt")
         if self.timeout_s <= 0:
             raise ValueError("--timeout must be > 0")
+        if not 1 <= self.rounds <= 100:
+            raise ValueError("--rounds must be between 1 and 100")
+        if self.rounds > 1 and (self.faults or self.via_provider):
+            raise ValueError("--rounds > 1 times the healthy direct path: it does not combine "
+                             "with --fault or --via-provider")
+        if not 0 <= self.layer_compute_ms <= 10_000:
+            raise ValueError("--layer-compute-ms must be between 0 and 10000")
         for name, (_, flag) in DEADLINE_FLAGS.items():
             value = getattr(self, name)
             if value is not None and not value > 0:
@@ -105,14 +118,39 @@ def layer_name(layer: int) -> str:
     return f"model.layers.{layer}.self_attn"
 
 
-def internal_id(request: int) -> str:
-    return f"req-{request:05d}{ENGINE_SUFFIX}"
+def internal_id(request: int, round_: int = 0) -> str:
+    """Request ``request``'s vLLM-style id in round ``round_`` (same blocks, new id)."""
+    tag = f"-r{round_}" if round_ else ""
+    return f"req-{request:05d}{tag}{ENGINE_SUFFIX}"
+
+
+def round_order(round_: int) -> tuple[str, str]:
+    """The A/B order of one round: round 0 pulls first (its reads are what the bare
+    transport replays), then the order alternates so neither side always goes first."""
+    return ("pipeline", "bare") if round_ % 2 == 0 else ("bare", "pipeline")
 
 
 def chunk_bounds(cfg: DemoConfig) -> list[int]:
     """Computed-token counts after each chunk (the last is the whole prompt)."""
     step = -(-cfg.prompt_tokens // cfg.chunks)
     return [min(cfg.prompt_tokens, step * (i + 1)) for i in range(cfg.chunks)]
+
+
+def chunk_ranges(cfg: DemoConfig, alloc: Allocation) -> list[tuple[int, int, bool]]:
+    """Per chunk: the block range ``[start, end)`` it makes ready, and whether it is the
+    final chunk."""
+    ranges = []
+    transferred = 0
+    bounds = chunk_bounds(cfg)
+    for i, computed in enumerate(bounds):
+        final = i == len(bounds) - 1
+        s, e = chunk_block_range(
+            block_size=cfg.block_size, computed_tokens=computed, transferred_tokens=transferred,
+            remote_cached_tokens=0, final=final, allocated_blocks=alloc.blocks_per_request,
+        )
+        ranges.append((s, e, final))
+        transferred = e * cfg.block_size
+    return ranges
 
 
 def main_pool_offsets(cfg: DemoConfig, alloc: Allocation, layer: int) -> tuple[int, int]:

@@ -2,9 +2,10 @@
 main pool, pulls, completes requests over a gloo exchange and verifies every byte.
 
 It reports to the parent through one queue as ``(kind, who, payload)``: ``bound``,
-``ready``, ``admitted``, ``progress``, ``decode_done`` (per-request outcomes and byte
-checks), ``decode_final`` (leak counters after the run settled, replay timing), or
-``error``. Injected faults (``rd2h.demo.faults``) wrap the real components.
+``ready``, then per round ``admitted/K``, ``progress``, ``decode_done/K`` (per-request
+outcomes and byte checks) and ``bare/K`` (the bare replay's timing), at the end
+``decode_final`` (leak counters after the run settled), or ``error``. Injected faults
+(``rd2h.demo.faults``) wrap the real components.
 """
 
 from __future__ import annotations
@@ -25,18 +26,20 @@ from rd2h.demo.config import (
     layer_name,
     main_pool_mismatches,
     main_pool_offsets,
+    round_order,
 )
 from rd2h.demo.faults import decode_server, decode_transfer
 from rd2h.demo.memory import enter_netns, killed, rank_settings
+from rd2h.demo.signals import Signals
 from rd2h.demo.synthetic import Allocation, block_pattern
 from rd2h.domain.layout import DestinationLayout, DestTensor
 
 
 def decode_main(cfg: DemoConfig, d_rank: int, base_port: int, dist_port: int, shm_name: str,
-                alloc: Allocation, go: Any, settle: Any, out: Any) -> None:
+                alloc: Allocation, sig: Signals, out: Any) -> None:
     try:
         enter_netns(cfg.decode_netns)
-        _decode_rank(cfg, d_rank, base_port, dist_port, shm_name, alloc, go, settle, out)
+        _decode_rank(cfg, d_rank, base_port, dist_port, shm_name, alloc, sig, out)
     except BaseException as exc:
         out.put(("error", f"decode {d_rank}", f"{exc!r}\n{traceback.format_exc()}"))
         raise SystemExit(1) from exc
@@ -59,7 +62,7 @@ def _verify_local(cfg: DemoConfig, alloc: Allocation, local: dict[tuple[int, str
 
 
 def _decode_rank(cfg: DemoConfig, d_rank: int, base_port: int, dist_port: int, shm_name: str,
-                 alloc: Allocation, go: Any, settle: Any, out: Any) -> None:
+                 alloc: Allocation, sig: Signals, out: Any) -> None:
     who = f"decode {d_rank}"
     shapes = cfg.shapes
     deadlines = cfg.deadlines()
@@ -97,11 +100,17 @@ def _decode_rank(cfg: DemoConfig, d_rank: int, base_port: int, dist_port: int, s
                   DestTensor(pool_addr + v_off, shapes.bytes_per_block("main_v"), n)),
             indexer=dt("indexer"), scale=dt("scale"),
         )
-    recorded: list[tuple[str, Any]] = []
+    recorded: list[tuple[str, Any]] = []  # round 0's reads, for the bare replays
+    recording = [cfg.replay]
+
+    def on_read(session: str, plan: Any) -> None:
+        if recording[0]:
+            recorded.append((session, plan))
+
     peek = container.peek_codec()  # the fault wrappers only look at frames
     receiver = container.decode_receiver(
-        destinations=destinations,
-        on_read=(lambda session, plan: recorded.append((session, plan))) if cfg.replay else None,
+        destinations=destinations, on_read=on_read if cfg.replay else None,
+        on_progress=sig.wake_all,
         transfer=decode_transfer(cfg.faults, d_rank, transport, cfg.seed),
         server_factory=lambda: decode_server(
             cfg.faults, d_rank, container.control_server(), peek, killed
@@ -111,78 +120,125 @@ def _decode_rank(cfg: DemoConfig, d_rank: int, base_port: int, dist_port: int, s
     out.put(("bound", who, None))
     exchange = container.tp_exchange(init_method=f"tcp://127.0.0.1:{dist_port}")
     out.put(("ready", who, None))
-    if not go.wait(cfg.timeout_s):  # admission and worker steps start with the run
-        raise TimeoutError("no start signal from the demo parent")
-    admitted_at = time.monotonic()
-    for r in range(cfg.requests):
-        receiver.admit(internal_id(r), alloc.d_main_blocks[r], alloc.d_indexer_blocks[r])
-    out.put(("admitted", who, admitted_at))
-
-    ids = [internal_id(r) for r in range(cfg.requests)]
-    outcomes: dict[str, str | None] = {}  # internal id -> None (ok) or why it failed
-    ended_s: dict[str, float] = {}
-    exchange_error = None
-    run_deadline = admitted_at + cfg.timeout_s
-    last_progress = 0
-    while len(outcomes) < cfg.requests and time.monotonic() < run_deadline:
-        try:
-            outcome = receiver.step(exchange, (), deadlines.tp_exchange_s)
-        except TimeoutError as exc:  # a Decode rank died or hung: no step can resolve more
-            exchange_error = str(exc).splitlines()[0][:200]  # gloo's messages run long
-            break
-        for rid in outcome.finished:
-            ended_s[rid] = time.monotonic() - admitted_at
-            outcomes[rid] = (outcome.reasons.get(rid, "failed") if rid in outcome.failed
-                             else None)
-        if d_rank == 0 and len(outcomes) != last_progress:
-            last_progress = len(outcomes)
-            out.put(("progress", who, last_progress))
-        if len(outcomes) < cfg.requests:
-            # Step when this rank has news, at least every STEP_INTERVAL_S: all ranks
-            # step in lockstep (the exchange is a collective).
-            receiver.wait_for_progress(STEP_INTERVAL_S)
-    t_end = time.monotonic()
-    if exchange_error is not None:
-        left = [rid for rid in ids if rid not in outcomes]
-        for rid in left:
-            outcomes[rid] = f"decode {d_rank}: {exchange_error}"
-            ended_s[rid] = t_end - admitted_at
-        receiver.abandon(left)
-    ok = [r for r in range(cfg.requests) if internal_id(r) in outcomes
-          and outcomes[internal_id(r)] is None]
-    mismatched = _verify_local(cfg, alloc, local, ok)
-    if d_rank == 0:
-        for r, n in main_pool_mismatches(cfg, alloc, pool, ok).items():
-            mismatched[r] += n
-    stats = receiver.stats
-    out.put(("decode_done", who, {
-        "outcomes": outcomes, "ended_s": ended_s, "t_end": t_end,
-        "mismatched": {internal_id(r): n for r, n in mismatched.items()},
-        "exchange_error": exchange_error, "bytes": stats.bytes_read,
-        "layers_done": stats.layers_done, "layers_failed": stats.layers_failed,
-        "descriptors": stats.descriptors, "read_seconds": stats.read_seconds,
-        "first_ready_at": stats.first_ready_at, "last_read_end_at": stats.last_read_end_at,
-    }))
+    rank = _Rank(cfg, d_rank, alloc, receiver, exchange, pool, local, sig, out)
+    for k in range(cfg.rounds):
+        for phase in round_order(k):
+            if phase == "bare" and not cfg.replay:
+                continue
+            if not (sig.admit[k] if phase == "pipeline" else sig.bare[k]).wait(cfg.timeout_s):
+                raise TimeoutError(f"no {phase} signal for round {k} from the demo parent")
+            if phase == "pipeline":
+                rank.pull(k)
+                recording[0] = False  # later rounds replay round 0's reads
+            else:
+                rank.bare(k, recorded, transport)
     # Settle: every Prefill rank is done (or dead). State about requests announced after
     # Decode finished them ends at the request deadline; wait for that, boundedly.
-    settle.wait(cfg.timeout_s)
+    sig.settle.wait(cfg.timeout_s)
     settle_deadline = time.monotonic() + deadlines.request_s + 1.0
     while _held(receiver.counters()) and time.monotonic() < settle_deadline:
         receiver.expire()
         receiver.wait_for_progress(STEP_INTERVAL_S)
-    raw = None
-    if cfg.replay:  # the same reads again on the bare transport (Prefill memory still held)
+    out.put(("decode_final", who, {"counters": receiver.counters()}))
+    receiver.stop(deadlines.stop_s)
+    if rank.exchange_error is None:  # a broken group is left to the process exit
+        exchange.close()
+    del pool, rank
+    shm.close()
+
+
+class _Rank:
+    """One Decode rank's rounds: pull (admit, step until every request ended, verify)
+    and the bare replay of round 0's reads."""
+
+    def __init__(self, cfg: DemoConfig, d_rank: int, alloc: Allocation, receiver: Any,
+                 exchange: Any, pool: np.ndarray, local: dict[tuple[int, str], np.ndarray],
+                 sig: Signals, out: Any) -> None:
+        self.cfg, self.d_rank, self.alloc = cfg, d_rank, alloc
+        self.receiver, self.exchange, self.pool, self.local = receiver, exchange, pool, local
+        self.sig, self.out = sig, out
+        self.who = f"decode {d_rank}"
+        self.exchange_error: str | None = None
+
+    def pull(self, k: int) -> None:
+        cfg, receiver, stats = self.cfg, self.receiver, self.receiver.stats
+        if k:  # every byte of this round is checked: forget what earlier rounds wrote
+            if self.d_rank == 0:
+                self.pool.fill(SENTINEL)
+            for arr in self.local.values():
+                arr.fill(SENTINEL)
+        before = (stats.bytes_read, stats.read_seconds, stats.descriptors)
+        admitted_at = time.monotonic()
+        for r in range(cfg.requests):
+            receiver.admit(internal_id(r, k), self.alloc.d_main_blocks[r],
+                           self.alloc.d_indexer_blocks[r])
+        self.out.put((f"admitted/{k}", self.who, admitted_at))
+        ids = [internal_id(r, k) for r in range(cfg.requests)]
+        outcomes: dict[str, str | None] = {}  # internal id -> None (ok) or why it failed
+        ended_at: dict[str, float] = {}
+        run_deadline = admitted_at + cfg.timeout_s
+        last_progress = 0
+        # (A broken TP group, from an earlier round, resolves nothing: every request fails.)
+        while (len(outcomes) < cfg.requests and time.monotonic() < run_deadline
+               and self.exchange_error is None):
+            self.sig.drain_wake(self.d_rank)  # news from now on wakes the next wait
+            try:
+                outcome = receiver.step(self.exchange, (), cfg.deadlines().tp_exchange_s)
+            except TimeoutError as exc:  # a Decode rank died or hung: no step resolves more
+                self.exchange_error = str(exc).splitlines()[0][:200]  # gloo's run long
+                break
+            for rid in outcome.finished:
+                ended_at[rid] = time.monotonic()
+                outcomes[rid] = (outcome.reasons.get(rid, "failed") if rid in outcome.failed
+                                 else None)
+            if self.d_rank == 0 and len(outcomes) != last_progress:
+                last_progress = len(outcomes)
+                self.out.put(("progress", self.who, k * cfg.requests + last_progress))
+            if len(outcomes) < cfg.requests:
+                # Step when any Decode rank has news (a step is a collective all ranks
+                # join), at least every STEP_INTERVAL_S.
+                self.sig.wait_wake(self.d_rank, STEP_INTERVAL_S)
+        t_end = time.monotonic()
+        if self.exchange_error is not None:
+            left = [rid for rid in ids if rid not in outcomes]
+            for rid in left:
+                outcomes[rid] = f"decode {self.d_rank}: {self.exchange_error}"
+                ended_at[rid] = t_end
+            receiver.abandon(left)
+        ok = [r for r in range(cfg.requests) if outcomes.get(internal_id(r, k), "") is None]
+        mismatched = _verify_local(cfg, self.alloc, self.local, ok)
+        if self.d_rank == 0:
+            for r, n in main_pool_mismatches(cfg, self.alloc, self.pool, ok).items():
+                mismatched[r] += n
+        self.out.put((f"decode_done/{k}", self.who, {
+            "outcomes": outcomes, "ended_s": {rid: t - admitted_at for rid, t in ended_at.items()},
+            "ended_at": ended_at, "t_end": t_end,
+            "mismatched": {internal_id(r, k): n for r, n in mismatched.items()},
+            "exchange_error": self.exchange_error,
+            "bytes": stats.bytes_read - before[0], "read_seconds": stats.read_seconds - before[1],
+            "descriptors": stats.descriptors - before[2],
+            "layers_done": stats.layers_done, "layers_failed": stats.layers_failed,
+            "last_read_end_at": stats.last_read_end_at,
+        }))
+
+    def bare(self, k: int, recorded: list[tuple[str, Any]], transport: Any) -> None:
+        """Round 0's reads again on the bare transport (Prefill memory is still held),
+        every Decode rank starting together (an all-gather is the barrier)."""
+        try:
+            if self.exchange_error is None:
+                self.exchange.all_gather(None, self.cfg.deadlines().tp_exchange_s)
+        except TimeoutError as exc:
+            self.exchange_error = str(exc).splitlines()[0][:200]
+        if self.exchange_error is not None:
+            self.out.put((f"bare/{k}", self.who, {"skipped": self.exchange_error}))
+            return
         t0 = time.monotonic()
         for session, plan in recorded:
             transport.batch_read(session, plan.local_addrs, plan.remote_addrs, plan.lengths)
-        raw = {"t0": t0, "t1": time.monotonic(),
-               "bytes": int(sum(p.total_bytes for _, p in recorded))}
-    out.put(("decode_final", who, {"counters": receiver.counters(), "raw": raw}))
-    receiver.stop(deadlines.stop_s)
-    if exchange_error is None:  # a broken group is left to the process exit
-        exchange.close()
-    del pool
-    shm.close()
+        t1 = time.monotonic()
+        self.out.put((f"bare/{k}", self.who, {
+            "t0": t0, "t1": t1, "bytes": int(sum(p.total_bytes for _, p in recorded)),
+        }))
 
 
 def _held(counters: dict[str, int]) -> int:

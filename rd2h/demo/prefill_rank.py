@@ -2,45 +2,49 @@
 through ``PrefillSender`` (or, with ``--via-provider``, through the connector's worker
 role: ``rd2h.demo.provider``).
 
-It reports to the parent through one queue as ``(kind, who, payload)``: ``ready`` and
-``prefill_done`` (layer errors, leak counters), or ``error``.
+It reports to the parent through one queue as ``(kind, who, payload)``: ``ready``, per
+round ``prefill_done/K`` (layer errors, leak counters, when the last layer was ready),
+or ``error``. With ``--layer-compute-ms`` each layer first takes that long, the host
+idle, as a device computing it would.
 """
 
 from __future__ import annotations
 
+import time
 import traceback
 from typing import Any
 
 import numpy as np
 
 from rd2h.app.prefill import LayerTarget
-from rd2h.demo.config import DemoConfig, chunk_bounds, internal_id
+from rd2h.demo.config import DemoConfig, chunk_ranges, internal_id
 from rd2h.demo.faults import prefill_kill_layer
 from rd2h.demo.memory import enter_netns, killed, prefill_memory, prefill_report
+from rd2h.demo.signals import Signals
 from rd2h.demo.synthetic import Allocation, block_pattern
-from rd2h.domain.chunks import chunk_block_range, external_request_id
+from rd2h.domain.chunks import external_request_id
 from rd2h.domain.errors import LayerSendError
 from rd2h.domain.protocol import ReadRequest
 from rd2h.domain.topology import compute_mapping, remote_port, tcp_endpoint
 
 
 def prefill_main(cfg: DemoConfig, p_rank: int, base_port: int, alloc: Allocation,
-                 go: Any, release: Any, out: Any) -> None:
+                 sig: Signals, out: Any) -> None:
     try:
         enter_netns(cfg.prefill_netns)
         if cfg.via_provider:
             from rd2h.demo.provider import prefill_rank_via_provider
 
-            prefill_rank_via_provider(cfg, p_rank, base_port, alloc, go, release, out)
+            prefill_rank_via_provider(cfg, p_rank, base_port, alloc, sig, out)
         else:
-            _prefill_rank(cfg, p_rank, base_port, alloc, go, release, out)
+            _prefill_rank(cfg, p_rank, base_port, alloc, sig, out)
     except BaseException as exc:
         out.put(("error", f"prefill {p_rank}", f"{exc!r}\n{traceback.format_exc()}"))
         raise SystemExit(1) from exc
 
 
 def _prefill_rank(cfg: DemoConfig, p_rank: int, base_port: int, alloc: Allocation,
-                  go: Any, release: Any, out: Any) -> None:
+                  sig: Signals, out: Any) -> None:
     shapes = cfg.shapes
     deadlines = cfg.deadlines()
     container, transport, buffers, layouts, p_ids = prefill_memory(cfg, p_rank, alloc)
@@ -56,17 +60,7 @@ def _prefill_rank(cfg: DemoConfig, p_rank: int, base_port: int, alloc: Allocatio
                     r, layer, c, idx, shapes.bytes_per_block(c)
                 )
 
-    ranges = []
-    transferred = 0
-    bounds = chunk_bounds(cfg)
-    for i, computed in enumerate(bounds):
-        final = i == len(bounds) - 1
-        s, e = chunk_block_range(
-            block_size=cfg.block_size, computed_tokens=computed, transferred_tokens=transferred,
-            remote_cached_tokens=0, final=final, allocated_blocks=alloc.blocks_per_request,
-        )
-        ranges.append((s, e, final))
-        transferred = e * cfg.block_size
+    ranges = chunk_ranges(cfg, alloc)
     if not cfg.shared_buffers:  # every (layer, block) is written once: write it before timing
         for layer in range(cfg.layers):
             write(layer, 0, alloc.blocks_per_request)
@@ -82,48 +76,58 @@ def _prefill_rank(cfg: DemoConfig, p_rank: int, base_port: int, alloc: Allocatio
     if failed:
         raise ConnectionError(f"decode endpoint handshake failed: {failed}")
     out.put(("ready", f"prefill {p_rank}", None))
-    if not go.wait(cfg.timeout_s):
-        raise TimeoutError("no start signal from the demo parent")
     # A layer's gate resolves (acknowledged, failed or expired) within this budget.
     gate_s = deadlines.device_event_s + deadlines.meta_ack_s + deadlines.layer_ack_s + 1.0
-    layer_errors: dict[str, None] = {}
+    compute_s = cfg.layer_compute_ms / 1e3
 
-    def wait_gate(layer: int) -> None:
+    def wait_gate(layer: int, errors: dict[str, None]) -> None:
         try:
             sender.wait_for_layer_send(layer, gate_s)
         except LayerSendError as exc:
-            layer_errors[str(exc)] = None
+            errors[str(exc)] = None
             if not sender.gate_open(layer):  # never reuse storage Decode may still read
                 raise RuntimeError(f"layer {layer}'s gate still closed after {gate_s:g} s") from exc
 
-    for chunk, (start, end, final) in enumerate(ranges):
+    for k in range(cfg.rounds):
+        if not sig.announce[k].wait(cfg.timeout_s):
+            raise TimeoutError(f"no start signal for round {k} from the demo parent")
+        acks_before = len(sender.stats.ack_latencies_ms)
+        layer_errors: dict[str, None] = {}
+        ready_at = 0.0
+        for chunk, (start, end, final) in enumerate(ranges):
+            for layer in range(cfg.layers):
+                if chunk == 0 and layer == kill_layer:
+                    # Die mid-request: Decode has read (and acknowledged) the layers before.
+                    for earlier in range(layer):
+                        wait_gate(earlier, layer_errors)
+                    killed()
+                if cfg.shared_buffers:
+                    wait_gate(layer, layer_errors)
+                    write(layer, start, end)
+                if compute_s:
+                    time.sleep(compute_s)  # the device computes this layer; the host is free
+                event = events.record()
+                done = final and layer == cfg.layers - 1
+                if done:
+                    ready_at = time.monotonic()  # the last layer of the prompt is ready
+                targets = []
+                for r in range(cfg.requests):
+                    ext = external_request_id(internal_id(r, k))
+                    req = None
+                    if end > start:
+                        ids = tuple(int(x) for x in p_ids[r][start:end])
+                        req = ReadRequest(ext, ids, ids, start, start)
+                    if req is not None or done:
+                        targets.append(LayerTarget(endpoint, req, done, mapping.member,
+                                                   mapping.ratio, ext))
+                sender.submit(layer, event, targets)
         for layer in range(cfg.layers):
-            if chunk == 0 and layer == kill_layer:
-                # Die mid-request: Decode has read (and acknowledged) the layers before.
-                for earlier in range(layer):
-                    wait_gate(earlier)
-                killed()
-            if cfg.shared_buffers:
-                wait_gate(layer)
-                write(layer, start, end)
-            event = events.record()
-            done = final and layer == cfg.layers - 1
-            targets = []
-            for r in range(cfg.requests):
-                ext = external_request_id(internal_id(r))
-                req = None
-                if end > start:
-                    ids = tuple(int(x) for x in p_ids[r][start:end])
-                    req = ReadRequest(ext, ids, ids, start, start)
-                if req is not None or done:
-                    targets.append(LayerTarget(endpoint, req, done, mapping.member,
-                                               mapping.ratio, ext))
-            sender.submit(layer, event, targets)
-    for layer in range(cfg.layers):
-        wait_gate(layer)
-    drained = sender.drain(gate_s)
-    out.put(("prefill_done", f"prefill {p_rank}",
-             prefill_report(sender, layer_errors, drained, sender.counters())))
-    release.wait(cfg.timeout_s)  # keep memory alive for the raw replay
+            wait_gate(layer, layer_errors)
+        drained = sender.drain(gate_s)
+        report = prefill_report(sender, layer_errors, drained, sender.counters(),
+                                ready_at=ready_at)
+        report["ack_ms"] = report["ack_ms"][acks_before:]
+        out.put((f"prefill_done/{k}", f"prefill {p_rank}", report))
+    sig.release.wait(cfg.timeout_s)  # keep memory alive for the bare replays
     sender.stop(deadlines.stop_s)
     transport.close()

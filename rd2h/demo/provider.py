@@ -29,6 +29,7 @@ import numpy as np
 from rd2h.demo.config import DemoConfig, chunk_bounds, internal_id, layer_name
 from rd2h.demo.faults import prefill_kill_layer
 from rd2h.demo.memory import killed, prefill_memory, prefill_report
+from rd2h.demo.signals import Signals
 from rd2h.demo.synthetic import Allocation, block_pattern
 from rd2h.domain.errors import LayerSendError
 from rd2h.domain.topology import compute_mapping, remote_port, tcp_endpoint
@@ -37,9 +38,9 @@ ENGINE_ID = "demo-decode"
 
 
 def prefill_rank_via_provider(cfg: DemoConfig, p_rank: int, base_port: int,
-                              alloc: Allocation, go: Any, release: Any, out: Any) -> None:
-    """One Prefill rank process (reports ``ready`` and ``prefill_done`` like the direct
-    path, so the demo parent treats both alike)."""
+                              alloc: Allocation, sig: Signals, out: Any) -> None:
+    """One Prefill rank process (reports ``ready`` and ``prefill_done/0`` like the
+    direct path, so the demo parent treats both alike; one round only)."""
     shapes = cfg.shapes
     deadlines = cfg.deadlines()
     container, transport, buffers, layouts, p_ids = prefill_memory(cfg, p_rank, alloc)
@@ -81,7 +82,7 @@ def prefill_rank_via_provider(cfg: DemoConfig, p_rank: int, base_port: int,
     if failed:
         raise ConnectionError(f"decode endpoint handshake failed: {failed}")
     out.put(("ready", f"prefill {p_rank}", None))
-    if not go.wait(cfg.timeout_s):
+    if not sig.announce[0].wait(cfg.timeout_s):
         raise TimeoutError("no start signal from the demo parent")
     layer_errors: dict[str, None] = {}
 
@@ -96,6 +97,7 @@ def prefill_rank_via_provider(cfg: DemoConfig, p_rank: int, base_port: int,
 
     computed = 0
     early = 0
+    ready_at = 0.0
     for chunk, upto in enumerate(chunk_bounds(cfg)):
         sends = []
         for rid, r in request_of.items():
@@ -117,6 +119,10 @@ def prefill_rank_via_provider(cfg: DemoConfig, p_rank: int, base_port: int,
                     start = s.main_start
                     write(layer, request_of[s.internal_id], start, start + len(s.main_block_ids))
             name = layer_name(layer)
+            if cfg.layer_compute_ms:
+                time.sleep(cfg.layer_compute_ms / 1e3)  # the device computes this layer
+            if upto == cfg.prompt_tokens and layer == cfg.layers - 1:
+                ready_at = time.monotonic()  # the last layer of the prompt is ready
             early += worker.layer_written(name)  # on_kv_cache_written
             if worker.layer_written(name):  # save_kv_layer
                 raise RuntimeError(f"save_kv_layer announced {name} a second time this step")
@@ -130,9 +136,10 @@ def prefill_rank_via_provider(cfg: DemoConfig, p_rank: int, base_port: int,
         if len(released) < len(request_of):
             time.sleep(0.01)
     # counters: the worker's requests and tickets left, with the sender's
-    out.put(("prefill_done", f"prefill {p_rank}",
+    out.put(("prefill_done/0", f"prefill {p_rank}",
              prefill_report(sender, layer_errors, drained, worker.counters(),
-                            early_dispatches=early, released=len(released))))
-    release.wait(cfg.timeout_s)  # keep memory alive for the raw replay
+                            early_dispatches=early, released=len(released),
+                            ready_at=ready_at)))
+    sig.release.wait(cfg.timeout_s)  # keep memory alive for the bare replay
     worker.shutdown()
     transport.close()

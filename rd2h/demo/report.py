@@ -51,6 +51,16 @@ class DemoResult:
     # "provider": Prefill drove rd2h's connector worker (--via-provider), else "sender"
     prefill_driver: str = "sender"
     early_dispatches: int | None = None  # --via-provider: layers announced on write
+    # --rounds: per round the pipeline and the bare replay of the same reads, A/B
+    rounds: list[dict[str, Any]] = field(default_factory=list)
+    ratio_median: float | None = None  # pipeline / bare, per round
+    ratio_min: float | None = None
+    ratio_max: float | None = None
+    layer_compute_ms: float = 0.0
+    # last layer ready on Prefill -> request complete on every Decode rank
+    tail_ms_p50: float | None = None
+    tail_ms_p99: float | None = None
+    bare_layer_ms: float | None = None  # bare read of one layer's final chunk
 
 
 def memcpy_gbps(nbytes: int) -> float:
@@ -113,6 +123,20 @@ def summary_text(res: DemoResult) -> str:
         f"  bare transport {f(res.raw_gbps)} GB/s; in-process memcpy {f(res.memcpy_gbps)} GB/s",
         f"  layer ack p50 {f(res.layer_ack_p50_ms, ' ms')}, p99 {f(res.layer_ack_p99_ms, ' ms')}",
     ]
+    if len(res.rounds) > 1:
+        lines.append("  round  order           pipeline GB/s  bare GB/s  ratio")
+        for r in res.rounds:
+            lines.append(f"  {r['round']:5d}  {r['order']:14s}  {f(r.get('gbps')):>13s}  "
+                         f"{f(r.get('bare_gbps')):>9s}  {f(r.get('ratio'))}")
+        lines.append(f"  pipeline/bare ratio: median {f(res.ratio_median)}, min "
+                     f"{f(res.ratio_min)}, max {f(res.ratio_max)} over {len(res.rounds)} "
+                     "rounds (rates above are medians)")
+    if res.tail_ms_p50 is not None:
+        compute = (f"{res.layer_compute_ms:g} ms compute per layer"
+                   if res.layer_compute_ms else "no compute per layer")
+        lines.append(f"  tail (last layer ready -> complete on every Decode rank; {compute}):"
+                     f" p50 {f(res.tail_ms_p50, ' ms')}, p99 {f(res.tail_ms_p99, ' ms')};"
+                     f" bare read of that layer {f(res.bare_layer_ms, ' ms')}")
     failed = [(rid, o) for rid, o in res.outcomes.items() if o["status"] != "ok"]
     for rid, o in failed[:10]:
         lines.append(f"  {o['status']}: {rid}: {o['reason']}")

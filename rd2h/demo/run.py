@@ -32,11 +32,13 @@ from typing import Any
 import numpy as np
 
 from rd2h.app.container import network_namespaces
-from rd2h.demo.config import SENTINEL, DemoConfig, internal_id, main_pool_bytes
+from rd2h.demo.config import SENTINEL, DemoConfig, internal_id, main_pool_bytes, round_order
 from rd2h.demo.decode_rank import decode_main
 from rd2h.demo.faults import KILLED_EXIT_CODE, may_die
 from rd2h.demo.prefill_rank import prefill_main
 from rd2h.demo.report import DemoResult, Progress, memcpy_gbps, percentile
+from rd2h.demo.rounds import RoundFigures, summarize
+from rd2h.demo.signals import Signals
 from rd2h.demo.synthetic import allocate
 
 # Reasons that only point at another failure: reported after the root cause.
@@ -134,13 +136,15 @@ class _Run:
     def __init__(self, cfg: DemoConfig, progress: bool, network: str) -> None:
         self.cfg = cfg
         self.network = network
-        self.bar = Progress(cfg.requests, progress)
+        self.bar = Progress(cfg.requests * cfg.rounds, progress)
         self.ctx = _context()
         self.out: Any = self.ctx.Queue()
         self.msgs: dict[str, dict[str, Any]] = {}  # kind -> who -> payload
         self.errors: list[str] = []
         self.ranks: dict[str, _Rank] = {}
         self.terminated: set[str] = set()  # ranks the parent had to end (a hang)
+        self.t0: dict[int, float] = {}  # round -> when Prefill was told to announce
+        self.alloc: Any = None
 
     # ------------------------------------------------------------ messages
     def _take(self, timeout: float) -> bool:
@@ -196,40 +200,44 @@ class _Run:
     # ------------------------------------------------------------ run
     def run(self) -> DemoResult:
         cfg = self.cfg
-        alloc = allocate(cfg.requests, cfg.prompt_tokens, cfg.block_size, cfg.seed)
+        alloc = self.alloc = allocate(cfg.requests, cfg.prompt_tokens, cfg.block_size, cfg.seed)
         # In a fresh Decode namespace every port is free; on loopback pick free ones.
         base_port = cfg.kv_port or free_ports(cfg.decode_tp, "127.0.0.1")
         dist_port = free_ports(1)
         shm = shared_memory.SharedMemory(create=True, size=max(1, main_pool_bytes(cfg, alloc)))
         np.ndarray((shm.size,), dtype=np.uint8, buffer=shm.buf).fill(SENTINEL)
-        go, go_prefill = self.ctx.Event(), self.ctx.Event()
-        settle, release = self.ctx.Event(), self.ctx.Event()
+        sig = Signals.create(self.ctx, cfg.rounds, cfg.decode_tp)
         decoders = [f"decode {d}" for d in range(cfg.decode_tp)]
         prefills = [f"prefill {p}" for p in range(cfg.prefill_tp)]
-        t0 = time.monotonic()
-        deadline = t0 + cfg.timeout_s
+        deadline = time.monotonic() + cfg.timeout_s
         started = False
         try:
             for d in range(cfg.decode_tp):
                 self._start("decode", d, decode_main, (
-                    cfg, d, base_port, dist_port, shm.name, alloc, go, settle, self.out))
+                    cfg, d, base_port, dist_port, shm.name, alloc, sig, self.out))
             self._wait("bound", decoders, deadline)  # Decode listens: start Prefill
             self._require("bound", decoders)
             for p in range(cfg.prefill_tp):
                 self._start("prefill", p, prefill_main, (
-                    cfg, p, base_port, alloc, go_prefill, release, self.out))
+                    cfg, p, base_port, alloc, sig, self.out))
             self._wait("ready", decoders + prefills, deadline)
             self._require("ready", decoders + prefills)
             started = True
-            go.set()  # Decode admits the requests (their deadlines start) ...
-            self._wait("admitted", decoders, deadline)
-            t0 = time.monotonic()
-            go_prefill.set()  # ... then Prefill announces
-            self._wait("decode_done", decoders, deadline)
-            self._wait("prefill_done", prefills, deadline)
-            settle.set()
+            for k in range(cfg.rounds):
+                for phase in round_order(k):
+                    if phase == "pipeline":
+                        sig.admit[k].set()  # Decode admits (request deadlines start) ...
+                        self._wait(f"admitted/{k}", decoders, deadline)
+                        self.t0[k] = time.monotonic()
+                        sig.announce[k].set()  # ... then Prefill announces
+                        self._wait(f"decode_done/{k}", decoders, deadline)
+                        self._wait(f"prefill_done/{k}", prefills, deadline)
+                    elif cfg.replay:
+                        sig.bare[k].set()
+                        self._wait(f"bare/{k}", decoders, deadline)
+            sig.settle.set()
             self._wait("decode_final", decoders, deadline)
-            release.set()
+            sig.release.set()
             for name in self.ranks:
                 self.ranks[name].proc.join(max(1.0, deadline - time.monotonic()))
         except _Hang as exc:
@@ -237,7 +245,7 @@ class _Run:
         except Exception as exc:
             self.errors.append(f"demo parent: {exc!r}")
         finally:
-            for event in (go, go_prefill, settle, release):
+            for event in sig.every():
                 event.set()  # nobody waits on a signal that will never come
             started_ranks = [r for r in self.ranks.values() if r.proc.pid is not None]
             for r in started_ranks:
@@ -254,7 +262,7 @@ class _Run:
                 pass
             shm.close()
             shm.unlink()
-        return self._result(t0, started)
+        return self._result(started)
 
     def _require(self, kind: str, names: list[str]) -> None:
         missing = [n for n in names if n not in self.msgs.get(kind, {})]
@@ -263,55 +271,59 @@ class _Run:
 
     # ------------------------------------------------------------ report
     def _outcomes(self, started: bool) -> dict[str, dict]:
-        """Per request: ok only if every Decode rank reported it ok (rank 0 also checked
-        the shared main pool); failed with the most specific reason; hung if a rank
-        that was still running never reported it."""
+        """Per request and round: ok only if every Decode rank reported it ok (rank 0
+        also checked the shared main pool); failed with the most specific reason; hung
+        if a rank that was still running never reported it."""
         cfg = self.cfg
-        done = self.msgs.get("decode_done", {})
         outcomes: dict[str, dict[str, Any]] = {}
-        for r in range(cfg.requests):
-            rid = internal_id(r)
-            reasons: list[str] = []
-            hung = False
-            ended: list[float] = []
-            bad = 0
-            for d in range(cfg.decode_tp):
-                name = f"decode {d}"
-                rep = done.get(name)
-                if rep is None:
-                    if not started:
-                        reasons.append("the run did not start")
-                    elif name in self.terminated or not self._exited(name):
-                        hung = True
-                        reasons.append(f"{name} reported no outcome within the run deadline")
-                    else:
-                        reasons.append(self._death(name))
-                    continue
-                if rid not in rep["outcomes"]:
-                    hung = True
-                    reasons.append(f"{name}: no outcome within the run deadline")
-                    continue
-                ended.append(rep["ended_s"][rid])
-                if rep["outcomes"][rid] is not None:
-                    reasons.append(rep["outcomes"][rid])
-                bad += rep["mismatched"].get(rid, 0)
-            status = "hung" if hung else ("failed" if reasons else "ok")
-            # The root cause first: a rank death or a read failure, not its echoes.
-            reasons.sort(key=lambda x: any(c in x for c in CONSEQUENCES))
-            outcomes[rid] = {
-                "status": status,
-                "reason": reasons[0] if reasons else None,
-                "ended_s": round(max(ended), 3) if ended else None,
-                "mismatched_blocks": bad if status == "ok" else None,
-            }
+        for k in range(cfg.rounds):
+            done = self.msgs.get(f"decode_done/{k}", {})
+            for r in range(cfg.requests):
+                outcomes[internal_id(r, k)] = self._outcome(done, internal_id(r, k), started)
         return outcomes
+
+    def _outcome(self, done: dict[str, Any], rid: str, started: bool) -> dict[str, Any]:
+        reasons: list[str] = []
+        hung = False
+        ended: list[float] = []
+        bad = 0
+        for d in range(self.cfg.decode_tp):
+            name = f"decode {d}"
+            rep = done.get(name)
+            if rep is None:
+                if not started:
+                    reasons.append("the run did not start")
+                elif name in self.terminated or not self._exited(name):
+                    hung = True
+                    reasons.append(f"{name} reported no outcome within the run deadline")
+                else:
+                    reasons.append(self._death(name))
+                continue
+            if rid not in rep["outcomes"]:
+                hung = True
+                reasons.append(f"{name}: no outcome within the run deadline")
+                continue
+            ended.append(rep["ended_s"][rid])
+            if rep["outcomes"][rid] is not None:
+                reasons.append(rep["outcomes"][rid])
+            bad += rep["mismatched"].get(rid, 0)
+        status = "hung" if hung else ("failed" if reasons else "ok")
+        # The root cause first: a rank death or a read failure, not its echoes.
+        reasons.sort(key=lambda x: any(c in x for c in CONSEQUENCES))
+        return {
+            "status": status,
+            "reason": reasons[0] if reasons else None,
+            "ended_s": round(max(ended), 3) if ended else None,
+            "mismatched_blocks": bad if status == "ok" else None,
+        }
 
     def _leaks(self) -> dict[str, dict[str, int] | None]:
         """Each rank's request state left at the end (None: the rank is gone, and its
         state with it). A rank that ended without reporting is an error."""
         leaks: dict[str, dict[str, int] | None] = {}
         for name, r in self.ranks.items():
-            kind = "prefill_done" if r.role == "prefill" else "decode_final"
+            last = self.cfg.rounds - 1
+            kind = f"prefill_done/{last}" if r.role == "prefill" else "decode_final"
             rep = self.msgs.get(kind, {}).get(name)
             leaks[name] = None
             if rep is not None:
@@ -320,11 +332,11 @@ class _Run:
                 self.errors.append(f"{self._death(name)} before reporting {kind!r}")
         return leaks
 
-    def _result(self, t0: float, started: bool) -> DemoResult:
+    def _result(self, started: bool) -> DemoResult:
         cfg = self.cfg
-        pre = self.msgs.get("prefill_done", {})
-        dec = self.msgs.get("decode_done", {})
-        final = self.msgs.get("decode_final", {})
+        rounds = range(cfg.rounds)
+        pres = [self.msgs.get(f"prefill_done/{k}", {}) for k in rounds]
+        decs = [self.msgs.get(f"decode_done/{k}", {}) for k in rounds]
         outcomes = self._outcomes(started)
         leaks = self._leaks() if started else {}
         ok = sum(1 for o in outcomes.values() if o["status"] == "ok")
@@ -332,46 +344,41 @@ class _Run:
         mismatched = sum(o["mismatched_blocks"] or 0 for o in outcomes.values())
         corrupted = sum(1 for o in outcomes.values() if o["mismatched_blocks"])
         leaked = sum(v for c in leaks.values() if c for v in c.values())
-        undrained = [n for n, p in pre.items() if not p["drained"]]
+        undrained = sorted({n for pre in pres for n, p in pre.items() if not p["drained"]})
         if undrained:
             self.errors.append(f"{', '.join(undrained)}: announcements still in flight at exit")
-        total_bytes = sum(p["bytes"] for p in dec.values())
-        t_end = max((p["t_end"] for p in dec.values()), default=t0)
-        seconds = max(0.0, t_end - t0)
-        raws = [p["raw"] for p in final.values() if p.get("raw")]
-        raw_gbps = raw_seconds = None
-        if raws and len(raws) == cfg.decode_tp:
-            span = max(r["t1"] for r in raws) - min(r["t0"] for r in raws)
-            raw_gbps = sum(r["bytes"] for r in raws) / span / 1e9 if span > 0 else None
-            raw_seconds = span
-        acks = [ms for p in pre.values() for ms in p["ack_ms"]]
-        layer_errors = [f"{who}: {e}" for who, p in sorted(pre.items())
+        fig = summarize(cfg, self.alloc, self.msgs, self.t0) if self.alloc else RoundFigures()
+        acks = [ms for pre in pres for p in pre.values() for ms in p["ack_ms"]]
+        layer_errors = [f"{who}: {e}" for pre in pres for who, p in sorted(pre.items())
                         for e in p["layer_errors"]]
+        expected = cfg.requests * cfg.rounds
         verified = (
             started and not self.errors and hung == 0 and corrupted == 0 and leaked == 0
-            and len(outcomes) == cfg.requests and (bool(cfg.faults) or ok == cfg.requests)
+            and len(outcomes) == expected and (bool(cfg.faults) or ok == expected)
         )
+        first = decs[0]
         return DemoResult(
-            verified=verified, requests_ok=ok, requests_failed=cfg.requests - ok - hung,
-            bytes=total_bytes, seconds=seconds,
-            gbps=total_bytes / seconds / 1e9 if seconds > 0 else 0.0,
-            raw_gbps=raw_gbps, memcpy_gbps=memcpy_gbps(total_bytes) if dec else 0.0,
+            verified=verified, requests_ok=ok, requests_failed=expected - ok - hung,
+            bytes=fig.bytes, seconds=fig.seconds, gbps=fig.gbps, raw_gbps=fig.raw_gbps,
+            memcpy_gbps=memcpy_gbps(fig.bytes) if fig.bytes else 0.0,
             layer_ack_p50_ms=percentile(acks, 50), layer_ack_p99_ms=percentile(acks, 99),
             mismatched_blocks=mismatched, prefill_tp=cfg.prefill_tp, decode_tp=cfg.decode_tp,
             transport=cfg.transport, layers=cfg.layers, requests=cfg.requests,
             prompt_tokens=cfg.prompt_tokens, chunks=cfg.chunks,
             shared_buffers=cfg.shared_buffers,
-            descriptors=sum(p["descriptors"] for p in dec.values()), leaked_state=leaked,
+            descriptors=sum(p["descriptors"] for p in first.values()), leaked_state=leaked,
             errors=self.errors,
-            read_busy_seconds=max((p["read_seconds"] for p in dec.values()), default=0.0),
-            network=self.network, raw_seconds=raw_seconds,
+            read_busy_seconds=max((p["read_seconds"] for p in first.values()), default=0.0),
+            network=self.network, raw_seconds=fig.raw_seconds,
             faults=[str(f) for f in cfg.faults], outcomes=outcomes, requests_hung=hung,
             corrupted_ok=corrupted, leaks=leaks, layer_errors=layer_errors,
             exits={n: r.proc.exitcode for n, r in self.ranks.items()},
             deadlines=cfg.deadlines().model_dump(),
             prefill_driver="provider" if cfg.via_provider else "sender",
-            early_dispatches=(sum(p.get("early_dispatches", 0) for p in pre.values())
+            early_dispatches=(sum(p.get("early_dispatches", 0) for p in pres[0].values())
                               if cfg.via_provider else None),
+            rounds=fig.rounds, ratio_median=fig.ratio_median, ratio_min=fig.ratio_min,
+            ratio_max=fig.ratio_max, layer_compute_ms=cfg.layer_compute_ms,
+            tail_ms_p50=percentile(fig.tail_ms, 50), tail_ms_p99=percentile(fig.tail_ms, 99),
+            bare_layer_ms=fig.bare_layer_ms,
         )
-
-

@@ -154,8 +154,10 @@ def _own(
     n = len(reqs)
     room = np.fromiter(map(len, dst_lists), dtype=np.int64, count=n)
     # ``lens > room - starts``, not ``starts + lens > room``: a hostile start near
-    # 2**63 must not wrap around and pass.
-    bad = np.flatnonzero((lens > 0) & (lens > room - starts))
+    # 2**63 must not wrap around and pass. (One reduction first: the exact search,
+    # which also excuses empty lists, runs only when something may not fit.)
+    over = lens > room - starts
+    bad = np.flatnonzero(over & (lens > 0)) if over.any() else _EMPTY
     if bad.size:
         i = int(bad[0])
         raise PlanningError(
@@ -217,8 +219,9 @@ def _runs(src: np.ndarray, dst: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.
     n = src.shape[0]
     brk = np.empty(n, dtype=bool)
     brk[0] = True
-    np.not_equal(np.diff(src), 1, out=brk[1:])
-    brk[1:] |= np.diff(dst) != 1
+    step = brk[1:]
+    np.not_equal(src[1:] - src[:-1], 1, out=step)
+    step |= (dst[1:] - dst[:-1]) != 1
     if brk.all():  # nothing to merge (typical for a fragmented pool)
         return src, dst, np.ones(n, dtype=np.int64)
     first = np.flatnonzero(brk)
@@ -226,8 +229,8 @@ def _runs(src: np.ndarray, dst: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.
     return src[first], dst[first], length
 
 
-def _check_range(comp: _Component, dst: DestTensor, layer: str, what: str) -> None:
-    hi, lo = int(comp.dst.max()), int(comp.dst.min())
+def _check_range(hi: int, lo: int, dst: DestTensor, layer: str, what: str) -> None:
+    """``hi`` / ``lo``: the highest and lowest destination block of a component."""
     if hi >= dst.num_blocks:
         raise PlanningError(
             layer,
@@ -244,33 +247,32 @@ def _descriptors(
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Descriptors of every tensor of every component, written straight into three
     preallocated arrays (runs of consecutive blocks become one descriptor)."""
-    runs = []
-    total = 0
+    parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+    edges = []
+    at = 0
     for comp, pairs, what in groups:
         if comp.src.size == 0 or not pairs:
             continue
+        hi, lo = int(comp.dst.max()), int(comp.dst.min())
         for _, dst in pairs:
-            _check_range(comp, dst, layer, what)
-        r = _runs(comp.src, comp.dst)
-        runs.append((r, pairs))
-        total += r[0].shape[0] * len(pairs)
-    local = np.empty(total, dtype=np.int64)
-    remote = np.empty(total, dtype=np.int64)
-    lengths = np.empty(total, dtype=np.int64)
-    edges = []
-    at = 0
-    for (p_start, d_start, length), pairs in runs:
+            _check_range(hi, lo, dst, layer, what)
+        p_start, d_start, length = _runs(comp.src, comp.dst)
+        # Every tensor of the component at once: row t is tensor t's descriptors.
+        size = np.array([src.bytes_per_block for src, _ in pairs], dtype=np.int64)[:, None]
+        d_base = np.array([dst.base_addr for _, dst in pairs], dtype=np.int64)[:, None]
+        p_base = np.array([src.base_addr for src, _ in pairs], dtype=np.int64)[:, None]
+        parts.append(((d_start * size + d_base).ravel(), (p_start * size + p_base).ravel(),
+                      (length * size).ravel()))
         m = p_start.shape[0]
-        for src, dst in pairs:
-            size = src.bytes_per_block
-            sl = slice(at, at + m)
-            np.multiply(d_start, size, out=local[sl])
-            local[sl] += dst.base_addr
-            np.multiply(p_start, size, out=remote[sl])
-            remote[sl] += src.base_addr
-            np.multiply(length, size, out=lengths[sl])
+        for _ in pairs:
             at += m
             edges.append(at)
+    if not parts:
+        return _EMPTY.copy(), _EMPTY.copy(), _EMPTY.copy()
+    if len(parts) == 1:
+        local, remote, lengths = parts[0]
+    else:
+        local, remote, lengths = (np.concatenate(arrays) for arrays in zip(*parts))
     # A tensor boundary contiguous on both sides (adjacent tensors) still merges.
     cut = np.asarray(edges[:-1], dtype=np.int64)
     if cut.size and (

@@ -8,6 +8,8 @@ Protocol extensions only ever append fields.
 
 from __future__ import annotations
 
+import sys
+from array import array
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,6 +28,9 @@ _INT_ONLY = {int}
 # Block ids, start offsets and group positions feed int64 arrays on Decode: a value
 # above this is malformed (the planner never sees a number numpy cannot hold).
 MAX_WIRE_INT = (1 << 63) - 1
+# The most significant byte of each item of a packed uint64 array.
+_PACKED_U64 = array("Q").itemsize == 8
+_TOP_BYTES = slice(7, None, 8) if sys.byteorder == "little" else slice(0, None, 8)
 # Longest error text Decode puts in a READ_FAILED or a log line about a hostile value.
 MAX_ERROR_CHARS = 1024
 
@@ -175,12 +180,23 @@ def _seq_field(fields: Sequence[Any], index: int, layer_idx: int | None) -> int 
     return _int(fields[index], "announcement id", layer_idx, minimum=0, maximum=MAX_WIRE_INT)
 
 
+def _ids_in_range(items: Sequence[int]) -> bool:
+    """Whether plain ints all lie in [0, 2**63): packing them as uint64 (in C) refuses
+    negative values and values from 2**64 on; those from 2**63 on have their top bit set."""
+    if not _PACKED_U64:  # pragma: no cover - no platform in use has a wider long long
+        return min(items) >= 0 and max(items) <= MAX_WIRE_INT
+    try:
+        packed = array("Q", items)
+    except OverflowError:
+        return False
+    return packed.tobytes()[_TOP_BYTES].isascii()
+
+
 def _block_ids(value: Any, what: str, layer_idx: int) -> tuple[int, ...]:
     items = _seq(value, what, layer_idx)
-    # type() is int excludes bool and every other type; map/set/min/max run in C.
-    if items and (
-        set(map(type, items)) != _INT_ONLY or min(items) < 0 or max(items) > MAX_WIRE_INT
-    ):
+    # type() is int excludes bool and every other type; map/set and the range check
+    # run in C.
+    if items and (set(map(type, items)) != _INT_ONLY or not _ids_in_range(items)):
         bad = next(
             (i for i in items if type(i) is not int or not 0 <= i <= MAX_WIRE_INT), None
         )

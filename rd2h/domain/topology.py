@@ -167,6 +167,6 @@ def owned_ranges(
     if not 0 <= r < k:
         raise ValueError(f"owner {r} is outside [0, {k})")
     logical = (r - s % k) % k
-    q, rem = n // k, n % k
+    q, rem = np.divmod(n, k)
     start = logical * q + np.minimum(logical, rem)
     return start, start + q + (logical < rem)

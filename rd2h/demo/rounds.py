@@ -1,0 +1,81 @@
+"""The figures of a demo run's rounds: each round pulls with the whole pipeline and
+replays round 0's reads on the bare transport (``round_order`` alternates which goes
+first), so every ratio compares two measurements taken moments apart on the same
+machine. Also the transfer tail: from the moment the prompt's last layer was ready on
+Prefill to the moment each request was complete on every Decode rank."""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+from typing import Any
+
+from rd2h.demo.config import DemoConfig, chunk_ranges, internal_id
+from rd2h.demo.synthetic import Allocation
+
+
+@dataclass
+class RoundFigures:
+    rounds: list[dict[str, Any]] = field(default_factory=list)
+    seconds: float = 0.0  # median pipeline time of a round
+    bytes: int = 0
+    gbps: float = 0.0  # median pipeline rate
+    raw_gbps: float | None = None  # median bare rate
+    raw_seconds: float | None = None
+    ratio_median: float | None = None
+    ratio_min: float | None = None
+    ratio_max: float | None = None
+    tail_ms: list[float] = field(default_factory=list)
+    bare_layer_ms: float | None = None  # bare read of the final chunk of one layer
+
+
+def _median(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def summarize(cfg: DemoConfig, alloc: Allocation, msgs: dict[str, dict[str, Any]],
+              t0: dict[int, float]) -> RoundFigures:
+    fig = RoundFigures()
+    for k in range(cfg.rounds):
+        dec = msgs.get(f"decode_done/{k}", {})
+        pre = msgs.get(f"prefill_done/{k}", {})
+        row: dict[str, Any] = {"round": k, "order": "pipeline first" if k % 2 == 0
+                               else "bare first"}
+        if dec and k in t0:
+            nbytes = sum(p["bytes"] for p in dec.values())
+            seconds = max(0.0, max(p["t_end"] for p in dec.values()) - t0[k])
+            row.update(bytes=nbytes, seconds=seconds,
+                       gbps=nbytes / seconds / 1e9 if seconds > 0 else 0.0)
+        bare = msgs.get(f"bare/{k}", {})
+        if len(bare) == cfg.decode_tp and not any("skipped" in b for b in bare.values()):
+            span = max(b["t1"] for b in bare.values()) - min(b["t0"] for b in bare.values())
+            nbytes = sum(b["bytes"] for b in bare.values())
+            row.update(bare_seconds=span, bare_gbps=nbytes / span / 1e9 if span > 0 else None)
+        if row.get("gbps") and row.get("bare_gbps"):
+            row["ratio"] = row["gbps"] / row["bare_gbps"]
+        ready = [p.get("ready_at") or 0.0 for p in pre.values()]
+        if len(dec) == cfg.decode_tp and len(pre) == cfg.prefill_tp and all(ready):
+            for r in range(cfg.requests):
+                rid = internal_id(r, k)
+                ends = [p["ended_at"].get(rid) for p in dec.values()]
+                if all(e is not None for e in ends) and all(
+                    p["outcomes"].get(rid, "") is None for p in dec.values()
+                ):
+                    fig.tail_ms.append((max(ends) - max(ready)) * 1e3)
+        fig.rounds.append(row)
+    timed = [r for r in fig.rounds if "seconds" in r]
+    if timed:
+        fig.seconds = _median([r["seconds"] for r in timed]) or 0.0
+        fig.gbps = _median([r["gbps"] for r in timed]) or 0.0
+        fig.bytes = timed[0]["bytes"]
+    fig.raw_gbps = _median([r["bare_gbps"] for r in fig.rounds if r.get("bare_gbps")])
+    fig.raw_seconds = _median([r["bare_seconds"] for r in fig.rounds if "bare_seconds" in r])
+    ratios = [r["ratio"] for r in fig.rounds if "ratio" in r]
+    if ratios:
+        fig.ratio_median, fig.ratio_min, fig.ratio_max = _median(ratios), min(ratios), max(ratios)
+    if fig.raw_seconds:
+        start, end, _ = chunk_ranges(cfg, alloc)[-1]
+        # Bytes scale with blocks: the final chunk of one layer is this share of a round.
+        share = (end - start) / alloc.blocks_per_request / cfg.layers
+        fig.bare_layer_ms = fig.raw_seconds * share * 1e3
+    return fig

@@ -1,0 +1,132 @@
+"""The socket monitor's fast path: ``_monitor_events`` looks at ``EVENTS`` before it
+receives, so an idle check raises nothing; queued events and lost connections are still
+all reported, in order."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import zmq
+from fakes.net import free_port
+
+from rd2h.adapters.zmq.channel import ZmqControlClients, ZmqControlServer, _monitor_events
+
+pytestmark = pytest.mark.integration
+
+HOST = "127.0.0.1"
+WAIT = 10.0
+
+
+class _CountingMonitor:
+    """A monitor socket that counts receive attempts."""
+
+    def __init__(self, sock: zmq.Socket) -> None:
+        self._sock = sock
+        self.recvs = 0
+
+    def get(self, option: int) -> int:
+        return self._sock.get(option)
+
+    def recv_multipart(self, flags: int = 0) -> list[bytes]:
+        self.recvs += 1
+        return self._sock.recv_multipart(flags)
+
+
+def test_an_idle_monitor_is_checked_without_a_failed_receive() -> None:
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.ROUTER)
+    monitor = sock.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
+    try:
+        spy = _CountingMonitor(monitor)
+        for _ in range(3):
+            assert _monitor_events(spy) == []  # type: ignore[arg-type]
+        assert spy.recvs == 0
+    finally:
+        sock.disable_monitor()
+        monitor.close(0)
+        sock.close(0)
+
+
+def test_queued_events_are_all_returned_in_order() -> None:
+    ctx = zmq.Context.instance()
+    port = free_port()
+    sock = ctx.socket(zmq.ROUTER)
+    sock.bind(f"tcp://{HOST}:{port}")
+    monitor = sock.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
+    dealers = []
+    try:
+        for _ in range(2):
+            d = ctx.socket(zmq.DEALER)
+            d.setsockopt(zmq.LINGER, 0)
+            d.connect(f"tcp://{HOST}:{port}")
+            d.send(b"x")
+            dealers.append(d)
+        for _ in range(2):
+            assert sock.poll(int(WAIT * 1000))
+            sock.recv_multipart()
+        for d in dealers:
+            d.close(0)
+        events: list[tuple[int, int]] = []
+        deadline = time.monotonic() + WAIT
+        while len(events) < 4 and time.monotonic() < deadline:
+            events += _monitor_events(monitor)
+            time.sleep(0.01)
+        kinds = [e for e, _ in events]
+        assert sorted(kinds) == sorted([zmq.EVENT_ACCEPTED] * 2 + [zmq.EVENT_DISCONNECTED] * 2)
+        for fd in {v for _, v in events}:  # per descriptor: accepted, then closed
+            assert [e for e, v in events if v == fd] == [zmq.EVENT_ACCEPTED,
+                                                        zmq.EVENT_DISCONNECTED]
+        assert _monitor_events(monitor) == []
+    finally:
+        for d in dealers:
+            d.close(0)
+        sock.disable_monitor()
+        monitor.close(0)
+        sock.close(0)
+
+
+def test_a_lost_connection_is_still_reported_by_disconnected() -> None:
+    port = free_port()
+    server = ZmqControlServer(HOST, port)
+    ctx = zmq.Context.instance()
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    try:
+        dealer.connect(f"tcp://{HOST}:{port}")
+        dealer.send(b"hello")
+        item = server.recv(WAIT)
+        assert item is not None and item[1] == b"hello"
+        assert server.disconnected() == []
+        dealer.close(0)
+        lost: list[bytes] = []
+        deadline = time.monotonic() + WAIT
+        while not lost and time.monotonic() < deadline:
+            lost = server.disconnected()  # polled only here, never through recv
+            time.sleep(0.01)
+        assert lost == [item[0]]
+        assert server.disconnected() == []
+    finally:
+        dealer.close(0)
+        server.close()
+
+
+def test_clients_still_see_a_server_that_went_away() -> None:
+    port = free_port()
+    server = ZmqControlServer(HOST, port)
+    clients = ZmqControlClients()
+    endpoint = f"tcp://{HOST}:{port}"
+    try:
+        clients.connect(endpoint)
+        clients.send(endpoint, b"hello", timeout=WAIT)
+        assert server.recv(WAIT) is not None
+        server.close()
+        lost: list[str] = []
+        deadline = time.monotonic() + WAIT
+        while not lost and time.monotonic() < deadline:
+            clients.poll(0.05)
+            lost = clients.disconnected()
+        assert lost == [endpoint]
+    finally:
+        clients.close()
+        server.close()
