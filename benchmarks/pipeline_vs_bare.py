@@ -86,6 +86,14 @@ def _print_case(case: str, res: DemoResult, target: str, met: bool | None) -> No
     print(f"  median: pipeline {_fmt(res.gbps)} GB/s, bare {_fmt(res.raw_gbps)} GB/s, "
           f"memcpy ceiling {_fmt(res.memcpy_gbps)} GB/s; ratio median "
           f"{_fmt(res.ratio_median)} (min {_fmt(res.ratio_min)}, max {_fmt(res.ratio_max)})")
+    if res.cpu.get("pipeline"):
+        c = res.cpu
+        print(f"  CPU per round, all ranks and threads (median): pipeline "
+              f"{c['pipeline'] * 1e3:.0f} ms = Decode user {c['decode_user'] * 1e3:.0f} + "
+              f"Decode kernel {c['decode_sys'] * 1e3:.0f} + Prefill {c['prefill'] * 1e3:.0f}"
+              + (f"; bare {c['bare'] * 1e3:.0f} ms" if "bare" in c else "")
+              + f"; {res.cores} core(s): the CPU spent allows a ratio of at most "
+              f"{_fmt(res.cpu_ratio_ceiling)}")
     if res.layer_compute_ms:
         print(f"  tail: p50 {_fmt(res.tail_ms_p50)} ms, p99 {_fmt(res.tail_ms_p99)} ms; bare "
               f"read of that layer {_fmt(res.bare_layer_ms)} ms; layer ack p50 "

@@ -15,7 +15,7 @@ from rd2h.domain.topology import check_topology
 
 ENGINE_SUFFIX = "-e0000001"  # vLLM appends 9 characters to request ids
 SENTINEL = 0xEE  # destination bytes before any pull
-STEP_INTERVAL_S = 0.05  # longest pause between Decode worker steps without news
+STEP_INTERVAL_S = 0.25  # longest pause between Decode worker steps without news
 
 # DemoConfig field -> Deadlines field it overrides (None keeps the library default)
 DEADLINE_FLAGS = {

@@ -29,7 +29,7 @@ from rd2h.demo.config import (
     round_order,
 )
 from rd2h.demo.faults import decode_server, decode_transfer
-from rd2h.demo.memory import enter_netns, killed, rank_settings
+from rd2h.demo.memory import enter_netns, killed, process_cpu, rank_settings
 from rd2h.demo.signals import Signals
 from rd2h.demo.synthetic import Allocation, block_pattern
 from rd2h.domain.layout import DestinationLayout, DestTensor
@@ -169,6 +169,7 @@ class _Rank:
                 arr.fill(SENTINEL)
         before = (stats.bytes_read, stats.read_seconds, stats.descriptors)
         admitted_at = time.monotonic()
+        cpu0 = process_cpu()
         for r in range(cfg.requests):
             receiver.admit(internal_id(r, k), self.alloc.d_main_blocks[r],
                            self.alloc.d_indexer_blocks[r])
@@ -199,6 +200,7 @@ class _Rank:
                 # join), at least every STEP_INTERVAL_S.
                 self.sig.wait_wake(self.d_rank, STEP_INTERVAL_S)
         t_end = time.monotonic()
+        cpu = process_cpu(cpu0)
         if self.exchange_error is not None:
             left = [rid for rid in ids if rid not in outcomes]
             for rid in left:
@@ -218,7 +220,7 @@ class _Rank:
             "bytes": stats.bytes_read - before[0], "read_seconds": stats.read_seconds - before[1],
             "descriptors": stats.descriptors - before[2],
             "layers_done": stats.layers_done, "layers_failed": stats.layers_failed,
-            "last_read_end_at": stats.last_read_end_at,
+            "cpu": cpu,
         }))
 
     def bare(self, k: int, recorded: list[tuple[str, Any]], transport: Any) -> None:
@@ -232,12 +234,13 @@ class _Rank:
         if self.exchange_error is not None:
             self.out.put((f"bare/{k}", self.who, {"skipped": self.exchange_error}))
             return
-        t0 = time.monotonic()
+        t0, cpu0 = time.monotonic(), process_cpu()
         for session, plan in recorded:
             transport.batch_read(session, plan.local_addrs, plan.remote_addrs, plan.lengths)
-        t1 = time.monotonic()
+        t1, cpu = time.monotonic(), process_cpu(cpu0)
         self.out.put((f"bare/{k}", self.who, {
             "t0": t0, "t1": t1, "bytes": int(sum(p.total_bytes for _, p in recorded)),
+            "cpu": cpu,
         }))
 
 

@@ -4,6 +4,7 @@ kill, and a Prefill rank's source memory (used by both Prefill drivers)."""
 from __future__ import annotations
 
 import os
+import resource
 from typing import Any
 
 import numpy as np
@@ -21,6 +22,14 @@ def enter_netns(name: str) -> None:
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     if name:
         network_namespaces().enter(name)
+
+
+def process_cpu(since: dict[str, float] | None = None) -> dict[str, float]:
+    """CPU seconds this process (every thread: rd2h's, ZeroMQ's, gloo's) spent in user
+    and kernel mode; with ``since``, the part spent after that reading."""
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    now = {"user": ru.ru_utime, "sys": ru.ru_stime}
+    return {k: v - since[k] for k, v in now.items()} if since else now
 
 
 def killed() -> None:

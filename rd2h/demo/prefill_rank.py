@@ -19,7 +19,7 @@ import numpy as np
 from rd2h.app.prefill import LayerTarget
 from rd2h.demo.config import DemoConfig, chunk_ranges, internal_id
 from rd2h.demo.faults import prefill_kill_layer
-from rd2h.demo.memory import enter_netns, killed, prefill_memory, prefill_report
+from rd2h.demo.memory import enter_netns, killed, prefill_memory, prefill_report, process_cpu
 from rd2h.demo.signals import Signals
 from rd2h.demo.synthetic import Allocation, block_pattern
 from rd2h.domain.chunks import external_request_id
@@ -61,6 +61,8 @@ def _prefill_rank(cfg: DemoConfig, p_rank: int, base_port: int, alloc: Allocatio
                 )
 
     ranges = chunk_ranges(cfg, alloc)
+    chunk_ids = [[tuple(p_ids[r][start:end].tolist()) for r in range(cfg.requests)]
+                 for start, end, _ in ranges]
     if not cfg.shared_buffers:  # every (layer, block) is written once: write it before timing
         for layer in range(cfg.layers):
             write(layer, 0, alloc.blocks_per_request)
@@ -92,9 +94,14 @@ def _prefill_rank(cfg: DemoConfig, p_rank: int, base_port: int, alloc: Allocatio
         if not sig.announce[k].wait(cfg.timeout_s):
             raise TimeoutError(f"no start signal for round {k} from the demo parent")
         acks_before = len(sender.stats.ack_latencies_ms)
+        cpu0 = process_cpu()
         layer_errors: dict[str, None] = {}
         ready_at = 0.0
         for chunk, (start, end, final) in enumerate(ranges):
+            # Every layer of a chunk announces the same blocks (what vLLM's scheduler
+            # output gives once per step); only the final layer marks requests done.
+            plain = _targets(cfg, k, endpoint, mapping, chunk_ids[chunk], start, False)
+            last = _targets(cfg, k, endpoint, mapping, chunk_ids[chunk], start, final)
             for layer in range(cfg.layers):
                 if chunk == 0 and layer == kill_layer:
                     # Die mid-request: Decode has read (and acknowledged) the layers before.
@@ -110,24 +117,26 @@ def _prefill_rank(cfg: DemoConfig, p_rank: int, base_port: int, alloc: Allocatio
                 done = final and layer == cfg.layers - 1
                 if done:
                     ready_at = time.monotonic()  # the last layer of the prompt is ready
-                targets = []
-                for r in range(cfg.requests):
-                    ext = external_request_id(internal_id(r, k))
-                    req = None
-                    if end > start:
-                        ids = tuple(int(x) for x in p_ids[r][start:end])
-                        req = ReadRequest(ext, ids, ids, start, start)
-                    if req is not None or done:
-                        targets.append(LayerTarget(endpoint, req, done, mapping.member,
-                                                   mapping.ratio, ext))
-                sender.submit(layer, event, targets)
+                sender.submit(layer, event, last if layer == cfg.layers - 1 else plain)
         for layer in range(cfg.layers):
             wait_gate(layer, layer_errors)
         drained = sender.drain(gate_s)
         report = prefill_report(sender, layer_errors, drained, sender.counters(),
-                                ready_at=ready_at)
+                                ready_at=ready_at, cpu=process_cpu(cpu0))
         report["ack_ms"] = report["ack_ms"][acks_before:]
         out.put((f"prefill_done/{k}", f"prefill {p_rank}", report))
     sig.release.wait(cfg.timeout_s)  # keep memory alive for the bare replays
     sender.stop(deadlines.stop_s)
     transport.close()
+
+
+def _targets(cfg: DemoConfig, k: int, endpoint: str, mapping: Any, ids: list[tuple[int, ...]],
+             start: int, done: bool) -> list[LayerTarget]:
+    """One layer's announcement of a chunk for round ``k``'s requests."""
+    targets = []
+    for r in range(cfg.requests):
+        ext = external_request_id(internal_id(r, k))
+        req = ReadRequest(ext, ids[r], ids[r], start, start) if ids[r] else None
+        if req is not None or done:
+            targets.append(LayerTarget(endpoint, req, done, mapping.member, mapping.ratio, ext))
+    return targets

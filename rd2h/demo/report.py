@@ -61,6 +61,9 @@ class DemoResult:
     tail_ms_p50: float | None = None
     tail_ms_p99: float | None = None
     bare_layer_ms: float | None = None  # bare read of one layer's final chunk
+    cores: int = 1
+    cpu: dict[str, float] = field(default_factory=dict)  # median CPU s per round
+    cpu_ratio_ceiling: float | None = None  # bare s / (pipeline CPU s / cores)
 
 
 def memcpy_gbps(nbytes: int) -> float:
@@ -131,6 +134,14 @@ def summary_text(res: DemoResult) -> str:
         lines.append(f"  pipeline/bare ratio: median {f(res.ratio_median)}, min "
                      f"{f(res.ratio_min)}, max {f(res.ratio_max)} over {len(res.rounds)} "
                      "rounds (rates above are medians)")
+    if res.cpu.get("pipeline"):
+        c = res.cpu
+        lines.append(
+            f"  CPU per round (all ranks and threads): pipeline {c['pipeline'] * 1e3:.0f} ms "
+            f"(Decode user {c['decode_user'] * 1e3:.0f}, kernel {c['decode_sys'] * 1e3:.0f};"
+            f" Prefill {c['prefill'] * 1e3:.0f})"
+            + (f", bare {c['bare'] * 1e3:.0f} ms" if "bare" in c else "")
+            + f" on {res.cores} core(s): ratio ceiling {f(res.cpu_ratio_ceiling)}")
     if res.tail_ms_p50 is not None:
         compute = (f"{res.layer_compute_ms:g} ms compute per layer"
                    if res.layer_compute_ms else "no compute per layer")

@@ -6,6 +6,7 @@ Prefill to the moment each request was complete on every Decode rank."""
 
 from __future__ import annotations
 
+import os
 import statistics
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,6 +28,12 @@ class RoundFigures:
     ratio_max: float | None = None
     tail_ms: list[float] = field(default_factory=list)
     bare_layer_ms: float | None = None  # bare read of the final chunk of one layer
+    cores: int = 1
+    # Median CPU seconds of a pipeline round, all ranks and threads: Decode user / kernel
+    # (the copy itself is kernel time), Prefill; and of a bare replay.
+    cpu: dict[str, float] = field(default_factory=dict)
+    # Best ratio the CPU spent allows on this machine: bare time / (pipeline CPU / cores).
+    cpu_ratio_ceiling: float | None = None
 
 
 def _median(values: list[float]) -> float | None:
@@ -53,6 +60,7 @@ def summarize(cfg: DemoConfig, alloc: Allocation, msgs: dict[str, dict[str, Any]
             row.update(bare_seconds=span, bare_gbps=nbytes / span / 1e9 if span > 0 else None)
         if row.get("gbps") and row.get("bare_gbps"):
             row["ratio"] = row["gbps"] / row["bare_gbps"]
+        _cpu(row, dec, pre, bare)
         ready = [p.get("ready_at") or 0.0 for p in pre.values()]
         if len(dec) == cfg.decode_tp and len(pre) == cfg.prefill_tp and all(ready):
             for r in range(cfg.requests):
@@ -73,9 +81,35 @@ def summarize(cfg: DemoConfig, alloc: Allocation, msgs: dict[str, dict[str, Any]
     ratios = [r["ratio"] for r in fig.rounds if "ratio" in r]
     if ratios:
         fig.ratio_median, fig.ratio_min, fig.ratio_max = _median(ratios), min(ratios), max(ratios)
+    fig.cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (
+        os.cpu_count() or 1)
+    with_cpu = [r for r in fig.rounds if "cpu" in r]
+    for key in ("decode_user", "decode_sys", "prefill", "pipeline", "bare"):
+        values = [r["cpu"][key] for r in with_cpu if key in r["cpu"]]
+        if values:
+            fig.cpu[key] = _median(values) or 0.0
+    ceilings = [r["bare_seconds"] / (r["cpu"]["pipeline"] / fig.cores) for r in with_cpu
+                if r.get("bare_seconds") and r["cpu"].get("pipeline")]
+    fig.cpu_ratio_ceiling = _median(ceilings)
     if fig.raw_seconds:
         start, end, _ = chunk_ranges(cfg, alloc)[-1]
         # Bytes scale with blocks: the final chunk of one layer is this share of a round.
         share = (end - start) / alloc.blocks_per_request / cfg.layers
         fig.bare_layer_ms = fig.raw_seconds * share * 1e3
     return fig
+
+
+def _cpu(row: dict[str, Any], dec: dict[str, Any], pre: dict[str, Any],
+         bare: dict[str, Any]) -> None:
+    """CPU seconds of the round's pipeline (every rank) and bare replay, when every
+    rank reported them."""
+    cpu: dict[str, float] = {}
+    if dec and pre and all("cpu" in p for p in (*dec.values(), *pre.values())):
+        cpu["decode_user"] = sum(p["cpu"]["user"] for p in dec.values())
+        cpu["decode_sys"] = sum(p["cpu"]["sys"] for p in dec.values())
+        cpu["prefill"] = sum(p["cpu"]["user"] + p["cpu"]["sys"] for p in pre.values())
+        cpu["pipeline"] = cpu["decode_user"] + cpu["decode_sys"] + cpu["prefill"]
+    if bare and all("cpu" in b for b in bare.values()):
+        cpu["bare"] = sum(b["cpu"]["user"] + b["cpu"]["sys"] for b in bare.values())
+    if cpu:
+        row["cpu"] = cpu

@@ -380,5 +380,6 @@ class _Run:
             rounds=fig.rounds, ratio_median=fig.ratio_median, ratio_min=fig.ratio_min,
             ratio_max=fig.ratio_max, layer_compute_ms=cfg.layer_compute_ms,
             tail_ms_p50=percentile(fig.tail_ms, 50), tail_ms_p99=percentile(fig.tail_ms, 99),
-            bare_layer_ms=fig.bare_layer_ms,
+            bare_layer_ms=fig.bare_layer_ms, cores=fig.cores, cpu=fig.cpu,
+            cpu_ratio_ceiling=fig.cpu_ratio_ceiling,
         )
