@@ -46,6 +46,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import zmq
@@ -249,6 +250,20 @@ def bench_stages(w: Workload, repeat: int) -> dict[str, list[float]]:
     return samples
 
 
+def started_receiver(w: Workload, codec: MsgpackCodec,
+                     log: Any) -> tuple[CmaTransferEngine, DecodeReceiver, str]:
+    """A Decode rank 0 receive loop over ZeroMQ with the no-copy engine, every request of
+    the workload admitted."""
+    engine = no_copy_engine(w)
+    receiver = DecodeReceiver(
+        server_factory=lambda: ZmqControlServer("127.0.0.1", _free_port()), codec=codec,
+        transfer=engine, destinations=w.dst, d_rank=0, d_tp=D_TP,
+        clock=MonotonicClock(), log=log, main_shared=True)
+    endpoint = receiver.start()
+    admit_all(receiver.admit, w)
+    return engine, receiver, endpoint
+
+
 def bench_loop(w: Workload, repeat: int) -> list[float]:
     """The DecodeReceiver loop thread's CPU per READ_READY_BATCH over real ZeroMQ."""
     codec = MsgpackCodec()
@@ -258,13 +273,7 @@ def bench_loop(w: Workload, repeat: int) -> list[float]:
     ctx = zmq.Context.instance()
     out = []
     for _ in range(repeat):
-        engine = no_copy_engine(w)
-        receiver = DecodeReceiver(
-            server_factory=lambda: ZmqControlServer("127.0.0.1", _free_port()), codec=codec,
-            transfer=engine, destinations=w.dst, d_rank=0, d_tp=D_TP,
-            clock=MonotonicClock(), log=log, main_shared=True)
-        endpoint = receiver.start()
-        admit_all(receiver.admit, w)
+        engine, receiver, endpoint = started_receiver(w, codec, log)
         dealers = {}
         for member in (0, 1):
             sock = ctx.socket(zmq.DEALER)
@@ -318,13 +327,7 @@ def bench_prefill(w: Workload, repeat: int) -> dict[str, list[float]]:
             codec.encode(b, "ep")
         samples["prefill encode"].append((time.thread_time() - t0) / len(batches) * 1e6)
     for _ in range(repeat):
-        engine = no_copy_engine(w)
-        receiver = DecodeReceiver(
-            server_factory=lambda: ZmqControlServer("127.0.0.1", _free_port()), codec=codec,
-            transfer=engine, destinations=w.dst, d_rank=0, d_tp=D_TP,
-            clock=MonotonicClock(), log=log, main_shared=True)
-        endpoint = receiver.start()
-        admit_all(receiver.admit, w)
+        engine, receiver, endpoint = started_receiver(w, codec, log)
         senders = {}
         for p in (0, 1):
             sender = PrefillSender(clients_factory=ZmqControlClients, codec=codec,
