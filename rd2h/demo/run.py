@@ -6,9 +6,10 @@ indexer/scale copies) and ``prefill_tp`` Prefill rank processes (each owns
 synthetic KV in the spec 13 shapes and announces it layer by layer, in chunks).
 Decode ranks pull, acknowledge and complete requests through a real
 torch.distributed (gloo) exchange. Every destination byte of every request that
-ended ok is then verified; finally the same descriptors are replayed on the bare
-transport (``raw_gbps``) and a same-size in-process copy is timed
-(``memcpy_gbps``). Rates are in 10^9 bytes per second.
+ended ok is then verified; the same descriptors are replayed on the bare transport
+(``raw_gbps``) and a same-size in-process copy is timed (``memcpy_gbps``). Rates are
+in 10^9 bytes per second. With ``--rounds R`` the ranks stay up for R rounds, each a
+pull of new requests and a bare replay, in alternating order (``rd2h.demo.rounds``).
 
 With ``--fault`` (``rd2h.demo.faults``) ranks fail for real: the summary still
 appears, every request is reported ``ok`` or ``failed`` with its reason, and
