@@ -12,8 +12,10 @@ Stages (CPU microseconds per message; ``time.thread_time`` of the thread doing t
 work, median over ``--repeat`` repeats of the whole 32-message sequence):
 
 - ``decode``: ``MsgpackCodec.decode`` of one frame.
-- ``plan``: ``plan_reads`` alone (included in ``receive``).
-- ``receive``: ``DecodeSession.receive`` (validation, planning, book-keeping).
+- ``plan``: ``plan_reads`` alone, without a memo: every message planned in full.
+- ``receive``: ``DecodeSession.receive`` (validation, planning, book-keeping); the
+  session's ``PlanMemo`` reuses a peer's block ownership for the next layer of the
+  same chunk, so only the first layer of each chunk pays the full ``plan``.
 - ``read_done+encode``: ``begin_read`` + ``read_done`` + encoding the reply.
 - ``batch_read (no copy)``: ``CmaTransferEngine.batch_read`` with ``process_vm_readv``
   replaced by a stub that reports every byte copied (the batch checks, the region

@@ -27,7 +27,7 @@ from rd2h.domain.errors import (
 )
 from rd2h.domain.layout import DestinationLayout, SourceLayout
 from rd2h.domain.orphans import DEFAULT_ORPHANS_PER_PEER, DEFAULT_ORPHANS_TOTAL, CapHit
-from rd2h.domain.planning import ReadPlan, plan_reads
+from rd2h.domain.planning import PlanMemo, ReadPlan, plan_reads
 from rd2h.domain.protocol import Message, MfMeta, ReadDone, ReadFailed, ReadReadyBatch, clip
 from rd2h.domain.request_book import DecodeRequestBook, RankReport, StepOutcome
 
@@ -158,6 +158,8 @@ class DecodeSession:
         self.request_timeout_s = request_timeout_s
         self.max_peers = max_peers
         self._peers: dict[Peer, _Peer] = {}
+        # Every layer of a chunk names the same blocks: plan them once per peer.
+        self._memo = PlanMemo()
         self._peers_capped = False
         self._book = DecodeRequestBook(max_orphans_per_peer, max_orphans)
         self._reads: dict[int, _PendingRead] = {}
@@ -215,6 +217,7 @@ class DecodeSession:
         """The connection closed: forget its metadata and fail the unfinished requests it
         was contributing to (requests that never heard from it end at their deadline)."""
         gone = self._peers.pop(peer, None)
+        self._memo.forget(peer)
         session = gone.session if gone is not None else "?"
         for pending in self._reads.values():
             if pending.peer == peer:
@@ -301,7 +304,7 @@ class DecodeSession:
         }
         try:
             plan = plan_reads(batch, src, dst, dests, d_rank=self.d_rank, d_tp=self.d_tp,
-                              main_shared=self.main_shared)
+                              main_shared=self.main_shared, memo=self._memo, owner=peer)
         except (LayoutMismatch, PlanningError) as exc:
             return self._fail(peer, batch, str(exc), now)
         except Exception as exc:  # a planner bug must still answer, or Prefill waits it out

@@ -18,7 +18,6 @@ from dataclasses import dataclass
 from functools import cached_property
 from itertools import chain
 from operator import attrgetter, getitem
-from typing import NamedTuple
 
 import numpy as np
 
@@ -30,8 +29,13 @@ from rd2h.domain.layout import (
     TensorComponent,
     validate_layout,
 )
+from rd2h.domain.plan_memo import PlanMemo
 from rd2h.domain.protocol import ReadReadyBatch, ReadRequest
+from rd2h.domain.read_plan import ReadPlan, RequestOwnership, coalesce
 from rd2h.domain.topology import owned_ranges
+
+__all__ = ["BlockPlan", "Destination", "PlanMemo", "ReadPlan", "RequestOwnership", "coalesce",
+           "plan_reads"]
 
 _INT64_MAX = (1 << 63) - 1
 _EMPTY = np.zeros(0, dtype=np.int64)
@@ -59,84 +63,42 @@ class Destination:
         object.__setattr__(self, "indexer_block_ids", _as_ids(self.indexer_block_ids))
 
 
-class RequestOwnership(NamedTuple):
-    """What this rank owns of one request in one message, and what it built for it
-    (``descriptors`` counts one per owned block per tensor, before coalescing)."""
-
-    ext_req_id: str
-    main_blocks: int
-    indexer_blocks: int
-    descriptors: int
-
-    @property
-    def owns_nothing(self) -> bool:
-        return self.main_blocks == 0 and self.indexer_blocks == 0
-
-
-@dataclass(frozen=True)
-class ReadPlan:
-    """One batched read: ``lengths[i]`` bytes from ``remote_addrs[i]`` to ``local_addrs[i]``.
-
-    ``requests`` gives the per-request ownership facts, in message order (built on
-    first access from the per-request counts).
-    """
-
-    local_addrs: np.ndarray
-    remote_addrs: np.ndarray
-    lengths: np.ndarray
-    ext_req_ids: tuple[str, ...]
-    main_blocks: np.ndarray
-    indexer_blocks: np.ndarray
-    descriptors_built: np.ndarray
-    blocks: int
-
-    @cached_property
-    def requests(self) -> tuple[RequestOwnership, ...]:
-        return tuple(
-            map(
-                RequestOwnership,
-                self.ext_req_ids,
-                self.main_blocks.tolist(),
-                self.indexer_blocks.tolist(),
-                self.descriptors_built.tolist(),
-            )
-        )
-
-    @property
-    def num_descriptors(self) -> int:
-        return int(self.lengths.shape[0])
-
-    @property
-    def total_bytes(self) -> int:
-        return int(self.lengths.sum()) if self.lengths.size else 0
-
-    @property
-    def owns_nothing(self) -> bool:
-        return not (self.main_blocks.any() or self.indexer_blocks.any())
-
-
-def coalesce(
-    local: np.ndarray, remote: np.ndarray, lengths: np.ndarray
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Merge runs of descriptors that are contiguous on both sides, keeping order."""
-    if lengths.size <= 1:
-        return local, remote, lengths
-    ends_l = local[:-1] + lengths[:-1]
-    ends_r = remote[:-1] + lengths[:-1]
-    joins = (ends_l == local[1:]) & (ends_r == remote[1:])
-    if not joins.any():
-        return local, remote, lengths
-    starts = np.flatnonzero(np.concatenate(([True], ~joins)))
-    return local[starts], remote[starts], np.add.reduceat(lengths, starts)
-
-
 @dataclass(frozen=True)
 class _Component:
-    """Owned block ids of one component (main, or indexer+scale) across requests."""
+    """Owned block ids of one component (main, or indexer+scale) across requests, and
+    what every layer's plan derives from them (computed once per component)."""
 
     src: np.ndarray
     dst: np.ndarray
     counts: np.ndarray  # owned blocks per request
+
+    @cached_property
+    def src_hi(self) -> int:
+        return int(self.src.max())
+
+    @cached_property
+    def dst_hi(self) -> int:
+        return int(self.dst.max())
+
+    @cached_property
+    def dst_lo(self) -> int:
+        return int(self.dst.min())
+
+    @cached_property
+    def runs(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Starts (src, dst) and lengths, in blocks, of runs consecutive on both sides."""
+        src, dst = self.src, self.dst
+        n = src.shape[0]
+        brk = np.empty(n, dtype=bool)
+        brk[0] = True
+        step = brk[1:]
+        np.not_equal(src[1:] - src[:-1], 1, out=step)
+        step |= (dst[1:] - dst[:-1]) != 1
+        if brk.all():  # nothing to merge (typical for a fragmented pool)
+            return src, dst, np.ones(n, dtype=np.int64)
+        first = np.flatnonzero(brk)
+        length = np.diff(first, append=n)
+        return src[first], dst[first], length
 
 
 def _own(
@@ -195,7 +157,7 @@ def _check_source(
     and source addresses beyond the 64-bit range, naming the first request at fault."""
     if comp.src.size == 0:
         return
-    highest = int(comp.src.max())
+    highest = comp.src_hi
     for tensor in tensors:
         # (block + 1) * size + base <= 2**63 - 1, in exact integer arithmetic
         room = (_INT64_MAX - tensor.base_addr) // max(1, tensor.bytes_per_block)
@@ -212,21 +174,6 @@ def _check_source(
             f"{what} source block {int(comp.src[at])} is beyond {where}",
             reqs[owner].ext_req_id,
         )
-
-
-def _runs(src: np.ndarray, dst: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Starts (src, dst) and lengths, in blocks, of runs consecutive on both sides."""
-    n = src.shape[0]
-    brk = np.empty(n, dtype=bool)
-    brk[0] = True
-    step = brk[1:]
-    np.not_equal(src[1:] - src[:-1], 1, out=step)
-    step |= (dst[1:] - dst[:-1]) != 1
-    if brk.all():  # nothing to merge (typical for a fragmented pool)
-        return src, dst, np.ones(n, dtype=np.int64)
-    first = np.flatnonzero(brk)
-    length = np.diff(first, append=n)
-    return src[first], dst[first], length
 
 
 def _check_range(hi: int, lo: int, dst: DestTensor, layer: str, what: str) -> None:
@@ -253,10 +200,9 @@ def _descriptors(
     for comp, pairs, what in groups:
         if comp.src.size == 0 or not pairs:
             continue
-        hi, lo = int(comp.dst.max()), int(comp.dst.min())
         for _, dst in pairs:
-            _check_range(hi, lo, dst, layer, what)
-        p_start, d_start, length = _runs(comp.src, comp.dst)
+            _check_range(comp.dst_hi, comp.dst_lo, dst, layer, what)
+        p_start, d_start, length = comp.runs
         # Every tensor of the component at once: row t is tensor t's descriptors.
         size = np.array([src.bytes_per_block for src, _ in pairs], dtype=np.int64)[:, None]
         d_base = np.array([dst.base_addr for _, dst in pairs], dtype=np.int64)[:, None]
@@ -283,32 +229,32 @@ def _descriptors(
     return local, remote, lengths
 
 
-def plan_reads(
+@dataclass(frozen=True)
+class BlockPlan:
+    """The layer-independent part of a plan: the blocks this rank owns of each request
+    of a message. Every layer of a chunk names the same requests and blocks, so a
+    ``PlanMemo`` lets the next layer reuse it; only addresses differ per layer."""
+
+    ext_ids: tuple[str, ...]
+    main: _Component
+    index: _Component
+
+
+def _block_plan(
     batch: ReadReadyBatch,
-    src: SourceLayout,
-    dst: DestinationLayout,
-    destinations: Mapping[str, Destination],
+    dests: Sequence[Destination | None],
     *,
+    has_main: bool,
+    has_indexer: bool,
     d_rank: int,
     d_tp: int,
-    main_shared: bool = True,
-) -> ReadPlan:
-    """Plan this Decode rank's share of a READ_READY_BATCH.
-
-    Main K/V is read only by contributor member 0 and split over the Decode TP
-    ranks (rotated by the chunk's start); the indexer and LIC8 scale are split
-    over the contributor members so every Decode rank ends with a full copy.
-    With ``main_shared=False`` (each Decode rank has its own main cache) this rank
-    reads every main block instead of its share.
-    Raises ``LayoutMismatch`` or ``PlanningError``; either fails the whole layer.
-    """
-    validate_layout(src, dst)
+    main_shared: bool,
+) -> BlockPlan:
     layer = batch.layer_name
     member, ratio = batch.group_member_idx, max(1, batch.tp_ratio)
     reqs = batch.read_reqs
     n = len(reqs)
-    ext_ids = list(map(attrgetter("ext_req_id"), reqs))
-    dests: list[Destination | None] = list(map(destinations.get, ext_ids))
+    ext_ids = tuple(map(attrgetter("ext_req_id"), reqs))
     main_lists = list(map(attrgetter("p_main_block_ids"), reqs))
     idx_lists = list(map(attrgetter("p_indexer_block_ids"), reqs))
     main_lens = np.fromiter(map(len, main_lists), dtype=np.int64, count=n)
@@ -324,7 +270,7 @@ def plan_reads(
     zeros = np.zeros(n, dtype=np.int64)
     main = _Component(_EMPTY, _EMPTY, zeros)
     index = _Component(_EMPTY, _EMPTY, zeros)
-    if member == 0 and src.main and n:
+    if member == 0 and has_main and n:
         main = _own(
             layer, "main", reqs, main_lists, main_lens,
             list(map(attrgetter("main_block_ids"), dests)),
@@ -333,13 +279,54 @@ def plan_reads(
             # cache (vanilla vLLM) needs every main block on every rank.
             d_tp if main_shared else 1, d_rank if main_shared else 0,
         )
-    if src.indexer is not None and n:
+    if has_indexer and n:
         index = _own(
             layer, "indexer", reqs, idx_lists, idx_lens,
             list(map(attrgetter("indexer_block_ids"), dests)),
             np.fromiter(map(attrgetter("indexer_start_block"), reqs), dtype=np.int64, count=n),
             ratio, member,
         )
+    return BlockPlan(ext_ids, main, index)
+
+
+def plan_reads(
+    batch: ReadReadyBatch,
+    src: SourceLayout,
+    dst: DestinationLayout,
+    destinations: Mapping[str, Destination],
+    *,
+    d_rank: int,
+    d_tp: int,
+    main_shared: bool = True,
+    memo: PlanMemo | None = None,
+    owner: object = None,
+) -> ReadPlan:
+    """Plan this Decode rank's share of a READ_READY_BATCH.
+
+    Main K/V is read only by contributor member 0 and split over the Decode TP
+    ranks (rotated by the chunk's start); the indexer and LIC8 scale are split
+    over the contributor members so every Decode rank ends with a full copy.
+    With ``main_shared=False`` (each Decode rank has its own main cache) this rank
+    reads every main block instead of its share.
+    With a ``memo``, the block ownership of the last message from ``owner`` is
+    reused when this message names the same requests, blocks and destinations
+    (every layer of a chunk does); the per-layer checks and addresses always run.
+    Raises ``LayoutMismatch`` or ``PlanningError``; either fails the whole layer.
+    """
+    validate_layout(src, dst)
+    layer = batch.layer_name
+    reqs = batch.read_reqs
+    dests = tuple(map(destinations.get, map(attrgetter("ext_req_id"), reqs)))
+    has_main, has_indexer = bool(src.main), src.indexer is not None
+    key = (reqs, batch.group_member_idx, batch.tp_ratio, has_main, has_indexer, d_rank, d_tp,
+           main_shared)
+    blocks = memo.get(owner, key, dests) if memo is not None else None
+    if blocks is None:
+        blocks = _block_plan(batch, dests, has_main=has_main, has_indexer=has_indexer,
+                             d_rank=d_rank, d_tp=d_tp, main_shared=main_shared)
+        if memo is not None:
+            memo.put(owner, key, dests, blocks)
+    main, index = blocks.main, blocks.index
 
     _check_source(layer, "main", main, src.main, reqs)
     _check_source(
@@ -363,6 +350,6 @@ def plan_reads(
         [(main, list(zip(src.main, dst.main)), "main"), (index, idx_pairs, "indexer")], layer
     )
     return ReadPlan(
-        local, remote, lengths, tuple(ext_ids), main.counts, index.counts, built,
+        local, remote, lengths, blocks.ext_ids, main.counts, index.counts, built,
         int(main.src.size + index.src.size),
     )
