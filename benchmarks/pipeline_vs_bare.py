@@ -1,6 +1,6 @@
 """The pull pipeline against the bare transport, A/B, in the same processes.
 
-Each case is one ``rd2h demo`` run with ``--rounds R``: every round pulls every
+Each case is one ``rd2h demo`` run with ``--rounds R`` (default 6): every round pulls every
 request anew through the whole pipeline (ZeroMQ announcements, planning, one batched
 read per layer and contributor, replies, the gloo completion exchange; every byte
 verified) and replays round 0's reads on the bare transport with every Decode rank
@@ -107,7 +107,8 @@ def _print_case(case: str, res: DemoResult, target: str, met: bool | None) -> No
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rounds", type=int, default=5, help="A/B rounds per case (default 5)")
+    ap.add_argument("--rounds", type=int, default=6,
+                    help="A/B rounds per case (default 6: as many of each order)")
     ap.add_argument("--case", action="append", choices=sorted(CASES),
                     help="run only this case (repeatable)")
     ap.add_argument("--json", action="store_true", help="one JSON object on stdout")
