@@ -142,9 +142,9 @@ def summary_text(res: DemoResult) -> str:
             f" Prefill {c['prefill'] * 1e3:.0f})"
             + (f", bare {c['bare'] * 1e3:.0f} ms" if "bare" in c else "")
             + f" on {res.cores} core(s): ratio ceiling {f(res.cpu_ratio_ceiling)}")
-    if res.tail_ms_p50 is not None:
-        compute = (f"{res.layer_compute_ms:g} ms compute per layer"
-                   if res.layer_compute_ms else "no compute per layer")
+    if res.tail_ms_p50 is not None and res.layer_compute_ms:
+        # Without compute every layer is ready at once: the "tail" is the whole pull.
+        compute = f"{res.layer_compute_ms:g} ms compute per layer"
         lines.append(f"  tail (last layer ready -> complete on every Decode rank; {compute}):"
                      f" p50 {f(res.tail_ms_p50, ' ms')}, p99 {f(res.tail_ms_p99, ' ms')};"
                      f" bare read of that layer {f(res.bare_layer_ms, ' ms')}")

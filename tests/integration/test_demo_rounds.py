@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from rd2h.demo import DemoConfig, run_demo
+from rd2h.demo import DemoConfig, run_demo, summary_text
 from rd2h.demo.config import internal_id
 
 pytestmark = pytest.mark.integration
@@ -32,6 +32,9 @@ def test_rounds_pull_anew_and_compare_with_the_bare_transport() -> None:
         assert row["ratio"] == pytest.approx(row["gbps"] / row["bare_gbps"])
     assert res.ratio_min <= res.ratio_median <= res.ratio_max
     assert res.raw_gbps is not None and res.memcpy_gbps > 0
+    text = summary_text(res)
+    assert "pipeline/bare ratio: median" in text and "ratio ceiling" in text
+    assert "tail (" not in text  # every layer was ready at once: no tail to speak of
 
 
 def test_layer_compute_delays_announcements_and_the_tail_is_reported() -> None:
@@ -45,6 +48,7 @@ def test_layer_compute_delays_announcements_and_the_tail_is_reported() -> None:
     assert res.tail_ms_p99 < 60_000
     assert res.bare_layer_ms is not None and res.bare_layer_ms > 0
     assert res.layer_compute_ms == 10.0
+    assert "tail (last layer ready" in summary_text(res)
 
 
 @pytest.mark.parametrize(
