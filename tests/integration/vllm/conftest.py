@@ -1,0 +1,59 @@
+"""Fixtures shared by the real-vLLM test modules.
+
+Engines are expensive on a 2-core machine (tens of seconds each to start), so the
+tiny checkpoints and the plain Llama reference engine are made once per test session
+and shared; each module starts only the engines its own configuration needs.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from fakes.net import free_port
+from servers import MLA_ARGS, Server, vllm_server
+from tiny_model import make_tiny_deepseek, make_tiny_llama
+
+
+@pytest.fixture(scope="session")
+def llama_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny random-weight Llama every Llama module serves."""
+    return make_tiny_llama(tmp_path_factory.mktemp("llama") / "model")
+
+
+@pytest.fixture(scope="session")
+def llama_reference(
+    llama_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Server]:
+    """One plain (non-disaggregated) engine on the tiny Llama: the token reference."""
+    log = tmp_path_factory.mktemp("llama-ref") / "base.log"
+    server = vllm_server("reference engine", llama_model, free_port(), log)
+    try:
+        server.start()
+        server.wait_ready("/health", time.monotonic() + 420)
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def mla_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny random-weight DeepSeek-V2 (MLA) checkpoint."""
+    return make_tiny_deepseek(tmp_path_factory.mktemp("mla") / "model")
+
+
+@pytest.fixture(scope="session")
+def mla_reference(
+    mla_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Server]:
+    """One plain engine on the tiny MLA model with ``MLA_ARGS``: the token reference."""
+    log = tmp_path_factory.mktemp("mla-ref") / "base.log"
+    server = vllm_server("MLA reference engine", mla_model, free_port(), log, args=MLA_ARGS)
+    try:
+        server.start()
+        server.wait_ready("/health", time.monotonic() + 420)
+        yield server
+    finally:
+        server.stop()
