@@ -288,6 +288,9 @@ def scenarios(draw, *, valid: bool) -> Scenario:
             is_ = draw(st.integers(0, i_len + slack))
             inn = draw(st.integers(0, max(0, i_len - is_) + slack))
             if valid and mn + inn == 0:
+                # one main block at the start; the start must leave it room inside the
+                # request's MAX_LIST-long slice of the destination pool
+                ms = min(ms, MAX_LIST - 1)
                 m_len, mn = max(m_len, ms + 1), 1
         if req is None:
             req = ReadRequest(
