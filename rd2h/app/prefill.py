@@ -172,6 +172,19 @@ class PrefillSender(LoopThread):
         with self._cond:
             return self._session.take_resolved()
 
+    def wait_resolved(self, timeout: float) -> bool:
+        """Block until ``take_resolved`` has something to report, at most ``timeout``
+        seconds; True if it has. (A stopped sender resolves everything it held.)"""
+        with self._cond:
+            if not self._session.has_resolved:
+                self._cond.wait(timeout)
+            return self._session.has_resolved
+
+    @property
+    def timeouts(self) -> PrefillTimeouts:
+        """The deadlines every announcement entry ends by (``PrefillTimeouts``)."""
+        return self._session.timeouts
+
     def gate_open(self, layer_idx: int) -> bool:
         """Whether the layer's storage may be written now (no endpoint still reading)."""
         with self._cond:

@@ -266,6 +266,11 @@ class PrefillSession:
         out, self._resolved = self._resolved, []
         return out
 
+    @property
+    def has_resolved(self) -> bool:
+        """Whether ``take_resolved`` has something to report."""
+        return bool(self._resolved)
+
     def next_deadline(self) -> float | None:
         """When ``tick`` next has something to fail (None: nothing is waiting)."""
         times = [e.deadline for a in self._announcements.values() for e in a.entries.values()

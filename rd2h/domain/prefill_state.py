@@ -18,6 +18,13 @@ class PrefillTimeouts:
     # A connection with nothing in flight for this long is closed and forgotten.
     idle_link_s: float = 300.0
 
+    @property
+    def longest_entry_s(self) -> float:
+        """The longest one announcement to one endpoint can stay open under these
+        deadlines: its device event, then a handshake, then a frame that waits in the
+        outbox up to its reply deadline and, once it goes, a full reply deadline."""
+        return self.device_event_s + self.meta_ack_s + 2 * self.layer_ack_s
+
 
 @dataclass(eq=False)
 class Entry:

@@ -32,6 +32,11 @@ from rd2h.app.settings import ConnectorConfigError
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+        KVConnectorPromMetrics,
+        PromMetric,
+        PromMetricT,
+    )
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
@@ -96,6 +101,7 @@ class SfaRemoteD2HConnector(KVConnectorBase_V1, SupportsHMA):
                                             translate.block_ids(blocks), num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        self._role.requests_preempted(getattr(scheduler_output, "preempted_req_ids", None) or ())
         return Rd2hConnectorMetadata(
             self._role.build_connector_meta(translate.scheduled(scheduler_output)))
 
@@ -123,6 +129,19 @@ class SfaRemoteD2HConnector(KVConnectorBase_V1, SupportsHMA):
         cls, data: dict[str, Any] | None = None
     ) -> Rd2hConnectorStats | None:
         return Rd2hConnectorStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type[PromMetric], type[PromMetricT]],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVConnectorPromMetrics | None:
+        """rd2h's series on vLLM's /metrics (``rd2h.adapters.vllm.prom``)."""
+        from rd2h.adapters.vllm.prom import Rd2hPromMetrics
+
+        return Rd2hPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     # ================================================================ worker
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
@@ -159,6 +178,21 @@ class SfaRemoteD2HConnector(KVConnectorBase_V1, SupportsHMA):
         tp = get_tp_group()
         self._facts = translate.on_worker(self._facts, tp, get_world_group())
         return tp.cpu_group
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        """Prefill hands KV off to Decode: vLLM must recompute a request preempted while
+        that hand-off is pending rather than let it finish from freed blocks. Decode
+        hands nothing off."""
+        return self.side == "prefill"
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        """Before the step's forward: vLLM freed the preempted requests' blocks and the
+        forward may overwrite them; Prefill returns once Decode is no longer reading
+        them (every announcement of them answered or failed)."""
+        plan = getattr(kv_connector_metadata, "plan", None)
+        if isinstance(plan, StepPlan):
+            self._role.handle_preemptions(plan)
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)

@@ -38,15 +38,20 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorRole,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+)
 from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import (
     MultiConnector,
+    MultiKVConnectorPromMetrics,
     MultiKVConnectorStats,
 )
 from vllm.logger import init_logger
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import PromMetric, PromMetricT
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
@@ -261,6 +266,39 @@ class Rd2hMultiConnector(MultiConnector):
             if stats is not None:
                 out[name] = stats
         return MultiKVConnectorStats(data=out)
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type[PromMetric], type[PromMetricT]],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVConnectorPromMetrics | None:
+        """Every sub-connector's series (rd2h's included), like MultiConnector's, but the
+        stats of a sub-connector without Prometheus metrics are skipped instead of
+        failing the frontend's stat logger on an assertion."""
+        prom: dict[str, KVConnectorPromMetrics] = {}
+        for connector_cls, sub_config in cls._get_connector_classes_and_configs(vllm_config):
+            name = connector_cls.__name__  # the key its stats travel under
+            if name in prom:
+                continue
+            built = connector_cls.build_prom_metrics(sub_config, metric_types, labelnames,
+                                                     per_engine_labelvalues)
+            if built is not None:
+                prom[name] = built
+        return _SubPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues,
+                               prom)
+
+
+class _SubPromMetrics(MultiKVConnectorPromMetrics):
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        for name, data in transfer_stats_data.items():
+            metrics = self._prom_metrics.get(name)
+            if metrics is None:
+                logger.debug_once("Rd2hMultiConnector: %s has no Prometheus metrics", name)
+                continue
+            metrics.observe(data, engine_idx)
 
 
 def _stats_builder(name: str) -> Callable[[Any], KVConnectorStats | None] | None:

@@ -46,3 +46,6 @@ class StepPlan:
     sends: tuple[PrefillSend, ...] = ()
     # Prefill requests that finished on the scheduler and wait for their sends.
     finished_sending_wait: tuple[str, ...] = field(default=())
+    # Prefill requests vLLM preempted in this step after some of their blocks were
+    # announced: vLLM freed those blocks and this step's forward may overwrite them.
+    preempted: tuple[str, ...] = ()

@@ -1,9 +1,18 @@
 """Prefill scheduler role (spec 3.2): per request, which completed blocks to
-announce this step, to which Decode instance; cleanup when a request ends."""
+announce this step, to which Decode instance; cleanup when a request ends.
+
+Preemption: vLLM frees a preempted request's blocks without ``request_finished``
+and may hand them to another request in the same step. The plan names every
+preempted request that already announced blocks (``StepPlan.preempted``); the
+workers wait, before that step's forward, until Decode answered (or the deadline
+failed) every announcement of it. What Decode read is then the request's true KV,
+so the request keeps its progress here (``transferred``): when it resumes (with new
+blocks, recomputed from the start or from a prefix-cache hit), the blocks after that
+point are announced from the new block table as they complete."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -92,7 +101,9 @@ class PrefillScheduler(ConnectorRole):
         self._p_tp = p_tp
         self._log = log
         self._tracked: dict[str, _Tracked] = {}
+        self._preempted: dict[str, None] = {}  # for the next plan, in order
         self.rejected = 0
+        self.preempted = 0
 
     # -- the connector role's hooks
     def update_state_after_alloc(self, request: RequestFacts, block_ids: BlockIds,
@@ -106,10 +117,24 @@ class PrefillScheduler(ConnectorRole):
                                  r.num_scheduled_tokens, replace_blocks=r.replace_blocks)
             if send is not None:
                 sends.append(send)
-        return StepPlan(sends=tuple(sends))
+        preempted, self._preempted = tuple(self._preempted), {}
+        return StepPlan(sends=tuple(sends), preempted=preempted)
 
     def request_finished(self, request_id: str) -> bool:
         return self.finished(request_id)
+
+    def requests_preempted(self, request_ids: Iterable[str]) -> None:
+        """Preempted in the step being built: those with announced blocks go in its
+        plan (the others have nothing Decode could be reading)."""
+        for rid in request_ids:
+            t = self._tracked.get(rid)
+            if t is None or not t.sent_any or rid in self._preempted:
+                continue
+            self._preempted[rid] = None
+            self.preempted += 1
+            self._log.info("request preempted after announcing blocks: decode's reads "
+                           "settle before its blocks are reused", request=rid,
+                           announced_tokens=t.transferred, final_sent=t.final_sent)
 
     # -- the rules, in plain values
 

@@ -1,5 +1,6 @@
 """Prefill worker role: announce each layer of this step's completed blocks,
-gate buffer reuse, and tell vLLM when a finished request's blocks may be freed."""
+gate buffer reuse, tell vLLM when a finished request's blocks may be freed, and
+hold a step whose preempted requests Decode may still be reading (``settle``)."""
 
 from __future__ import annotations
 
@@ -13,13 +14,14 @@ from rd2h.app.connector.plans import PrefillSend, StepPlan
 from rd2h.app.connector.roles import ConnectorRole, TransferResults
 from rd2h.app.prefill import LayerTarget, PrefillSender
 from rd2h.domain.chunks import layer_index
-from rd2h.domain.errors import LayerSendError
+from rd2h.domain.errors import CompletionError, LayerSendError
 from rd2h.domain.protocol import ReadRequest
 from rd2h.domain.topology import compute_mapping, remote_port, tcp_endpoint
 from rd2h.ports.runtime import Clock, DeviceEvents, Logger
 from rd2h.ports.transfer import TransferEngine
 
 Ticket = tuple[int, str]  # (announcement ticket, Decode endpoint)
+_SETTLE_SLACK_S = 5.0  # the sender loop's own delay in failing an entry at its deadline
 
 
 @dataclass
@@ -28,6 +30,7 @@ class _Request:
     final_sent: bool = False
     finished: bool = False
     error: str | None = None
+    withheld: bool = False  # a later send was not announced because of ``error``
 
 
 class PrefillWorker(ConnectorRole):
@@ -43,6 +46,7 @@ class PrefillWorker(ConnectorRole):
         log: Logger,
         buffer_reuse: bool = False,
         reuse_timeout_s: float = 60.0,
+        settle_timeout_s: float | None = None,
         stop_timeout_s: float = 5.0,
         transport: TransferEngine | None = None,
     ) -> None:
@@ -59,6 +63,7 @@ class PrefillWorker(ConnectorRole):
         self._log = log
         self.buffer_reuse = buffer_reuse
         self._reuse_timeout = reuse_timeout_s
+        self._settle_timeout_s = settle_timeout_s
         self._stop_timeout = stop_timeout_s
         self._sends: tuple[PrefillSend, ...] = ()
         self._dispatched: set[int] = set()
@@ -70,8 +75,13 @@ class PrefillWorker(ConnectorRole):
         self._lock = threading.Lock()
         self.layers_announced = 0
         self.requests_failed = 0
+        self.requests_settled = 0
 
     # -- the connector role's hooks
+    def handle_preemptions(self, plan: StepPlan) -> None:
+        if plan.preempted:
+            self.settle(plan.preempted)
+
     def bind_connector_metadata(self, plan: StepPlan) -> None:
         self.start_step(plan.sends)
 
@@ -98,11 +108,22 @@ class PrefillWorker(ConnectorRole):
 
     # -- per step
     def start_step(self, sends: Iterable[PrefillSend]) -> None:
-        self._sends = tuple(sends)
-        self._dispatched.clear()
+        """This step's sends. A request with a failed announcement gets no more: Decode
+        failed it, or never read the failed part and must not complete it without that
+        (it fails at its own deadline instead)."""
+        self._collect_resolved()
+        kept = []
         with self._lock:
-            for s in self._sends:
-                self._requests.setdefault(s.internal_id, _Request(set()))
+            for s in sends:
+                r = self._requests.setdefault(s.internal_id, _Request(set()))
+                if r.error is None:
+                    kept.append(s)
+                elif not r.withheld:
+                    r.withheld = True
+                    self._log.warning("not announcing more of a request with a failed "
+                                      "announcement", request=s.internal_id, error=r.error)
+        self._sends = tuple(kept)
+        self._dispatched.clear()
 
     def wait_for_layer_reuse(self, layer_idx: int) -> None:
         """Block until layer ``layer_idx``'s buffer may be written again (spec 11)."""
@@ -156,11 +177,61 @@ class PrefillWorker(ConnectorRole):
         self.layers_announced += 1
         return True
 
+    # -- preemption
+    def settle(self, request_ids: Iterable[str]) -> None:
+        """vLLM preempted these requests and freed their blocks; this step's forward may
+        write them. Return once every announcement of them was answered or failed, so
+        Decode is no longer reading them (a failed one: Decode failed the request, or
+        never read that part and gets no more of it, see ``start_step``). Raises
+        ``CompletionError`` if the sender keeps one open past every deadline."""
+        rids = tuple(dict.fromkeys(request_ids))
+        timeout = self.settle_timeout_s
+        started = self._clock.now()
+        deadline = started + timeout
+        self._collect_resolved()
+        waited_on = still = self._open_tickets(rids)
+        while still:
+            remaining = deadline - self._clock.now()
+            if remaining <= 0:
+                raise CompletionError(
+                    f"preempted request(s) {sorted(still)}: Decode has not answered "
+                    f"{sum(still.values())} announcement(s) of their blocks within "
+                    f"{timeout:g} s; vLLM freed those blocks and would "
+                    f"overwrite them while Decode may still read them"
+                )
+            self._sender.wait_resolved(min(remaining, 1.0))
+            self._collect_resolved()
+            still = self._open_tickets(rids)
+        with self._lock:
+            failed = {rid: r.error for rid in rids
+                      if (r := self._requests.get(rid)) is not None and r.error is not None}
+        self.requests_settled += len(rids)
+        self._log.info("preempted requests settled before their blocks are reused",
+                       requests=list(rids), open_announcements=sum(waited_on.values()),
+                       waited_ms=round((self._clock.now() - started) * 1000, 1),
+                       failed=failed)
+
+    @property
+    def settle_timeout_s(self) -> float:
+        """Every announcement ends (answered or failed) within the sender's own deadlines;
+        this bound only catches a sender that stopped keeping them."""
+        if self._settle_timeout_s is not None:
+            return self._settle_timeout_s
+        return self._sender.timeouts.longest_entry_s + _SETTLE_SLACK_S
+
+    def _open_tickets(self, rids: Iterable[str]) -> dict[str, int]:
+        with self._lock:
+            return {rid: len(r.open_tickets) for rid in rids
+                    if (r := self._requests.get(rid)) is not None and r.open_tickets}
+
     # -- completion
-    def get_finished(self, finished_req_ids: Iterable[str]) -> set[str]:
-        """Requests vLLM finished whose announcements have all been answered."""
+    def _collect_resolved(self) -> None:
         for ticket, endpoint, error in self._sender.take_resolved():
             self._resolve((ticket, endpoint), error)  # type: ignore[arg-type]
+
+    def get_finished(self, finished_req_ids: Iterable[str]) -> set[str]:
+        """Requests vLLM finished whose announcements have all been answered."""
+        self._collect_resolved()
         done = set()
         with self._lock:
             for rid in finished_req_ids:

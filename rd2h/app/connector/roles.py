@@ -72,7 +72,16 @@ class ConnectorRole:
         """True: keep the request's blocks until ``finished_sending`` reports it."""
         return False
 
+    def requests_preempted(self, request_ids: Iterable[str]) -> None:
+        """vLLM preempted these requests in the step being built (and freed their
+        blocks without ``request_finished``); called before ``build_connector_meta``."""
+        return None
+
     # -- worker side
+    def handle_preemptions(self, plan: StepPlan) -> None:
+        """Before the step's forward, which may overwrite the preempted requests' blocks."""
+        return None
+
     def bind_connector_metadata(self, plan: StepPlan) -> None:
         return None
 

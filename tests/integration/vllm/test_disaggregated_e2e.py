@@ -7,7 +7,8 @@ serve`` processes on a tiny random-weight Llama (see tiny_model.py for why not
 the MLA model); Prefill uses chunked prefill (--max-num-batched-tokens 64); greedy tokens
 through the proxy must equal the reference engine's for the same prompts. Then
 Prefill is killed while a request waits for its KV: Decode must fail that request
-within its deadline, and serve again once a Prefill is back.
+within its deadline, and serve again once a Prefill is back. The Decode engine keeps
+vLLM's stats on, so rd2h's series on its ``/metrics`` are checked too.
 """
 
 from __future__ import annotations
@@ -20,8 +21,9 @@ import pytest
 # Sibling helpers: pytest puts this directory on sys.path (it is deliberately not a
 # package: a package named "vllm" under tests/ would shadow the real vLLM).
 from fakes.net import free_port, quiet_ports
-from servers import proxy_server, vllm_server
-from tiny_model import VOCAB, make_tiny_llama
+from prometheus_client.parser import text_string_to_metric_families
+from servers import proxy_server, rd2h_kv, vllm_server
+from tiny_model import NUM_LAYERS, VOCAB
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(1500)]
 
@@ -54,23 +56,20 @@ def _tokens(resp: httpx.Response) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
+def cluster(tmp_path_factory, llama_model, llama_reference):
     root = tmp_path_factory.mktemp("vllm-e2e")
-    model = make_tiny_llama(root / "model")
+    model = llama_model
     kv_port = quiet_ports(4)  # bound after the model loads: keep it out of the way
     extra = {"transport": "cma", "log_level": "INFO",
              "deadlines": {"request_s": REQUEST_DEADLINE_S, "layer_ack_s": 10.0,
                            "meta_ack_s": 5.0}}
-    p_cfg = {"kv_connector": "SfaRemoteD2HConnector",
-             "kv_connector_module_path": "rd2h.adapters.vllm.connector",
-             "kv_role": "kv_producer", "kv_port": kv_port, "kv_connector_extra_config": extra}
-    d_cfg = {**p_cfg, "kv_role": "kv_consumer"}
+    p_cfg = rd2h_kv("kv_producer", kv_port, extra)
+    d_cfg = rd2h_kv("kv_consumer", kv_port, extra)
     servers = {
-        "base": vllm_server("reference engine", model, free_port(), root / "base.log"),
         "prefill": vllm_server("prefill engine", model, free_port(), root / "prefill.log",
                                kv=p_cfg),
         "decode": vllm_server("decode engine", model, free_port(), root / "decode.log",
-                              kv=d_cfg),
+                              kv=d_cfg, log_stats=True),  # rd2h's /metrics series
     }
     servers["proxy"] = proxy_server(
         free_port(), [servers["prefill"].url], [servers["decode"].url], root / "proxy.log"
@@ -79,10 +78,10 @@ def cluster(tmp_path_factory):
         for s in servers.values():
             s.start()
         deadline = time.monotonic() + 420
-        for key in ("base", "prefill", "decode"):
+        for key in ("prefill", "decode"):
             servers[key].wait_ready("/health", deadline)
         servers["proxy"].wait_ready("/healthcheck", deadline)
-        yield {"model": str(model), **servers}
+        yield {"model": str(model), "base": llama_reference, **servers}
     finally:
         for s in servers.values():
             s.stop()
@@ -126,6 +125,52 @@ def test_streaming_through_the_proxy(cluster):
                 for choice in json.loads(line[6:]).get("choices", []):
                     got.extend(choice.get("token_ids") or [])
     assert got == want, _logs(cluster)
+
+
+RD2H_SERIES = "vllm:rd2h_"
+FAILURES = ("layers_failed_total", "reads_failed_total", "requests_failed_total")
+
+
+def _rd2h_metrics(url: str) -> dict[str, float]:
+    """rd2h's samples on an engine's /metrics: name (``+{le}`` for buckets) -> value."""
+    resp = httpx.get(url + "/metrics", timeout=10)
+    assert resp.status_code == 200, resp.text
+    out = {}
+    for family in text_string_to_metric_families(resp.text):
+        for s in family.samples:
+            if s.name.startswith(RD2H_SERIES) and not s.name.endswith("_created"):
+                assert s.labels.get("engine") == "0", s
+                le = s.labels.get("le")
+                out[s.name[len(RD2H_SERIES):] + (f"+{le}" if le else "")] = s.value
+    return out
+
+
+def test_decode_metrics_show_the_pull(cluster):
+    model, proxy, base, decode = (cluster["model"], cluster["proxy"], cluster["base"],
+                                  cluster["decode"])
+    before = _rd2h_metrics(decode.url)
+    assert "bytes_pulled_total" in before and "read_latency_seconds_count" in before, before
+    prompt = _prompt(120, 9)  # not seen before: nothing of it is in Decode's prefix cache
+    want = _tokens(_complete(base.url, model, prompt))
+    assert _tokens(_complete(proxy.url, model, prompt)) == want, _logs(cluster)
+
+    # The stats of the steps that pulled reach the frontend with those steps' outputs;
+    # allow a few more steps' worth before judging.
+    deadline = time.monotonic() + 30
+    while True:
+        after = _rd2h_metrics(decode.url)
+        if after["layers_done_total"] - before["layers_done_total"] >= NUM_LAYERS or (
+                time.monotonic() > deadline):
+            break
+        time.sleep(0.5)
+    grew = {k: after[k] - before.get(k, 0.0) for k in after}
+    assert after["bytes_pulled_total"] > 0 and grew["bytes_pulled_total"] > 0, grew
+    assert grew["layers_done_total"] >= NUM_LAYERS, grew
+    assert grew["read_latency_seconds_count"] >= 1, grew
+    assert grew["read_latency_seconds_sum"] > 0, grew
+    assert grew["read_latency_seconds_bucket++Inf"] == grew["read_latency_seconds_count"]
+    for name in FAILURES:
+        assert grew[name] == 0, (name, grew, _logs(cluster))
 
 
 def test_dead_prefill_fails_the_waiting_request_then_serving_resumes(cluster):

@@ -1,0 +1,80 @@
+"""rd2h's series on vLLM's ``/metrics``, through vLLM's per-connector hook
+(``KVConnectorBase_V1.build_prom_metrics``): the frontend's Prometheus stat logger
+builds one ``Rd2hPromMetrics`` and hands it every stats payload
+(``Rd2hConnectorStats.to_dict()``, one step's worth, summed over the TP workers).
+
+Labels are vLLM's (``model_name``, ``engine``). A Decode engine moves the pull series;
+a Prefill engine ``layers_announced`` and ``requests_failed``. The engine must run with
+stats on: ``--disable-log-stats`` makes vLLM build no stat logger at all, so no
+``vllm:`` series, rd2h's included.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics
+from vllm.v1.metrics.utils import create_metric_per_engine
+
+from rd2h.adapters.vllm.stats import READ_LATENCY_BUCKETS_MS, read_latencies
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import PromMetric, PromMetricT
+
+PREFIX = "vllm:rd2h_"
+
+# stats key -> (series name without the prefix; Counter adds "_total"), help text
+COUNTERS: dict[str, tuple[str, str]] = {
+    "bytes_pulled": ("bytes_pulled", "Bytes of KV cache this Decode engine pulled from "
+                     "Prefill engines (successful batched reads)."),
+    "layers_done": ("layers_done", "Request layers whose KV this Decode engine received "
+                    "completely (one per layer, request and TP rank)."),
+    "layers_failed": ("layers_failed", "Request layers this Decode engine failed to "
+                      "receive."),
+    "reads_failed": ("reads_failed", "Batched reads from a Prefill engine that failed."),
+    "requests_failed": ("requests_failed", "Requests whose KV transfer failed on this "
+                        "engine (counted per TP rank)."),
+    "requests_done": ("requests_done", "Requests whose KV this Decode engine received "
+                      "completely (counted per TP rank)."),
+    "layers_announced": ("layers_announced", "Request layers this Prefill engine "
+                         "announced to Decode engines."),
+}
+READ_LATENCY = PREFIX + "read_latency_seconds"
+READ_LATENCY_BUCKETS_S = tuple(ms / 1e3 for ms in READ_LATENCY_BUCKETS_MS)
+
+
+class Rd2hPromMetrics(KVConnectorPromMetrics):
+    """One counter per ``COUNTERS`` entry and the per-read latency histogram."""
+
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        metric_types: dict[type[PromMetric], type[PromMetricT]],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self.counters: dict[str, dict[int, Any]] = {}
+        for key, (name, doc) in COUNTERS.items():
+            counter = self._counter_cls(name=PREFIX + name, documentation=doc,
+                                        labelnames=labelnames)
+            self.counters[key] = create_metric_per_engine(counter, per_engine_labelvalues)
+        histogram = self._histogram_cls(
+            name=READ_LATENCY,
+            documentation="Duration of one batched read of KV cache from a Prefill engine "
+                          "(one per layer and request on each TP rank).",
+            buckets=list(READ_LATENCY_BUCKETS_S), labelnames=labelnames,
+        )
+        self.read_latency = create_metric_per_engine(histogram, per_engine_labelvalues)
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        for key, per_engine in self.counters.items():
+            value = transfer_stats_data.get(key)
+            if value and value > 0:  # a counter only goes up
+                per_engine[engine_idx].inc(value)
+        histogram = self.read_latency[engine_idx]
+        for latency_ms, times in read_latencies(transfer_stats_data):
+            for _ in range(times):
+                histogram.observe(latency_ms / 1e3)
+
