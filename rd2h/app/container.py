@@ -376,7 +376,8 @@ def serve_proxy(config: Any, host: str, port: int, log_level: str) -> None:
     log = _logger("proxy", 0, log_level)
     log.info("proxy starting", listen=f"{host}:{port}", prefill=config.prefill,
              decode=config.decode, metaserver=config.metaserver_url)
-    serve(create_app(config, log=log), host, port, log_level=log_level)
+    serve(create_app(config, log=log), host, port, log_level=log_level,
+          keep_alive_s=config.client_keepalive_s)
 
 
 def curve_keypair() -> tuple[str, str]:

@@ -19,8 +19,33 @@ that metaserver URL; the proxy then sends the same request to a Prefill instance
 (round robin; one output token, not streamed) with Decode's contact information as
 kv_transfer_params, and streams Decode's answer back to the client. A prompt list
 goes to Prefill once, after every prompt's post arrived, with
-batch_kv_transfer_params. GET /healthcheck reports the instance lists and the
-requests in flight.
+batch_kv_transfer_params.
+
+Connections to the engines are kept open between requests (pooled) for
+--engine-keepalive seconds, which should stay below the engines' own keep-alive
+(uvicorn's and vLLM's default: 5 s, VLLM_HTTP_TIMEOUT_KEEP_ALIVE). A request whose
+pooled connection the engine closed before reading it (a reset or a close with no
+response byte) is sent once more on a fresh connection, logged at info, on both
+legs; a Decode request only while no metaserver post arrived for it, under a new
+X-Request-Id. A Decode instance that refuses connections is skipped for the next
+one; a failed Prefill dispatch is tried once on the next Prefill instance.
+
+Other endpoints:
+  GET /v1/models    the engines' model list (Decode instances first, then Prefill;
+                    502 if the engines answered errors, 503 if none answered within
+                    --models-timeout)
+  GET /metrics      the proxy's own Prometheus series (text format), all named
+                    rd2h_proxy_*: requests_total{endpoint,outcome},
+                    requests_in_flight{endpoint}, upstream_failures_total{leg,reason},
+                    upstream_retries_total{leg,reason}, metaserver_posts_total{status},
+                    prefill_dispatches_total{outcome}, pending_rendezvous,
+                    prefill_in_flight, and per-hop latency histograms in seconds:
+                    decode_response_start (client request -> Decode's response
+                    headers), decode_admission (request sent to Decode -> its last
+                    metaserver post), prefill_dispatch (that post -> the Prefill
+                    request written), prefill_leg (Prefill dispatch -> its answer),
+                    request_duration (client request -> last byte relayed)
+  GET /healthcheck  the instance lists, the requests in flight and plain counters
 """
 
 
@@ -70,6 +95,16 @@ def add_proxy_parser(sub: argparse._SubParsersAction) -> None:
                         "(default: %(default)s)")
     p.add_argument("--prefill-timeout", type=_seconds, default=600.0, metavar="S",
                    help="deadline for a whole Prefill dispatch (default: %(default)s)")
+    p.add_argument("--models-timeout", type=_seconds, default=10.0, metavar="S",
+                   help="deadline for answering GET /v1/models from the engines "
+                        "(default: %(default)s)")
+    p.add_argument("--engine-keepalive", type=_seconds, default=2.0, metavar="S",
+                   help="idle connections to the engines are closed after S seconds; keep it "
+                        "below the engines' keep-alive, 5 s by default (default: %(default)s)")
+    p.add_argument("--client-keepalive", type=_seconds, default=75.0, metavar="S",
+                   help="idle connections from clients and the engines' metaserver posts are "
+                        "closed after S seconds; keep it above the clients' own pool expiry "
+                        "(vLLM's serving benchmark: 60 s, httpx: 5 s) (default: %(default)s)")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
                    help="log level for rd2h and uvicorn (stderr; default: %(default)s)")
     p.set_defaults(func=_run_proxy)
@@ -95,7 +130,8 @@ def _run_proxy(args: argparse.Namespace) -> int:
         config = proxy_config(
             prefill=tuple(args.prefill), decode=tuple(args.decode), public_url=public_url,
             connect_timeout_s=args.connect_timeout, decode_timeout_s=args.decode_timeout,
-            prefill_timeout_s=args.prefill_timeout,
+            prefill_timeout_s=args.prefill_timeout, models_timeout_s=args.models_timeout,
+            engine_keepalive_s=args.engine_keepalive, client_keepalive_s=args.client_keepalive,
         )
     except ValueError as exc:
         print(f"rd2h proxy: {exc}", file=sys.stderr)

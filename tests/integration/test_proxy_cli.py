@@ -123,6 +123,7 @@ class FakeDecode:
 
         self.app.post("/v1/completions")(handle)
         self.app.post("/v1/chat/completions")(handle)
+        self.app.get("/v1/models")(lambda: {"object": "list", "data": [{"id": "decode-model"}]})
 
 
 def sse(request_id: str) -> list[str]:
@@ -217,6 +218,21 @@ def test_rd2h_proxy_process_routes_through_decode_and_prefill(engines, tmp_path:
             assert health["pending"] == 0
             assert health["counters"]["prefill_ok"] == 3
             assert decode.poster.stats().delivered == 5
+
+            # The engines' model list, and the proxy's own Prometheus series.
+            r = client.get("/v1/models")
+            assert r.status_code == 200 and r.json()["data"] == [{"id": "decode-model"}]
+            r = client.get("/metrics")
+            assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+            for line in ('rd2h_proxy_requests_total{endpoint="/v1/completions",outcome="ok"} 2.0',
+                         'rd2h_proxy_requests_total{endpoint="/v1/chat/completions",'
+                         'outcome="ok"} 1.0',
+                         'rd2h_proxy_requests_total{endpoint="/v1/models",outcome="ok"} 1.0',
+                         'rd2h_proxy_metaserver_posts_total{status="unknown"} 1.0',
+                         'rd2h_proxy_prefill_dispatches_total{outcome="ok"} 3.0',
+                         "rd2h_proxy_prefill_leg_seconds_count{outcome=\"ok\"} 3.0",
+                         "rd2h_proxy_pending_rendezvous 0.0"):
+                assert line in r.text.splitlines(), (line, r.text)
     finally:
         proc.send_signal(signal.SIGTERM)
         try:

@@ -12,15 +12,27 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 import httpx
 import pytest
+from fakes.logs import RecordingLogger
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
+from prometheus_client import REGISTRY, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 
 from rd2h.adapters.http.proxy import ProxyConfig, create_app
+from rd2h.adapters.http.proxy_upstream import (
+    CONNECT,
+    POOL_SHARD_SIZE,
+    STALE,
+    AttemptTrace,
+    Upstream,
+    resend_reason,
+)
 from rd2h.adapters.logging import make_logger
 from rd2h.cli.main import main
 from rd2h.cli.proxy import default_public_url
@@ -33,18 +45,30 @@ def run(coro: Awaitable[Any]) -> Any:
     return asyncio.run(asyncio.wait_for(coro, 20.0))
 
 
+Fault = Callable[[httpx.Request], Awaitable[None]]
+
+
 class Router(httpx.AsyncBaseTransport):
-    """Sends each request to the ASGI app registered for its host:port; others are refused."""
+    """Sends each request to the ASGI app registered for its host:port; others are refused.
+
+    ``faults[(host:port, path)]``: callables run, one per request, before the request
+    would reach the app; they raise what a broken connection would.
+    """
 
     def __init__(self) -> None:
         self.apps: dict[str, httpx.ASGITransport] = {}
+        self.faults: dict[tuple[str, str], list[Fault]] = {}
 
     def add(self, base_url: str, app: Any) -> None:
         url = httpx.URL(base_url)
         self.apps[f"{url.host}:{url.port}"] = httpx.ASGITransport(app=app)
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
-        target = self.apps.get(f"{request.url.host}:{request.url.port}")
+        key = f"{request.url.host}:{request.url.port}"
+        faults = self.faults.get((key, request.url.path))
+        if faults:
+            await faults.pop(0)(request)
+        target = self.apps.get(key)
         if target is None:
             raise httpx.ConnectError("connection refused", request=request)
         return await target.handle_async_request(request)
@@ -55,6 +79,25 @@ def contact(request_id: str, port: int) -> dict[str, Any]:
             "remote_engine_id": f"d-{port}", "remote_host": "127.0.0.1", "remote_port": port,
             "remote_tp_size": 1, "remote_pcp_size": 1, "remote_dcp_size": 1,
             "remote_cached_tokens": 0}
+
+
+def models_route(app: FastAPI, owner: str) -> Callable[[Any], None]:
+    """Adds ``GET /v1/models`` to a fake engine; the returned setter changes its answer:
+    a status code, or ``"hang"``."""
+    state: dict[str, Any] = {"answer": 200}
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Any:
+        answer = state["answer"]
+        if answer == "hang":
+            await asyncio.sleep(30)
+        if answer != 200:
+            return JSONResponse({"error": {"message": f"{owner} says {answer}"}},
+                                status_code=answer)
+        return {"object": "list", "data": [{"id": "m", "object": "model", "owned_by": owner}],
+                "auth": request.headers.get("authorization")}
+
+    return lambda answer: state.__setitem__("answer", answer)
 
 
 class FakePrefill:
@@ -72,6 +115,7 @@ class FakePrefill:
 
         self.app.post("/v1/completions")(handle)
         self.app.post("/v1/chat/completions")(handle)
+        self.set_models = models_route(self.app, "prefill")
 
     def seen_event(self, rid: str) -> asyncio.Event:
         return self.seen.setdefault(rid, asyncio.Event())
@@ -124,6 +168,7 @@ class FakeDecode:
 
         self.app.post("/v1/completions")(handle)
         self.app.post("/v1/chat/completions")(handle)
+        self.set_models = models_route(self.app, f"decode-{port}")
 
     @staticmethod
     def sse(ids: list[str]) -> list[str]:
@@ -138,7 +183,8 @@ class FakeDecode:
 
 class Setup:
     def __init__(self, n_prefill: int = 1, n_decode: int = 1, prefill_status: int = 200,
-                 unreachable_prefill: bool = False, **decode_kw: Any) -> None:
+                 unreachable_prefill: bool = False, log: Any = None, models_timeout_s: float = 5,
+                 **decode_kw: Any) -> None:
         self.router = Router()
         p_urls = [f"http://p{i}:8100" for i in range(n_prefill)]
         d_urls = [f"http://d{i}:8200" for i in range(n_decode)]
@@ -151,8 +197,10 @@ class Setup:
         for url, fake in zip(d_urls, self.decodes):
             self.router.add(url, fake.app)
         config = ProxyConfig(prefill=tuple(p_urls), decode=tuple(d_urls), public_url=PROXY,
-                             connect_timeout_s=2, decode_timeout_s=10, prefill_timeout_s=10)
-        self.app = create_app(config, transport=self.router, log=make_logger("test-proxy", 0))
+                             connect_timeout_s=2, decode_timeout_s=10, prefill_timeout_s=10,
+                             models_timeout_s=models_timeout_s)
+        self.log = log if log is not None else make_logger("test-proxy", 0)
+        self.app = create_app(config, transport=self.router, log=self.log)
         self.proxy = self.app.state.proxy
         self.router.add(PROXY, self.app)
         self.client = httpx.AsyncClient(transport=httpx.ASGITransport(app=self.app),
@@ -462,3 +510,324 @@ def test_cli_flag_errors_exit_2(argv: list[str]) -> None:
     with pytest.raises(SystemExit) as exc:
         main(["proxy", *argv])
     assert exc.value.code == 2
+
+
+# ---------------------------------------------------------------- sending again
+
+
+def reused_then(exc_type: type[httpx.TransportError], message: str = "",
+                *, new_connection: bool = False, before: Fault | None = None) -> Fault:
+    """A fault that fails like a pooled connection would: httpcore's trace events for
+    a request written to a reused (or, with ``new_connection``, a new) connection, then
+    ``exc_type``. ``before`` runs first (what the engine did before the failure)."""
+
+    async def fault(request: httpx.Request) -> None:
+        if before is not None:
+            await before(request)
+        trace = request.extensions["trace"]
+        if new_connection:
+            await trace("connection.connect_tcp.started", {})
+            await trace("connection.connect_tcp.complete", {})
+        await trace("http11.send_request_headers.started", {})
+        await trace("http11.send_request_body.complete", {})
+        await trace("http11.receive_response_headers.started", {})
+        raise exc_type(message, request=request)
+
+    return fault
+
+
+SERVER_CLOSED = "Server disconnected without sending a response."
+
+
+@pytest.mark.parametrize(("exc", "events", "expected"), [
+    (httpx.RemoteProtocolError(SERVER_CLOSED), ["headers"], STALE),
+    (httpx.ReadError("[Errno 104] Connection reset by peer"), ["headers"], STALE),
+    (httpx.WriteError("[Errno 32] Broken pipe"), ["headers"], STALE),
+    (httpx.ConnectError("refused"), [], CONNECT),
+    (httpx.ConnectTimeout("slow"), ["connect"], CONNECT),
+    # On a new connection the engine may have read the request: not sent again.
+    (httpx.ReadError("reset"), ["connect", "headers"], None),
+    (httpx.RemoteProtocolError(SERVER_CLOSED), ["connect", "headers"], None),
+    # A garbled answer, a timeout or anything after the response started: never.
+    (httpx.RemoteProtocolError("illegal status line"), ["headers"], None),
+    (httpx.ReadTimeout("timed out"), ["headers"], None),
+    (httpx.ReadError("reset"), ["headers", "response"], None),
+    # Nothing traced (an in-memory transport): unknown, so not sent again.
+    (httpx.ReadError("reset"), [], None),
+])
+def test_resend_rule(exc: Exception, events: list[str], expected: str | None) -> None:
+    trace = AttemptTrace()
+    names = {"connect": "connection.connect_tcp.started",
+             "headers": "http11.send_request_headers.started",
+             "response": "http11.receive_response_headers.complete"}
+    for event in events:
+        run(trace(names[event], {}))
+    assert resend_reason(exc, trace) == expected
+
+
+@pytest.mark.parametrize("exc_type", [httpx.RemoteProtocolError, httpx.ReadError])
+def test_decode_closing_a_reused_connection_is_resent_under_a_new_rid(exc_type) -> None:
+    async def scenario() -> None:
+        log = RecordingLogger()
+        s = Setup(log=log)
+        s.router.faults[("d0:8200", "/v1/completions")] = [reused_then(exc_type, SERVER_CLOSED)]
+        r = await s.client.post("/v1/completions", json={"model": "m", "prompt": "x",
+                                                         "stream": True})
+        await s.settle()
+        assert r.status_code == 200
+        [(_, d_headers, _)] = s.decodes[0].received
+        assert r.headers["x-request-id"] == d_headers["x-request-id"]
+        assert len(s.prefills[0].received) == 1
+        health = await s.health()
+        assert health["pending"] == 0 and health["counters"]["decode_resent"] == 1
+        assert health["counters"]["incomplete_rendezvous"] == 0
+        assert log.at("error") == [] and log.at("warning") == []
+        [(_, info)] = [x for x in log.at("info") if "reused connection" in x[0]]
+        assert info["new_rid"] == d_headers["x-request-id"] != info["rid"]
+        metrics = await scrape(s)
+        assert metrics[("rd2h_proxy_upstream_retries_total",
+                        (("leg", "decode"), ("reason", "stale_connection")))] == 1
+        assert metrics[("rd2h_proxy_requests_total",
+                        (("endpoint", "/v1/completions"), ("outcome", "ok")))] == 1
+
+    run(scenario())
+
+
+def test_decode_request_is_not_resent_once_decode_posted_for_it() -> None:
+    async def scenario() -> None:
+        s = Setup(wait_for_kv=False)
+        poster = httpx.AsyncClient(transport=s.router)
+
+        async def admitted(request: httpx.Request) -> None:
+            rid = request.headers["x-request-id"]
+            await poster.post(f"{PROXY}/v1/metaserver", json=contact(f"cmpl-{rid}-0", 1))
+
+        s.router.faults[("d0:8200", "/v1/completions")] = [
+            reused_then(httpx.ReadError, "reset", before=admitted)]
+        r = await s.client.post("/v1/completions", json={"model": "m", "prompt": "x"})
+        await s.settle()
+        assert r.status_code == 502 and "ReadError" in r.json()["error"]["message"]
+        assert s.decodes[0].received == []
+        health = await s.health()
+        assert health["pending"] == 0 and health["counters"]["decode_resent"] == 0
+
+    run(scenario())
+
+
+@pytest.mark.parametrize("fault", [
+    reused_then(httpx.ReadError, "reset", new_connection=True),
+    reused_then(httpx.ReadTimeout, "timed out"),
+    reused_then(httpx.RemoteProtocolError, "illegal status line"),
+])
+def test_decode_failures_the_engine_may_have_seen_give_502(fault: Fault) -> None:
+    async def scenario() -> None:
+        s = Setup()
+        s.router.faults[("d0:8200", "/v1/completions")] = [fault]
+        r = await s.client.post("/v1/completions", json={"model": "m", "prompt": "x"})
+        assert r.status_code == 502
+        assert s.decodes[0].received == [] and (await s.health())["pending"] == 0
+        metrics = await scrape(s)
+        assert metrics[("rd2h_proxy_requests_total",
+                        (("endpoint", "/v1/completions"), ("outcome", "unavailable")))] == 1
+
+    run(scenario())
+
+
+def test_refused_decode_moves_to_the_next_instance() -> None:
+    async def scenario() -> None:
+        s = Setup(n_decode=2)
+        s.router.apps.pop("d0:8200")
+        r = await s.client.post("/v1/completions", json={"model": "m", "prompt": "x"})
+        await s.settle()
+        assert r.status_code == 200 and r.json()["from"] == 30001
+        assert (await s.health())["pending"] == 0
+
+    run(scenario())
+
+
+def test_prefill_closing_a_reused_connection_gets_it_again_on_the_same_instance() -> None:
+    async def scenario() -> None:
+        log = RecordingLogger()
+        s = Setup(n_prefill=2, log=log)
+        s.router.faults[("p0:8100", "/v1/completions")] = [
+            reused_then(httpx.RemoteProtocolError, SERVER_CLOSED)]
+        r = await s.client.post("/v1/completions", json={"model": "m", "prompt": "x"})
+        await s.settle()
+        assert r.status_code == 200
+        assert [len(p.received) for p in s.prefills] == [1, 0]
+        counters = (await s.health())["counters"]
+        assert (counters["prefill_ok"], counters["prefill_resent"]) == (1, 1)
+        assert log.at("error") == [] and log.at("warning") == []
+
+    run(scenario())
+
+
+# ---------------------------------------------------------------- /v1/models
+
+
+def test_models_come_from_a_decode_engine_with_the_client_auth() -> None:
+    async def scenario() -> None:
+        s = Setup()
+        r = await s.client.get("/v1/models", headers={"Authorization": "Bearer k"})
+        assert r.status_code == 200
+        assert r.json()["data"][0]["owned_by"] == "decode-30000"
+        assert r.json()["auth"] == "Bearer k"
+
+    run(scenario())
+
+
+def test_models_fall_back_to_the_other_engines() -> None:
+    async def scenario() -> None:
+        s = Setup(n_decode=2)
+        s.router.apps.pop("d0:8200")
+        s.decodes[1].set_models(500)
+        r = await s.client.get("/v1/models")
+        assert r.status_code == 200 and r.json()["data"][0]["owned_by"] == "prefill"
+        metrics = await scrape(s)
+        assert metrics[("rd2h_proxy_upstream_failures_total",
+                        (("leg", "models"), ("reason", "status_5xx")))] == 1
+        assert metrics[("rd2h_proxy_upstream_failures_total",
+                        (("leg", "models"), ("reason", "connect")))] == 1
+
+    run(scenario())
+
+
+def test_models_relay_an_engine_client_error() -> None:
+    async def scenario() -> None:
+        s = Setup()
+        s.decodes[0].set_models(401)
+        r = await s.client.get("/v1/models")
+        assert r.status_code == 401 and "decode-30000 says 401" in r.text
+
+    run(scenario())
+
+
+def test_models_502_when_engines_answer_errors_503_when_none_answers() -> None:
+    async def scenario() -> None:
+        s = Setup()
+        s.decodes[0].set_models(500)
+        s.prefills[0].set_models(503)
+        r = await s.client.get("/v1/models")
+        assert r.status_code == 502
+        message = r.json()["error"]["message"]
+        assert "http://d0:8200/v1/models: HTTP 500" in message
+        assert "http://p0:8100/v1/models: HTTP 503" in message
+        s.router.apps.clear()
+        s.router.add(PROXY, s.app)
+        r = await s.client.get("/v1/models")
+        assert r.status_code == 503 and "ConnectError" in r.json()["error"]["message"]
+
+    run(scenario())
+
+
+def test_models_answer_503_at_the_deadline_when_engines_hang() -> None:
+    async def scenario() -> None:
+        s = Setup(models_timeout_s=0.3)
+        s.decodes[0].set_models("hang")
+        started = time.monotonic()
+        r = await s.client.get("/v1/models")
+        assert r.status_code == 503 and "within 0.3 s" in r.json()["error"]["message"]
+        assert time.monotonic() - started < 3.0
+
+    run(scenario())
+
+
+# ---------------------------------------------------------------- /metrics
+
+
+async def scrape(s: Setup) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    r = await s.client.get("/metrics")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    return {(sample.name, tuple(sorted(sample.labels.items()))): sample.value
+            for family in text_string_to_metric_families(r.text) for sample in family.samples}
+
+
+def test_metrics_move_with_requests() -> None:
+    async def scenario() -> None:
+        s = Setup()
+        before = await scrape(s)
+        assert before[("rd2h_proxy_pending_rendezvous", ())] == 0
+        assert not any(name == "rd2h_proxy_requests_total" for name, _ in before)
+        r = await s.client.post("/v1/completions", json={"model": "m", "prompt": "x"})
+        assert r.status_code == 200
+        await s.settle()
+        await s.client.post("/v1/completions", content=b"nope")
+        m = await scrape(s)
+        path = (("endpoint", "/v1/completions"),)
+        assert m[("rd2h_proxy_requests_total", (*path, ("outcome", "ok")))] == 1
+        assert m[("rd2h_proxy_requests_total", (*path, ("outcome", "invalid")))] == 1
+        assert m[("rd2h_proxy_requests_in_flight", path)] == 0
+        assert m[("rd2h_proxy_metaserver_posts_total", (("status", "dispatched"),))] == 1
+        assert m[("rd2h_proxy_prefill_dispatches_total", (("outcome", "ok"),))] == 1
+        for hist, labels in [("decode_response_start", path), ("decode_admission", ()),
+                             ("prefill_dispatch", ()), ("prefill_leg", (("outcome", "ok"),)),
+                             ("request_duration", path)]:
+            assert m[(f"rd2h_proxy_{hist}_seconds_count", labels)] == 1, hist
+            assert m[(f"rd2h_proxy_{hist}_seconds_sum", labels)] >= 0, hist
+        assert m[("rd2h_proxy_pending_rendezvous", ())] == 0
+        assert m[("rd2h_proxy_prefill_in_flight", ())] == 0
+
+    run(scenario())
+
+
+def test_two_proxies_in_one_process_keep_their_own_series() -> None:
+    async def scenario() -> None:
+        first, second = Setup(), Setup()
+        r = await first.client.post("/v1/completions", json={"model": "m", "prompt": "x"})
+        assert r.status_code == 200
+        await first.settle()
+        key = ("rd2h_proxy_requests_total", (("endpoint", "/v1/completions"), ("outcome", "ok")))
+        assert (await scrape(first))[key] == 1
+        assert key not in await scrape(second)
+        assert "rd2h_proxy_requests" not in generate_latest(REGISTRY).decode()
+
+    run(scenario())
+
+
+def test_cli_help_explains_the_endpoints_and_keepalive(capsys) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["proxy", "--help"])
+    assert exc.value.code == 0
+    text = capsys.readouterr().out
+    for needle in ("GET /v1/models", "GET /metrics", "rd2h_proxy_*", "--engine-keepalive",
+                   "--client-keepalive", "--models-timeout", "fresh connection",
+                   "VLLM_HTTP_TIMEOUT_KEEP_ALIVE", "decode_response_start"):
+        assert needle in text, needle
+
+
+def test_cli_keepalive_flags_reach_the_config(monkeypatch) -> None:
+    import rd2h.app.container as container
+
+    seen: dict[str, Any] = {}
+    monkeypatch.setattr(container, "serve_proxy",
+                        lambda config, host, port, level: seen.update(config=config))
+    assert main(["proxy", "--prefill", "http://p:1", "--decode", "http://d:2",
+                 "--engine-keepalive", "1.5", "--client-keepalive", "90",
+                 "--models-timeout", "3"]) == 0
+    config = seen["config"]
+    assert (config.engine_keepalive_s, config.client_keepalive_s,
+            config.models_timeout_s) == (1.5, 90.0, 3.0)
+    assert ProxyConfig(prefill=("http://p:1",), decode=("http://d:2",),
+                       public_url=PROXY).engine_keepalive_s < 5  # below uvicorn's 5 s
+
+
+@pytest.mark.parametrize("streams", [1, 20])
+def test_upstream_spreads_requests_in_flight_over_small_pools(streams: int) -> None:
+    async def scenario() -> None:
+        upstream = Upstream(connect_timeout_s=1, read_timeout_s=1, keepalive_expiry_s=1,
+                            transport=httpx.MockTransport(lambda r: httpx.Response(200)))
+        held = [await upstream.send("GET", "http://e:1/x", stream=True)
+                for _ in range(streams)]
+        assert upstream.pools() == -(-streams // POOL_SHARD_SIZE)
+        for response in held:
+            await upstream.close(response)
+        # Closed responses free their pools' room: as many again need no new pool.
+        held = [await upstream.send("GET", "http://e:1/x", stream=True)
+                for _ in range(streams)]
+        await upstream.send("GET", "http://e:1/x")
+        assert upstream.pools() == -(-(streams + 1) // POOL_SHARD_SIZE)
+        for response in held:
+            await upstream.close(response)
+        await upstream.aclose()
+
+    run(scenario())

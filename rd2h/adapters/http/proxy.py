@@ -5,7 +5,8 @@ Flow for one client request (spec 3.1, 3.2):
 1. Name it ``rid`` (uuid4 hex), record it as pending, send the client's body to a
    Decode instance (round robin) with ``X-Request-Id: rid`` and
    ``kv_transfer_params = {do_remote_prefill: true, metaserver: <public>/v1/metaserver}``,
-   and relay Decode's answer (SSE or JSON) to the client as it arrives.
+   and relay Decode's answer (SSE or JSON) to the client as it arrives
+   (``proxy_relay``).
 2. Decode's connector posts its contact information to ``/v1/metaserver`` once per
    prompt; the rules for matching posts to requests live in
    ``rd2h.domain.rendezvous``.
@@ -16,8 +17,15 @@ Flow for one client request (spec 3.1, 3.2):
 4. The pending entry goes away when Decode's answer ends, errors or the client
    disconnects; closing the Decode connection on a disconnect makes vLLM abort it.
 
+Connections to the engines are pooled; a request that met a pooled connection the
+engine had closed (its keep-alive) is sent once more on a fresh connection, on
+both legs, before any byte reached the client (the rule: ``proxy_upstream``). A
+Decode request is sent again only while no metaserver post arrived for it, under a
+new request id. ``GET /v1/models`` is answered by the engines (``proxy_models``),
+``GET /metrics`` from the proxy's own Prometheus registry (``proxy_metrics``).
+
 Every upstream wait has a deadline (connect, Decode's next bytes, the whole Prefill
-request).
+request, the whole models request).
 """
 
 from __future__ import annotations
@@ -29,56 +37,48 @@ import itertools
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Mapping
-from dataclasses import dataclass
+from collections.abc import AsyncIterator
 from typing import Any
 
-import anyio
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from starlette.responses import Response
-from starlette.types import Receive, Scope, Send
 
 from rd2h.adapters.http.proxy_config import (
     FORWARDED_HEADERS,
     METASERVER_PATH,
     ProxyConfig,
 )
+from rd2h.adapters.http.proxy_metrics import HealthCounters, ProxyMetrics
+from rd2h.adapters.http.proxy_models import MODELS_PATH, fetch_models
+from rd2h.adapters.http.proxy_prefill import PrefillLeg
+from rd2h.adapters.http.proxy_relay import DecodeCall, DecodeRelay, error_body
+from rd2h.adapters.http.proxy_upstream import (
+    CONNECT,
+    FAILOVER,
+    STALE,
+    Upstream,
+    UpstreamError,
+)
 from rd2h.domain.rendezvous import (
     ClientRequestError,
     Endpoint,
     MetaserverPostError,
-    PendingRequest,
     PostStatus,
     RendezvousTable,
     UnexpectedPost,
     UnknownRendezvous,
     count_prompts,
     decode_body,
-    prefill_body,
 )
 from rd2h.ports.runtime import Logger
 
-
-def _error_body(status: int, message: str) -> dict[str, Any]:
-    return {"error": {"message": message, "type": "rd2h_proxy", "code": status}}
+__all__ = ["ProxyConfig", "RendezvousProxy", "create_app"]
 
 
 def _error(status: int, message: str) -> JSONResponse:
-    return JSONResponse(_error_body(status, message), status_code=status)
-
-
-@dataclass
-class _Counters:
-    requests: int = 0
-    decode_errors: int = 0
-    metaserver_posts: int = 0
-    metaserver_rejected: int = 0
-    prefill_dispatched: int = 0
-    prefill_ok: int = 0
-    prefill_failed: int = 0
-    incomplete_rendezvous: int = 0
+    return JSONResponse(error_body(status, message), status_code=status)
 
 
 class RendezvousProxy:
@@ -97,83 +97,170 @@ class RendezvousProxy:
             log = make_logger("proxy", 0)
         self.config = config
         self.table = RendezvousTable()
-        self.counters = _Counters()
-        self._log = log
-        self._client = httpx.AsyncClient(
-            transport=transport,
-            timeout=httpx.Timeout(config.decode_timeout_s, connect=config.connect_timeout_s),
-            # One Decode connection per client request in flight: no pool cap that would
-            # queue client requests behind each other (clients bound the concurrency).
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=100),
+        self.counters = HealthCounters()
+        self.log = log
+        self.upstream = Upstream(
+            connect_timeout_s=config.connect_timeout_s, read_timeout_s=config.decode_timeout_s,
+            keepalive_expiry_s=config.engine_keepalive_s, transport=transport,
         )
         self._decode_rr = itertools.count()
-        self._prefill_rr = itertools.count()
+        self._models_rr = itertools.count()
         self._headers: dict[str, dict[str, str]] = {}
         self._tasks: set[asyncio.Task[None]] = set()
+        self.metrics = ProxyMetrics(pending=lambda: len(self.table),
+                                    prefill_in_flight=lambda: len(self._tasks))
+        self.prefill = PrefillLeg(config, self.upstream, self.metrics, self.counters, log)
 
     # -- client requests ----------------------------------------------------------------
 
+    def _refuse(self, endpoint: Endpoint, message: str) -> JSONResponse:
+        self.metrics.requests.labels(endpoint.path, "invalid").inc()
+        return _error(400, message)
+
     async def handle_client(self, request: Request, endpoint: Endpoint) -> Response:
+        started = time.monotonic()
         try:
             body = json.loads(await request.body())
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            return _error(400, f"request body is not valid JSON: {exc}")
+            return self._refuse(endpoint, f"request body is not valid JSON: {exc}")
         if not isinstance(body, dict):
-            return _error(400, f"request body must be a JSON object, not {type(body).__name__}")
+            return self._refuse(
+                endpoint, f"request body must be a JSON object, not {type(body).__name__}")
         try:
             expected = count_prompts(body, endpoint)
         except ClientRequestError as exc:
-            return _error(400, str(exc))
+            return self._refuse(endpoint, str(exc))
         if "kv_transfer_params" in body:
-            self._log.warning("client kv_transfer_params replaced by the proxy's")
+            self.log.warning("client kv_transfer_params replaced by the proxy's")
         rid = uuid.uuid4().hex
-        self.table.open(rid, endpoint, body, expected, time.monotonic())
+        entry = self.table.open(rid, endpoint, body, expected, time.monotonic())
         self.counters.requests += 1
-        headers = {"X-Request-Id": rid}
-        for name in FORWARDED_HEADERS:
-            if name in request.headers:
-                headers[name] = request.headers[name]
+        headers = {"X-Request-Id": rid, **_forwarded(request)}
         self._headers[rid] = headers
         decode = self.config.decode[next(self._decode_rr) % len(self.config.decode)]
-        self._log.debug("request to decode", rid=rid, decode=decode, prompts=expected)
-        return _Relay(self, rid, decode + endpoint.path,
-                      decode_body(body, self.config.metaserver_url), headers)
+        self.log.debug("request to decode", rid=rid, decode=decode, prompts=expected)
+        self.metrics.in_flight.labels(endpoint.path).inc()
+        return DecodeRelay(self, DecodeCall(rid, endpoint, body, headers, decode, entry, started))
 
-    def finish(self, rid: str, outcome: str) -> None:
+    async def open_decode(self, call: DecodeCall) -> httpx.Response:
+        """Send the request to Decode; its response once the headers arrived.
+
+        Sent again at most once (``_resend_decode``); raises ``UpstreamError``.
+        """
+        fresh = False
+        while True:
+            try:
+                response = await self.upstream.send(
+                    "POST", call.url, json=decode_body(call.body, self.config.metaserver_url),
+                    headers=call.headers, stream=True, fresh=fresh)
+            except UpstreamError as exc:
+                self.metrics.failure("decode", exc.label)
+                if fresh or not self._resend_decode(call, exc):
+                    raise
+                fresh = True
+                continue
+            self.metrics.decode_response_start.labels(call.endpoint.path).observe(
+                time.monotonic() - call.started)
+            return response
+
+    def _resend_decode(self, call: DecodeCall, exc: UpstreamError) -> bool:
+        """Prepare ``call`` to be sent again, if that is safe; see ``proxy_upstream``.
+
+        Besides the connection rule, no metaserver post may have arrived (a post proves
+        Decode admitted the request). The resend gets a new request id, so nothing of a
+        first attempt an engine might have read after all can match the second one's
+        rendezvous. A connection refused moves to the next Decode instance.
+        """
+        if exc.resend is None or call.entry.posts:
+            return False
+        if exc.resend == CONNECT:
+            decodes = self.config.decode
+            if len(decodes) < 2:
+                return False
+            call.decode = decodes[(decodes.index(call.decode) + 1) % len(decodes)]
+        old = call.rid
+        self.table.close(old)
+        self._headers.pop(old, None)
+        call.rid = uuid.uuid4().hex
+        call.entry = self.table.open(call.rid, call.endpoint, call.body, call.entry.expected,
+                                     time.monotonic())
+        call.headers["X-Request-Id"] = call.rid
+        self._headers[call.rid] = call.headers
+        self.counters.decode_resent += 1
+        if exc.resend == STALE:
+            self.metrics.retry("decode", STALE)
+            self.log.info("decode closed a reused connection before answering; sending again "
+                          "on a fresh connection", rid=old, new_rid=call.rid, decode=call.decode,
+                          error=str(exc))
+        else:
+            self.metrics.retry("decode", FAILOVER)
+            self.log.warning("decode instance unreachable; sending to the next one", rid=old,
+                             new_rid=call.rid, decode=call.decode, error=str(exc))
+        return True
+
+    def finish(self, call: DecodeCall) -> None:
         """Forget a request once Decode's answer has ended (any way it ends)."""
-        self._headers.pop(rid, None)
-        entry = self.table.close(rid)
+        self._headers.pop(call.rid, None)
+        entry = self.table.close(call.rid)
+        path = call.endpoint.path
+        self.metrics.in_flight.labels(path).dec()
+        self.metrics.requests.labels(path, call.label).inc()
+        self.metrics.request_duration.labels(path).observe(time.monotonic() - call.started)
         if entry is not None and not entry.dispatched:
             self.counters.incomplete_rendezvous += 1
-            self._log.warning(
+            self.log.warning(
                 "decode answer ended before every rendezvous post arrived; prefill not sent",
-                rid=rid, outcome=outcome, posts=len(entry.posts), expected=entry.expected,
+                rid=call.rid, outcome=call.outcome, posts=len(entry.posts),
+                expected=entry.expected,
             )
+
+    async def handle_models(self, request: Request) -> Response:
+        started = time.monotonic()
+        self.metrics.in_flight.labels(MODELS_PATH).inc()
+        decodes = list(self.config.decode)
+        first = next(self._models_rr) % len(decodes)
+        engines = [*decodes[first:], *decodes[:first], *self.config.prefill]
+        try:
+            response, label = await fetch_models(
+                self.upstream, engines, _forwarded(request),
+                deadline_s=self.config.models_timeout_s,
+                connect_timeout_s=self.config.connect_timeout_s, log=self.log,
+                metrics=self.metrics)
+        finally:
+            self.metrics.in_flight.labels(MODELS_PATH).dec()
+        self.metrics.requests.labels(MODELS_PATH, label).inc()
+        self.metrics.request_duration.labels(MODELS_PATH).observe(time.monotonic() - started)
+        return response
 
     # -- metaserver ----------------------------------------------------------------------
 
+    def _reject_post(self, status: int, label: str, message: str) -> JSONResponse:
+        self.counters.metaserver_rejected += 1
+        self.metrics.posts.labels(label).inc()
+        return _error(status, message)
+
     async def handle_post(self, request: Request) -> JSONResponse:
+        received = time.monotonic()
         self.counters.metaserver_posts += 1
         try:
             post = json.loads(await request.body())
             outcome = self.table.post(post)
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            self.counters.metaserver_rejected += 1
-            return _error(400, f"metaserver post is not valid JSON: {exc}")
+            return self._reject_post(400, "rejected", f"metaserver post is not valid JSON: {exc}")
         except MetaserverPostError as exc:
-            self.counters.metaserver_rejected += 1
-            return _error(400, str(exc))
+            return self._reject_post(400, "rejected", str(exc))
         except UnknownRendezvous as exc:
-            self.counters.metaserver_rejected += 1
-            self._log.warning("metaserver post for an unknown request", error=str(exc))
-            return _error(404, str(exc))
+            self.log.warning("metaserver post for an unknown request", error=str(exc))
+            return self._reject_post(404, "unknown", str(exc))
         except UnexpectedPost as exc:
-            self.counters.metaserver_rejected += 1
-            self._log.warning("unexpected metaserver post", error=str(exc))
-            return _error(409, str(exc))
+            self.log.warning("unexpected metaserver post", error=str(exc))
+            return self._reject_post(409, "unexpected", str(exc))
         entry = outcome.request
+        self.metrics.posts.labels(outcome.status.value).inc()
         if outcome.status is PostStatus.DISPATCH:
-            self._spawn(self._dispatch_prefill(entry))
+            self.metrics.decode_admission.observe(received - entry.created)
+            headers = self._headers.get(entry.rid, {"X-Request-Id": entry.rid})
+            self._spawn(self.prefill.dispatch(entry, headers, received))
         return JSONResponse({
             "status": outcome.status.value, "request_id": outcome.request_id,
             "received": len(entry.posts), "expected": entry.expected,
@@ -184,48 +271,9 @@ class RendezvousProxy:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _dispatch_prefill(self, entry: PendingRequest) -> None:
-        """Send the request to Prefill; on failure try the next instance once.
-
-        A 4xx answer is not retried: the same body would be rejected again.
-        """
-        self.counters.prefill_dispatched += 1
-        body = prefill_body(entry.body, entry.endpoint, entry.prefill_params())
-        headers = dict(self._headers.get(entry.rid, {"X-Request-Id": entry.rid}))
-        urls = self.config.prefill
-        first = next(self._prefill_rr) % len(urls)
-        for attempt, url in enumerate((urls[first], urls[(first + 1) % len(urls)])):
-            retryable = True
-            try:
-                with anyio.fail_after(self.config.prefill_timeout_s):
-                    r = await self._client.post(
-                        url + entry.endpoint.path, json=body, headers=headers,
-                        timeout=httpx.Timeout(self.config.prefill_timeout_s,
-                                              connect=self.config.connect_timeout_s),
-                    )
-            except (httpx.TransportError, TimeoutError) as exc:
-                error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
-                self._log.error("prefill dispatch failed", rid=entry.rid, prefill=url,
-                                attempt=attempt + 1, error=error)
-            else:
-                if not r.is_error:
-                    self.counters.prefill_ok += 1
-                    self._log.info("prefill done", rid=entry.rid, prefill=url,
-                                   status=r.status_code, prompts=entry.expected)
-                    return
-                retryable = r.status_code >= 500
-                self._log.error("prefill answered an error", rid=entry.rid, prefill=url,
-                                attempt=attempt + 1, status=r.status_code, body=r.text[:500])
-            if not retryable:
-                break
-        self.counters.prefill_failed += 1
-        self._log.error("prefill dispatch gave up; decode fails the request at its KV deadline",
-                        rid=entry.rid)
-
     # -- health and lifecycle ------------------------------------------------------------
 
     def health(self) -> dict[str, Any]:
-        c = self.counters
         return {
             "status": "ok",
             "prefill": list(self.config.prefill),
@@ -233,115 +281,24 @@ class RendezvousProxy:
             "metaserver": self.config.metaserver_url,
             "pending": len(self.table),
             "prefill_in_flight": len(self._tasks),
-            "counters": dataclasses.asdict(c),
+            "counters": dataclasses.asdict(self.counters),
         }
 
     async def aclose(self) -> None:
-        """Cancel Prefill dispatches still running and close the upstream client."""
+        """Cancel Prefill dispatches still running and close the upstream clients."""
         tasks = list(self._tasks)
         for task in tasks:
             task.cancel()
         if tasks:
             done, _ = await asyncio.wait(tasks, timeout=self.config.shutdown_timeout_s)
             if len(done) < len(tasks):
-                self._log.warning("prefill dispatches still running at shutdown",
-                                  tasks=len(tasks) - len(done))
-        await self._client.aclose()
-
-    async def send_decode(self, url: str, body: Mapping[str, Any],
-                          headers: Mapping[str, str]) -> httpx.Response:
-        request = self._client.build_request("POST", url, json=dict(body), headers=dict(headers))
-        return await self._client.send(request, stream=True)
+                self.log.warning("prefill dispatches still running at shutdown",
+                                 tasks=len(tasks) - len(done))
+        await self.upstream.aclose()
 
 
-class _Relay(Response):
-    """Relays Decode's answer to the client, then forgets the pending request.
-
-    A plain ASGI callable rather than a StreamingResponse: the status code is only
-    known once Decode answers, and cleanup must run even when the client leaves
-    before that.
-    """
-
-    def __init__(self, proxy: RendezvousProxy, rid: str, url: str, body: dict[str, Any],
-                 headers: dict[str, str]) -> None:
-        super().__init__(status_code=200)
-        self._proxy = proxy
-        self._rid = rid
-        self._url = url
-        self._body = body
-        self._upstream_headers = headers  # not _headers: Response uses that name
-        self._outcome = "not started"
-        self._answered = False
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(self._watch_disconnect, receive, tg.cancel_scope)
-                await self._relay(send)
-                tg.cancel_scope.cancel()
-        finally:
-            self._proxy.finish(self._rid, self._outcome)
-
-    async def _watch_disconnect(self, receive: Receive, scope: anyio.CancelScope) -> None:
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                if self._answered:
-                    return  # servers report a disconnect once the answer is complete
-                self._outcome = "client disconnected"
-                self._proxy._log.info("client disconnected; closing decode request",
-                                      rid=self._rid)
-                scope.cancel()
-                return
-
-    async def _relay(self, send: Send) -> None:
-        log = self._proxy._log
-        try:
-            response = await self._proxy.send_decode(self._url, self._body,
-                                                     self._upstream_headers)
-        except httpx.TransportError as exc:
-            self._proxy.counters.decode_errors += 1
-            self._outcome = "decode unreachable"
-            message = f"decode instance {self._url} failed: {type(exc).__name__}: {exc}"
-            log.error("decode request failed", rid=self._rid, error=message)
-            await self._send_whole(send, 502, _error_body(502, message))
-            self._answered = True
-            return
-        try:
-            content_type = response.headers.get("content-type", "application/json")
-            await send({
-                "type": "http.response.start",
-                "status": response.status_code,
-                "headers": [(b"content-type", content_type.encode("latin-1")),
-                            (b"x-request-id", self._rid.encode())],
-            })
-            self._outcome = f"decode status {response.status_code}"
-            try:
-                async for chunk in response.aiter_bytes():
-                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
-            except httpx.TransportError as exc:
-                self._proxy.counters.decode_errors += 1
-                self._outcome = "decode stream broken"
-                message = f"decode instance {self._url} stream broke: {type(exc).__name__}: {exc}"
-                log.error("decode stream failed", rid=self._rid, error=message)
-                if content_type.startswith("text/event-stream"):
-                    event = json.dumps(_error_body(502, message))
-                    await send({"type": "http.response.body",
-                                "body": f"data: {event}\n\n".encode(), "more_body": True})
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
-            self._answered = True
-            if self._outcome.startswith("decode status"):
-                self._outcome = f"answered (decode status {response.status_code})"
-        finally:
-            with anyio.CancelScope(shield=True):
-                await response.aclose()
-
-    @staticmethod
-    async def _send_whole(send: Send, status: int, payload: dict[str, Any]) -> None:
-        body = json.dumps(payload).encode()
-        await send({"type": "http.response.start", "status": status,
-                    "headers": [(b"content-type", b"application/json")]})
-        await send({"type": "http.response.body", "body": body, "more_body": False})
+def _forwarded(request: Request) -> dict[str, str]:
+    return {name: request.headers[name] for name in FORWARDED_HEADERS if name in request.headers}
 
 
 def create_app(
@@ -372,6 +329,15 @@ def create_app(
     @app.post(METASERVER_PATH)
     async def metaserver(request: Request) -> JSONResponse:
         return await proxy.handle_post(request)
+
+    @app.get(MODELS_PATH)
+    async def models(request: Request) -> Response:
+        return await proxy.handle_models(request)
+
+    @app.get("/metrics")
+    async def metrics(request: Request) -> Response:
+        body, content_type = proxy.metrics.render(request.headers.get("accept", ""))
+        return Response(body, media_type=content_type)
 
     @app.get("/healthcheck")
     async def healthcheck() -> dict[str, Any]:

@@ -37,6 +37,15 @@ class ProxyConfig:
     decode_timeout_s: float = 600.0
     prefill_timeout_s: float = 600.0
     shutdown_timeout_s: float = 5.0
+    # Idle pooled connections to the engines are dropped after this long: below the
+    # engines' own keep-alive (uvicorn's and vLLM's default is 5 s), so that the proxy
+    # does not reuse a connection the engine is about to close.
+    engine_keepalive_s: float = 2.0
+    # How long the proxy's own server keeps an idle client connection (clients and the
+    # engines' metaserver posts): above the clients' pool expiry (httpx: 5 s, vLLM's
+    # serving benchmark: 60 s), so that a client does not reuse one the proxy closes.
+    client_keepalive_s: float = 75.0
+    models_timeout_s: float = 10.0
 
     def __post_init__(self) -> None:
         for role in ("prefill", "decode"):
@@ -49,7 +58,8 @@ class ProxyConfig:
             object.__setattr__(self, role, urls)
         object.__setattr__(self, "public_url", normalize_base_url(self.public_url, "public URL"))
         for name in ("connect_timeout_s", "decode_timeout_s", "prefill_timeout_s",
-                     "shutdown_timeout_s"):
+                     "shutdown_timeout_s", "engine_keepalive_s", "client_keepalive_s",
+                     "models_timeout_s"):
             value = getattr(self, name)
             if not value > 0:
                 raise ValueError(f"{name} must be > 0, not {value!r}")

@@ -1,0 +1,96 @@
+"""``GET /v1/models`` for ``rd2h proxy``: answered by the engines behind it.
+
+Engines are asked one after the other (the Decode instances first, then the
+Prefill ones: every engine serves the same model) until one answers, all within
+one deadline. An engine's 2xx answer (a JSON object) is returned as is; a 4xx is
+relayed as is too (an auth error would be the same on every engine); a 5xx, a
+malformed answer or a transport failure moves on to the next engine. When none
+answers: 502 if some engine answered badly, 503 if none could be reached in time.
+GET is idempotent, so a request that met a stale pooled connection is sent once
+more on a fresh one.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import anyio
+import httpx
+from fastapi.responses import JSONResponse
+from starlette.responses import Response
+
+from rd2h.adapters.http.proxy_metrics import ProxyMetrics, status_reason
+from rd2h.adapters.http.proxy_relay import error_body
+from rd2h.adapters.http.proxy_upstream import STALE, Upstream, UpstreamError
+from rd2h.ports.runtime import Logger
+
+MODELS_PATH = "/v1/models"
+
+
+async def _get(upstream: Upstream, url: str, headers: Mapping[str, str], timeout: httpx.Timeout,
+               log: Logger, metrics: ProxyMetrics) -> httpx.Response:
+    try:
+        return await upstream.send("GET", url, headers=dict(headers), timeout=timeout)
+    except UpstreamError as exc:
+        if exc.resend != STALE:
+            raise
+        metrics.failure("models", exc.label)
+        metrics.retry("models", STALE)
+        log.info("engine closed a reused connection; asking again on a fresh one",
+                 url=url, error=str(exc))
+        return await upstream.send("GET", url, headers=dict(headers), timeout=timeout,
+                                   fresh=True)
+
+
+async def fetch_models(
+    upstream: Upstream,
+    engines: Sequence[str],
+    headers: Mapping[str, str],
+    *,
+    deadline_s: float,
+    connect_timeout_s: float,
+    log: Logger,
+    metrics: ProxyMetrics,
+) -> tuple[Response, str]:
+    """The answer to ``GET /v1/models`` and its outcome label."""
+    problems: list[str] = []
+    answered = False
+    timeout = httpx.Timeout(deadline_s, connect=min(connect_timeout_s, deadline_s))
+    started = time.monotonic()
+    with anyio.move_on_after(deadline_s) as scope:
+        for base in engines:
+            url = base + MODELS_PATH
+            try:
+                r = await _get(upstream, url, headers, timeout, log, metrics)
+            except UpstreamError as exc:
+                metrics.failure("models", exc.label)
+                problems.append(f"{url}: {exc}")
+                continue
+            answered = True
+            if r.is_client_error:
+                metrics.failure("models", status_reason(r.status_code))
+                return Response(r.content, status_code=r.status_code,
+                                media_type=r.headers.get("content-type")), "engine_error"
+            if r.is_success:
+                try:
+                    payload: Any = r.json()
+                except (json.JSONDecodeError, UnicodeDecodeError):
+                    payload = None
+                if isinstance(payload, dict):
+                    return JSONResponse(payload), "ok"
+                metrics.failure("models", "bad_answer")
+                problems.append(f"{url}: HTTP {r.status_code} with no JSON object")
+            else:
+                metrics.failure("models", status_reason(r.status_code))
+                problems.append(f"{url}: HTTP {r.status_code} {r.text[:200]}")
+    if scope.cancelled_caught:
+        metrics.failure("models", "timeout")
+        problems.append(f"no answer within {deadline_s:g} s "
+                        f"(after {time.monotonic() - started:.1f} s)")
+    status = 502 if answered else 503
+    message = "no engine answered GET /v1/models: " + "; ".join(problems)
+    log.warning("models request failed", status=status, error=message)
+    return JSONResponse(error_body(status, message), status_code=status), "unavailable"
