@@ -7,13 +7,12 @@ and shared; each module starts only the engines its own configuration needs.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from fakes.net import free_port
-from servers import MLA_ARGS, Server, vllm_server
+from servers import MLA_ARGS, Server, running, vllm_server
 from tiny_model import make_tiny_deepseek, make_tiny_llama
 
 
@@ -30,12 +29,8 @@ def llama_reference(
     """One plain (non-disaggregated) engine on the tiny Llama: the token reference."""
     log = tmp_path_factory.mktemp("llama-ref") / "base.log"
     server = vllm_server("reference engine", llama_model, free_port(), log)
-    try:
-        server.start()
-        server.wait_ready("/health", time.monotonic() + 420)
+    with running(server):
         yield server
-    finally:
-        server.stop()
 
 
 @pytest.fixture(scope="session")
@@ -51,9 +46,5 @@ def mla_reference(
     """One plain engine on the tiny MLA model with ``MLA_ARGS``: the token reference."""
     log = tmp_path_factory.mktemp("mla-ref") / "base.log"
     server = vllm_server("MLA reference engine", mla_model, free_port(), log, args=MLA_ARGS)
-    try:
-        server.start()
-        server.wait_ready("/health", time.monotonic() + 420)
+    with running(server):
         yield server
-    finally:
-        server.stop()

@@ -7,13 +7,14 @@ prints the tail of.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -30,6 +31,7 @@ class Server:
     port: int
     log: Path
     env: dict[str, str] = field(default_factory=dict)
+    ready_path: str = "/health"  # answers 200 once the server serves
     proc: subprocess.Popen | None = None
 
     @property
@@ -130,7 +132,23 @@ def vllm_server(
 def proxy_server(port: int, prefill: list[str], decode: list[str], log: Path) -> Server:
     cmd = [str(VENV_BIN / "rd2h"), "proxy", "--port", str(port), "--prefill", *prefill,
            "--decode", *decode]
-    return Server("rd2h proxy", cmd, port, log)
+    return Server("rd2h proxy", cmd, port, log, ready_path="/healthcheck")
+
+
+@contextlib.contextmanager
+def running(*servers: Server, startup_s: float = STARTUP_S) -> Iterator[None]:
+    """Start ``servers`` together, wait (one deadline for all) until each is ready, in
+    order, and stop every one of them on the way out, whatever happened."""
+    try:
+        for s in servers:
+            s.start()
+        deadline = time.monotonic() + startup_s
+        for s in servers:
+            s.wait_ready(s.ready_path, deadline)
+        yield
+    finally:
+        for s in servers:
+            s.stop()
 
 
 # The tiny DeepSeek-V2 (MLA) on vLLM 0.32's CPU: the CPU_MLA backend (it forces block

@@ -22,7 +22,7 @@ import pytest
 # package: a package named "vllm" under tests/ would shadow the real vLLM).
 from fakes.net import free_port, quiet_ports
 from prometheus_client.parser import text_string_to_metric_families
-from servers import proxy_server, rd2h_kv, vllm_server
+from servers import proxy_server, rd2h_kv, running, vllm_server
 from tiny_model import NUM_LAYERS, VOCAB
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(1500)]
@@ -74,17 +74,8 @@ def cluster(tmp_path_factory, llama_model, llama_reference):
     servers["proxy"] = proxy_server(
         free_port(), [servers["prefill"].url], [servers["decode"].url], root / "proxy.log"
     )
-    try:
-        for s in servers.values():
-            s.start()
-        deadline = time.monotonic() + 420
-        for key in ("prefill", "decode"):
-            servers[key].wait_ready("/health", deadline)
-        servers["proxy"].wait_ready("/healthcheck", deadline)
+    with running(*servers.values()):
         yield {"model": str(model), "base": llama_reference, **servers}
-    finally:
-        for s in servers.values():
-            s.stop()
 
 
 def _logs(cluster) -> str:

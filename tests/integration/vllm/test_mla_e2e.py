@@ -17,13 +17,11 @@ rounding legitimately separates the decode path from the prefill path.
 
 from __future__ import annotations
 
-import time
-
 import httpx
 import pytest
 from fakes.net import free_port, quiet_ports
 from float64_reference import Float64Greedy
-from servers import MLA_ARGS, proxy_server, rd2h_kv, vllm_server
+from servers import MLA_ARGS, proxy_server, rd2h_kv, running, vllm_server
 from tiny_model import VOCAB
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(1500)]
@@ -90,17 +88,8 @@ def cluster(tmp_path_factory, mla_model, mla_reference):
     servers["proxy"] = proxy_server(
         free_port(), [servers["prefill"].url], [servers["decode"].url], root / "proxy.log"
     )
-    try:
-        for s in servers.values():
-            s.start()
-        deadline = time.monotonic() + 420
-        for key in ("prefill", "decode"):
-            servers[key].wait_ready("/health", deadline)
-        servers["proxy"].wait_ready("/healthcheck", deadline)
+    with running(*servers.values()):
         yield {"model": str(mla_model), "base": mla_reference, **servers}
-    finally:
-        for s in servers.values():
-            s.stop()
 
 
 def _logs(cluster) -> str:

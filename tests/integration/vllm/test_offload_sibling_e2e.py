@@ -17,13 +17,12 @@ from its files instead of Prefill computing it, still gives Decode the right KV.
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import httpx
 import pytest
 from fakes.net import free_port, quiet_ports
-from servers import proxy_server, rd2h_kv, vllm_server
+from servers import proxy_server, rd2h_kv, running, vllm_server
 from tiny_model import NUM_LAYERS, VOCAB
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(1500)]
@@ -84,17 +83,8 @@ def cluster(tmp_path_factory, llama_model, llama_reference):
     servers["proxy"] = proxy_server(
         free_port(), [servers["prefill"].url], [servers["decode"].url], root / "proxy.log"
     )
-    try:
-        for s in servers.values():
-            s.start()
-        deadline = time.monotonic() + 420
-        for key in ("prefill", "decode"):
-            servers[key].wait_ready("/health", deadline)
-        servers["proxy"].wait_ready("/healthcheck", deadline)
+    with running(*servers.values()):
         yield {"model": str(llama_model), "base": llama_reference, "store": store, **servers}
-    finally:
-        for s in servers.values():
-            s.stop()
 
 
 def _logs(cluster) -> str:

@@ -32,7 +32,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 from fakes.net import free_port, quiet_ports
-from servers import proxy_server, rd2h_kv, vllm_server
+from servers import proxy_server, rd2h_kv, running, vllm_server
 from tiny_model import VOCAB
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(1200)]
@@ -78,17 +78,8 @@ def cluster(tmp_path_factory, llama_model, llama_reference):
                          kv=rd2h_kv("kv_consumer", kv_port, extra))
     proxy = proxy_server(free_port(), [prefill.url], [decode.url], root / "proxy.log")
     servers = {"prefill": prefill, "decode": decode, "proxy": proxy}
-    try:
-        for s in servers.values():
-            s.start()
-        deadline = time.monotonic() + 420
-        prefill.wait_ready("/health", deadline)
-        decode.wait_ready("/health", deadline)
-        proxy.wait_ready("/healthcheck", deadline)
+    with running(*servers.values()):
         yield {"model": str(llama_model), "base": llama_reference, **servers}
-    finally:
-        for s in servers.values():
-            s.stop()
 
 
 def _logs(cluster) -> str:

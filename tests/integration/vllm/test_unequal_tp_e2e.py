@@ -3,11 +3,12 @@
 One Prefill engine at TP 2 serves Decode engines in turn, each behind its own
 ``rd2h proxy``: Decode TP 1 (ratio 2: both Prefill ranks are contributors of the one
 Decode rank, member 0 pulls main) and Decode TP 2 (ratio 1; the Decode ranks resolve
-completions over vLLM's own TP group; opt-in, see ``DECODE_TPS``). Greedy tokens through the proxy must equal the
-plain TP 1 reference engine's, and the logs must show each Prefill rank p talking to
-Decode rank p // ratio. ``RD2H_UNEQUAL_PREFILL_TP=4`` runs Prefill TP 4 instead (ratios
-4 and 2): 4 of 7 runs passed here; the other 3 timed out in a CPU storm while other
-engines loaded the machine (see ``EXTRA``), so it stays out of CI.
+completions over vLLM's own TP group; opt-in, see ``DECODE_TPS``). Greedy tokens
+through the proxy must equal the plain TP 1 reference engine's, and the logs must show
+each Prefill rank p talking to Decode rank p // ratio. ``RD2H_UNEQUAL_PREFILL_TP=4``
+runs Prefill TP 4 instead (ratios 4 and 2): 4 of 7 runs passed here; the other 3
+timed out in a CPU storm while other engines loaded the machine (see ``EXTRA``), so it
+stays out of CI.
 
 The model is the tiny DeepSeek-V2 (MLA), not the tiny Llama: rd2h's ownership rules
 (spec 2, 5) take main KV to be replicated on every Prefill rank, which holds for MLA's
