@@ -105,6 +105,11 @@ def _logger(role: str, rank: int, level: str) -> Any:
     return make_logger(role, rank)
 
 
+def _timeline(directory: str | None) -> Any:
+    from rd2h.adapters.logging.timeline import timeline
+    return timeline(directory)
+
+
 def _device_events(kind: str) -> Any:
     from rd2h.adapters.torch.events import CpuDeviceEvents, NpuDeviceEvents
 
@@ -152,6 +157,7 @@ class Container(containers.DeclarativeContainer):
     logger = providers.Factory(_logger, role=config.role, rank=config.tp_rank,
                                level=config.log_level)
     device_events = providers.Singleton(_device_events, config.device_events)
+    timeline = providers.Singleton(_timeline, config.timeline_dir)
 
     # None: import memfabric_hybrid when the engine is built; tests override with a fake.
     memfabric_library = providers.Object(None)
@@ -208,13 +214,14 @@ class Container(containers.DeclarativeContainer):
         stop_timeout_s=deadlines.stop_s, main_shared=providers.Callable(
             lambda d: d == "sparse_kv_pool", config.destinations),
         max_peers=limits.max_peers, max_orphans_per_peer=limits.max_orphans_per_peer,
-        max_orphans=limits.max_orphans,
+        max_orphans=limits.max_orphans, timeline=timeline,
     )
-    prefill_scheduler = providers.Factory(PrefillScheduler, p_tp=config.tp_size, log=logger)
+    prefill_scheduler = providers.Factory(PrefillScheduler, p_tp=config.tp_size, log=logger,
+                                          timeline=timeline)
     prefill_worker = providers.Factory(
         PrefillWorker, events=device_events, p_rank=config.tp_rank, p_tp=config.tp_size,
         clock=clock, log=logger, buffer_reuse=config.buffer_reuse,
-        stop_timeout_s=deadlines.stop_s,
+        stop_timeout_s=deadlines.stop_s, timeline=timeline,
     )
 
 
@@ -267,6 +274,7 @@ def build_scheduler_role(options: Rd2hOptions, facts: EngineFacts) -> ConnectorR
         base_port=settings.base_port, tp_size=facts.tp_size,
         engine_id=options.engine_id or facts.engine_id, log=log, main_group=groups.main,
         indexer_group=groups.indexer, stop_timeout_s=options.deadlines.stop_s,
+        timeline=container.timeline(),
     )
 
 
@@ -331,6 +339,7 @@ def build_decode_worker(
         log=container.logger(), exchange_timeout_s=options.deadlines.tp_exchange_s,
         stop_timeout_s=options.deadlines.stop_s,
         report_invalid_blocks=len(facts.group_layer_names) <= 1,
+        timeline=container.timeline(),
     )
     worker.start()
     return worker
@@ -368,15 +377,17 @@ def proxy_config(**fields: Any) -> Any:
     return ProxyConfig(**fields)
 
 
-def serve_proxy(config: Any, host: str, port: int, log_level: str) -> None:
-    """Run ``rd2h proxy`` until interrupted."""
+def serve_proxy(config: Any, host: str, port: int, log_level: str,
+                timeline_dir: str | None = None) -> None:
+    """Run ``rd2h proxy`` until interrupted (stamps: ``timeline_dir`` or the env's)."""
     from rd2h.adapters.http.proxy import create_app
     from rd2h.adapters.http.server import serve
 
     log = _logger("proxy", 0, log_level)
     log.info("proxy starting", listen=f"{host}:{port}", prefill=config.prefill,
              decode=config.decode, metaserver=config.metaserver_url)
-    serve(create_app(config, log=log), host, port, log_level=log_level,
+    serve(create_app(config, log=log, timeline=_timeline(timeline_dir)), host, port,
+          log_level=log_level,
           keep_alive_s=config.client_keepalive_s)
 
 

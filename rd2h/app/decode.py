@@ -20,6 +20,7 @@ from rd2h.domain.decode_session import (
     DEFAULT_MAX_PEERS,
     DecodeSession,
     Expired,
+    LayerDone,
     Output,
     Read,
     Reply,
@@ -33,7 +34,7 @@ from rd2h.domain.protocol import ReadReadyBatch
 from rd2h.domain.request_book import StepOutcome
 from rd2h.ports.codec import WireCodec
 from rd2h.ports.control import ControlServer
-from rd2h.ports.runtime import Clock, Logger, TpGroupExchange
+from rd2h.ports.runtime import NO_TIMELINE, Clock, Logger, Timeline, TpGroupExchange
 from rd2h.ports.transfer import TransferEngine
 
 
@@ -68,7 +69,9 @@ class DecodeReceiver(LoopThread):
         max_peers: int = DEFAULT_MAX_PEERS,
         max_orphans_per_peer: int = DEFAULT_ORPHANS_PER_PEER,
         max_orphans: int = DEFAULT_ORPHANS_TOTAL,
+        timeline: Timeline = NO_TIMELINE,
     ) -> None:
+        self._timeline = timeline
         super().__init__(f"rd2h-decode-{d_rank}", start_timeout_s, stop_timeout_s)
         self._server_factory = server_factory
         self._codec = codec
@@ -256,6 +259,11 @@ class DecodeReceiver(LoopThread):
             return self._session.read_done(read.token, self._clock.now(), error)
 
     def _report(self, outs: Iterable[Output]) -> None:
+        outs = list(outs)
+        for out in outs:
+            if isinstance(out, LayerDone):
+                for ext in out.completed:
+                    self._timeline.stamp(ext, "decode.kv_complete")
         if report_decode(outs, self.stats, self._log):
             self._progress.set()
             if self._on_progress is not None:

@@ -167,6 +167,10 @@ class Rd2hOptions(BaseModel):
         (), description="Decode with CURVE: the Prefill public keys it accepts")
     limits: Limits = Field(default_factory=Limits)
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "WARNING"
+    timeline_dir: str | None = Field(
+        None, min_length=1,
+        description="write per-request timeline stamps (JSON lines, one file per process) "
+        "under this folder for 'rd2h timeline'; unset: $RD2H_TIMELINE_DIR, else none")
 
     @model_validator(mode="after")
     def _check_options(self) -> Rd2hOptions:

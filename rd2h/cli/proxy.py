@@ -107,6 +107,9 @@ def add_proxy_parser(sub: argparse._SubParsersAction) -> None:
                         "(vLLM's serving benchmark: 60 s, httpx: 5 s) (default: %(default)s)")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
                    help="log level for rd2h and uvicorn (stderr; default: %(default)s)")
+    p.add_argument("--timeline-dir", metavar="DIR",
+                   help="write per-request timeline stamps under DIR for 'rd2h timeline' "
+                        "(default: $RD2H_TIMELINE_DIR; unset: none)")
     p.set_defaults(func=_run_proxy)
 
 
@@ -139,5 +142,5 @@ def _run_proxy(args: argparse.Namespace) -> int:
     if args.public_url is None and args.host in _WILDCARD_HOSTS:
         print(f"rd2h proxy: engines are told {config.metaserver_url}; pass --public-url if they "
               "run on other hosts", file=sys.stderr)
-    serve_proxy(config, args.host, args.port, args.log_level)
+    serve_proxy(config, args.host, args.port, args.log_level, timeline_dir=args.timeline_dir)
     return 0

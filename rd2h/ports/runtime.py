@@ -50,3 +50,20 @@ class Logger(Protocol):
     def warning(self, event: str, **kw: Any) -> Any: ...
 
     def error(self, event: str, **kw: Any) -> Any: ...
+
+
+class Timeline(Protocol):
+    """Per-request hop stamps (``rd2h timeline`` merges them across processes)."""
+
+    def stamp(self, request_id: str, hop: str) -> None:
+        """Record that ``request_id`` passed ``hop`` now."""
+
+
+class NoTimeline:
+    """The timeline when none is configured: stamps nothing."""
+
+    def stamp(self, request_id: str, hop: str) -> None:
+        return None
+
+
+NO_TIMELINE = NoTimeline()

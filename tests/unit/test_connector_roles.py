@@ -21,6 +21,7 @@ from fakes.logs import RecordingLogger as RecordingLog
 from fakes.metaserver import RecordingMetaserver
 
 from rd2h.adapters.inproc import InprocTransferEngine
+from rd2h.adapters.logging.timeline import JsonlTimeline
 from rd2h.adapters.msgpack import MsgpackCodec
 from rd2h.adapters.torch.exchange import InMemoryExchangeGroup
 from rd2h.app.connector.decode_scheduler import DecodeScheduler
@@ -35,6 +36,8 @@ from rd2h.app.connector.prefill_scheduler import (
 from rd2h.app.connector.prefill_worker import PrefillWorker
 from rd2h.app.decode import DecodeReceiver
 from rd2h.app.prefill import PrefillSender
+from rd2h.app.timeline import load
+from rd2h.domain.chunks import external_request_id
 from rd2h.domain.errors import LayerSendError, TopologyError
 from rd2h.domain.layout import DestinationLayout, DestTensor, SourceLayout, TensorComponent
 from rd2h.domain.protocol import MfMeta, ReadDone, ReadFailed, ReadReadyBatch, ReadRequest
@@ -274,6 +277,23 @@ def test_an_unpostable_request_is_logged_and_others_still_post() -> None:
     assert sched.on_admitted({RID: 1}) == []
     (_, kw), = log.at("error")
     assert kw["request"] == RID and "bad URL scheme" in kw["error"]
+
+
+def test_the_scheduler_stamps_match_alloc_admission_and_received_kv(tmp_path) -> None:
+    stamps = JsonlTimeline(tmp_path)
+    sched = DecodeScheduler(metaserver=RecordingMetaserver(), host="h", base_port=1,
+                            tp_size=2, engine_id="e", log=RecordingLog(), timeline=stamps)
+    rid = "cmpl-" + "cd" * 16 + "-0" + SUFFIX
+    params = _params()
+    sched.match(rid, 70, 0, params)
+    sched.after_alloc(rid, ([7, 8, 9],), 0, 0, 70, 0, params)
+    sched.update_connector_output({rid: 1})
+    assert "decode.admitted_all" not in load(tmp_path).get("cd" * 16, {})  # one rank of 2
+    sched.update_connector_output({rid: 1})
+    sched.update_connector_output({}, [rid])
+    hops = load(tmp_path)["cd" * 16]
+    order = ["decode.matched", "decode.allocated", "decode.admitted_all", "decode.kv_ready"]
+    assert sorted(hops, key=hops.__getitem__) == order
 
 
 def test_finished_cancels_the_post_and_forgets_the_request(dsched) -> None:
@@ -760,9 +780,11 @@ LAYER = "model.layers.0.self_attn.attn"
 
 
 @pytest.fixture
-def pd():
+def pd(tmp_path):
     """A Prefill worker and a Decode worker (one layer, one main tensor) sharing an
-    in-memory control channel and the inproc transport."""
+    in-memory control channel and the inproc transport; both stamp a timeline under
+    ``tmp_path / "timeline"``."""
+    stamps = JsonlTimeline(tmp_path / "timeline")
     net = MemoryNetwork()
     clock = ManualClock()
     p_engine, d_engine = InprocTransferEngine(), InprocTransferEngine()
@@ -774,11 +796,12 @@ def pd():
         server_factory=lambda: net.server(D_EP), codec=MsgpackCodec(), transfer=d_engine,
         destinations={LAYER: DestinationLayout(LAYER, (DestTensor(d_buf.ctypes.data, BPB, NB),))},
         d_rank=0, d_tp=1, clock=clock, log=RecordingLog(), request_timeout_s=30,
-        poll_interval_s=0.005, main_shared=False,
+        poll_interval_s=0.005, main_shared=False, timeline=stamps,
     )
     d_log = RecordingLog()
     dworker = DecodeWorker(receiver=receiver, exchange=InMemoryExchangeGroup(1).member(0),
-                           log=d_log, exchange_timeout_s=WAIT, stop_timeout_s=2)
+                           log=d_log, exchange_timeout_s=WAIT, stop_timeout_s=2,
+                           timeline=stamps)
     sender = PrefillSender(
         clients_factory=net.clients, codec=MsgpackCodec(),
         p_session=p_engine.session_id,
@@ -787,7 +810,8 @@ def pd():
         poll_interval_s=0.005,
     )
     pworker = PrefillWorker(sender=sender, events=ImmediateEvents(), p_rank=0, p_tp=1,
-                            layer_names={0: LAYER}, clock=clock, log=RecordingLog())
+                            layer_names={0: LAYER}, clock=clock, log=RecordingLog(),
+                            timeline=stamps)
     assert dworker.start() == D_EP
     pworker.start()
     yield pworker, dworker, clock, p_buf, d_buf, d_log
@@ -822,6 +846,24 @@ def test_prefill_to_decode_pull_finishes_the_request(pd) -> None:
     assert (dworker.requests_done, dworker.requests_failed) == (1, 0)
     assert dworker.stats.bytes_read == 3 * BPB and dworker.stats.layers_done == 1
     assert pworker.get_finished({rid}) == {rid}
+
+
+def test_the_pull_stamps_its_hops_in_order_on_the_timeline(pd, tmp_path) -> None:
+    pworker, dworker, *_ = pd
+    rid = "cmpl-" + "ab" * 16 + "-0" + SUFFIX  # a proxy request id inside vLLM's
+    dworker.start_step([DecodeLoad(rid, (5, 6), (5, 6))])
+    pworker.start_step([PrefillSend(rid, external_request_id(rid),
+                                    DecodeEndpoint("10.0.0.9", 31000, 1), (0, 1), (0, 1), 0, 0,
+                                    True)])
+    assert pworker.layer_written(LAYER)
+    assert _sender(pworker).drain(WAIT)
+    assert dworker.get_finished(set()).finished == {rid}
+    assert pworker.get_finished({rid}) == {rid}
+    hops = load(tmp_path / "timeline")["ab" * 16]
+    order = ["decode.worker_admitted", "prefill.first_layer", "prefill.announced_all",
+             "decode.kv_complete", "decode.reported"]
+    assert {*order, "prefill.released"} <= set(hops)
+    assert [hops[h] for h in order] == sorted(hops[h] for h in order)
 
 
 def test_a_request_without_kv_in_time_fails_with_its_blocks_invalid(pd) -> None:

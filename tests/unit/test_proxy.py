@@ -800,11 +800,13 @@ def test_cli_keepalive_flags_reach_the_config(monkeypatch) -> None:
 
     seen: dict[str, Any] = {}
     monkeypatch.setattr(container, "serve_proxy",
-                        lambda config, host, port, level: seen.update(config=config))
+                        lambda config, host, port, level, timeline_dir: seen.update(
+                            config=config, timeline_dir=timeline_dir))
     assert main(["proxy", "--prefill", "http://p:1", "--decode", "http://d:2",
                  "--engine-keepalive", "1.5", "--client-keepalive", "90",
-                 "--models-timeout", "3"]) == 0
+                 "--models-timeout", "3", "--timeline-dir", "/tmp/stamps"]) == 0
     config = seen["config"]
+    assert seen["timeline_dir"] == "/tmp/stamps"
     assert (config.engine_keepalive_s, config.client_keepalive_s,
             config.models_timeout_s) == (1.5, 90.0, 3.0)
     assert ProxyConfig(prefill=("http://p:1",), decode=("http://d:2",),

@@ -72,7 +72,7 @@ from rd2h.domain.rendezvous import (
     count_prompts,
     decode_body,
 )
-from rd2h.ports.runtime import Logger
+from rd2h.ports.runtime import Logger, Timeline
 
 __all__ = ["ProxyConfig", "RendezvousProxy", "create_app"]
 
@@ -90,11 +90,17 @@ class RendezvousProxy:
         *,
         transport: httpx.AsyncBaseTransport | None = None,
         log: Logger | None = None,
+        timeline: Timeline | None = None,
     ) -> None:
         if log is None:
             from rd2h.adapters.logging import make_logger
 
             log = make_logger("proxy", 0)
+        if timeline is None:  # $RD2H_TIMELINE_DIR, else none
+            from rd2h.adapters.logging.timeline import timeline as from_env
+
+            timeline = from_env()
+        self.timeline = timeline
         self.config = config
         self.table = RendezvousTable()
         self.counters = HealthCounters()
@@ -109,7 +115,8 @@ class RendezvousProxy:
         self._tasks: set[asyncio.Task[None]] = set()
         self.metrics = ProxyMetrics(pending=lambda: len(self.table),
                                     prefill_in_flight=lambda: len(self._tasks))
-        self.prefill = PrefillLeg(config, self.upstream, self.metrics, self.counters, log)
+        self.prefill = PrefillLeg(config, self.upstream, self.metrics, self.counters, log,
+                                  timeline)
 
     # -- client requests ----------------------------------------------------------------
 
@@ -133,6 +140,7 @@ class RendezvousProxy:
         if "kv_transfer_params" in body:
             self.log.warning("client kv_transfer_params replaced by the proxy's")
         rid = uuid.uuid4().hex
+        self.timeline.stamp(rid, "proxy.received")
         entry = self.table.open(rid, endpoint, body, expected, time.monotonic())
         self.counters.requests += 1
         headers = {"X-Request-Id": rid, **_forwarded(request)}
@@ -161,6 +169,7 @@ class RendezvousProxy:
                 continue
             self.metrics.decode_response_start.labels(call.endpoint.path).observe(
                 time.monotonic() - call.started)
+            self.timeline.stamp(call.rid, "proxy.decode_headers")
             return response
 
     def _resend_decode(self, call: DecodeCall, exc: UpstreamError) -> bool:
@@ -182,6 +191,7 @@ class RendezvousProxy:
         self.table.close(old)
         self._headers.pop(old, None)
         call.rid = uuid.uuid4().hex
+        self.timeline.stamp(call.rid, "proxy.received")
         call.entry = self.table.open(call.rid, call.endpoint, call.body, call.entry.expected,
                                      time.monotonic())
         call.headers["X-Request-Id"] = call.rid
@@ -201,6 +211,7 @@ class RendezvousProxy:
     def finish(self, call: DecodeCall) -> None:
         """Forget a request once Decode's answer has ended (any way it ends)."""
         self._headers.pop(call.rid, None)
+        self.timeline.stamp(call.rid, "proxy.done")
         entry = self.table.close(call.rid)
         path = call.endpoint.path
         self.metrics.in_flight.labels(path).dec()
@@ -258,6 +269,7 @@ class RendezvousProxy:
         entry = outcome.request
         self.metrics.posts.labels(outcome.status.value).inc()
         if outcome.status is PostStatus.DISPATCH:
+            self.timeline.stamp(entry.rid, "proxy.post")
             self.metrics.decode_admission.observe(received - entry.created)
             headers = self._headers.get(entry.rid, {"X-Request-Id": entry.rid})
             self._spawn(self.prefill.dispatch(entry, headers, received))
@@ -306,9 +318,10 @@ def create_app(
     *,
     transport: httpx.AsyncBaseTransport | None = None,
     log: Logger | None = None,
+    timeline: Timeline | None = None,
 ) -> FastAPI:
     """The proxy's ASGI app; ``app.state.proxy`` is its ``RendezvousProxy``."""
-    proxy = RendezvousProxy(config, transport=transport, log=log)
+    proxy = RendezvousProxy(config, transport=transport, log=log, timeline=timeline)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:

@@ -13,15 +13,16 @@ from rd2h.adapters.http.proxy_config import ProxyConfig
 from rd2h.adapters.http.proxy_metrics import HealthCounters, ProxyMetrics, status_reason
 from rd2h.adapters.http.proxy_upstream import FAILOVER, STALE, AttemptTrace, Upstream, UpstreamError
 from rd2h.domain.rendezvous import PendingRequest, prefill_body
-from rd2h.ports.runtime import Logger
+from rd2h.ports.runtime import Logger, Timeline
 
 
 class PrefillLeg:
     """Sends a request to the Prefill instances (round robin)."""
 
     def __init__(self, config: ProxyConfig, upstream: Upstream, metrics: ProxyMetrics,
-                 counters: HealthCounters, log: Logger) -> None:
+                 counters: HealthCounters, log: Logger, timeline: Timeline) -> None:
         self._config = config
+        self._timeline = timeline
         self._upstream = upstream
         self._metrics = metrics
         self._counters = counters
@@ -38,6 +39,7 @@ class PrefillLeg:
         the last metaserver post arrived (monotonic).
         """
         started = time.monotonic()
+        self._timeline.stamp(entry.rid, "proxy.prefill_sent")
         self._counters.prefill_dispatched += 1
         body = prefill_body(entry.body, entry.endpoint, entry.prefill_params())
         urls = self._config.prefill
@@ -80,6 +82,7 @@ class PrefillLeg:
             else:
                 if not r.is_error:
                     self._counters.prefill_ok += 1
+                    self._timeline.stamp(entry.rid, "proxy.prefill_answered")
                     # The write time where the transport reports it, else the answer's.
                     sent = trace.sent_at or time.monotonic()
                     self._metrics.prefill_dispatch.observe(sent - posted)

@@ -112,8 +112,12 @@ class DecodeRelay(Response):
         })
         call.outcome = f"decode status {status}"
         broken = False
+        first = True
         try:
             async for chunk in response.aiter_bytes():
+                if first and chunk:
+                    first = False
+                    proxy.timeline.stamp(call.rid, "proxy.first_byte")
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
         except httpx.TransportError as exc:
             broken = True

@@ -107,8 +107,10 @@ class SfaRemoteD2HConnector(KVConnectorBase_V1, SupportsHMA):
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         meta = connector_output.kv_connector_worker_meta
-        if isinstance(meta, Rd2hWorkerMeta):
-            self._role.update_connector_output(meta.admitted)
+        admitted = meta.admitted if isinstance(meta, Rd2hWorkerMeta) else {}
+        recved = connector_output.finished_recving or ()
+        if admitted or recved:
+            self._role.update_connector_output(admitted, recved)
 
     def request_finished(
         self, request: Request, block_ids: list[int]

@@ -4,7 +4,7 @@ admitted the request, cancellation when the request finishes."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, MutableMapping, Sequence
+from collections.abc import Iterable, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -12,7 +12,7 @@ from rd2h.app.connector.plans import DecodeLoad, StepPlan
 from rd2h.app.connector.roles import BlockIds, ConnectorRole, RequestFacts, ScheduledRequest
 from rd2h.domain.chunks import external_request_id
 from rd2h.ports.metaserver import MetaserverPoster
-from rd2h.ports.runtime import Logger
+from rd2h.ports.runtime import NO_TIMELINE, Logger, Timeline
 
 
 @dataclass
@@ -43,8 +43,10 @@ class DecodeScheduler(ConnectorRole):
         main_group: int = 0,
         indexer_group: int = 0,
         stop_timeout_s: float = 5.0,
+        timeline: Timeline = NO_TIMELINE,
     ) -> None:
         self._metaserver = metaserver
+        self._timeline = timeline
         self._main_group = main_group
         self._indexer_group = indexer_group
         self._stop_timeout = stop_timeout_s
@@ -74,8 +76,11 @@ class DecodeScheduler(ConnectorRole):
     def build_connector_meta(self, scheduled: Sequence[ScheduledRequest]) -> StepPlan:
         return StepPlan(loads=self.build())
 
-    def update_connector_output(self, admitted: Mapping[str, int]) -> None:
+    def update_connector_output(self, admitted: Mapping[str, int],
+                                finished_recving: Iterable[str] = ()) -> None:
         self.on_admitted(admitted)
+        for request_id in finished_recving:
+            self._timeline.stamp(request_id, "decode.kv_ready")
 
     def request_finished(self, request_id: str) -> bool:
         self.finished(request_id)
@@ -92,6 +97,7 @@ class DecodeScheduler(ConnectorRole):
         count = max(0, prompt_len - num_computed)
         if count:
             self._remote[request_id] = num_computed
+            self._timeline.stamp(request_id, "decode.matched")
         return count, count > 0
 
     def after_alloc(
@@ -115,6 +121,7 @@ class DecodeScheduler(ConnectorRole):
         main = tuple(int(b) for b in block_ids[main_group])
         indexer = tuple(int(b) for b in block_ids[indexer_group])
         self._loads.append(DecodeLoad(request_id, main, indexer))
+        self._timeline.stamp(request_id, "decode.allocated")
         ext = external_request_id(request_id)
         url = None if params.get("do_virtual") else params.get("metaserver")
         if url is not None and not isinstance(url, str):
@@ -149,6 +156,7 @@ class DecodeScheduler(ConnectorRole):
             if w.admitted < self._tp:
                 continue
             w.posted = True
+            self._timeline.stamp(request_id, "decode.admitted_all")
             if w.url is None:
                 continue
             try:

@@ -10,7 +10,7 @@ from typing import Any
 from rd2h.app.connector.plans import DecodeLoad, StepPlan
 from rd2h.app.connector.roles import ConnectorRole, TransferResults
 from rd2h.app.decode import DecodeReceiver, DecodeStats
-from rd2h.ports.runtime import Logger, TpGroupExchange
+from rd2h.ports.runtime import NO_TIMELINE, Logger, Timeline, TpGroupExchange
 
 
 @dataclass(frozen=True)
@@ -30,7 +30,9 @@ class DecodeWorker(ConnectorRole):
         exchange_timeout_s: float = 60.0,
         stop_timeout_s: float = 5.0,
         report_invalid_blocks: bool = True,
+        timeline: Timeline = NO_TIMELINE,
     ) -> None:
+        self._timeline = timeline
         # Block ids are unique only within one cache group: with several groups vLLM
         # cannot take block-level load errors (failed requests still fail).
         self._report_invalid = report_invalid_blocks
@@ -78,6 +80,7 @@ class DecodeWorker(ConnectorRole):
         for load in loads:
             self._receiver.admit(load.internal_id, load.main_block_ids, load.indexer_block_ids)
             self._admitted.append(load.internal_id)
+            self._timeline.stamp(load.internal_id, "decode.worker_admitted")
 
     def take_admitted(self) -> list[str]:
         """Requests admitted since the last call (reported to the scheduler)."""
@@ -86,6 +89,9 @@ class DecodeWorker(ConnectorRole):
 
     def get_finished(self, finished_by_vllm: Iterable[str]) -> DecodeResults:
         outcome = self._receiver.step(self._exchange, finished_by_vllm, self._exchange_timeout)
+        for rid in outcome.finished:
+            self._timeline.stamp(rid, "decode.failed" if rid in outcome.failed
+                                 else "decode.reported")
         for rid in outcome.failed:
             self._log.warning("request failed to receive its KV", request=rid,
                               reason=outcome.reasons.get(rid, "?"))

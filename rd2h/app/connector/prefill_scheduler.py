@@ -21,7 +21,7 @@ from rd2h.app.connector.roles import BlockIds, ConnectorRole, RequestFacts, Sche
 from rd2h.domain.chunks import chunk_block_range, external_request_id
 from rd2h.domain.errors import ChunkError, Rd2hError
 from rd2h.domain.topology import MAX_PORT, check_topology
-from rd2h.ports.runtime import Logger
+from rd2h.ports.runtime import NO_TIMELINE, Logger, Timeline
 
 
 class TransferParamsError(Rd2hError, ValueError):
@@ -93,8 +93,9 @@ class _Tracked:
 class PrefillScheduler(ConnectorRole):
     def __init__(
         self, *, block_size: int, main_group: int, indexer_group: int, p_tp: int,
-        log: Logger,
+        log: Logger, timeline: Timeline = NO_TIMELINE,
     ) -> None:
+        self._timeline = timeline
         self._bs = block_size
         self._main = main_group
         self._indexer = indexer_group
@@ -156,6 +157,7 @@ class PrefillScheduler(ConnectorRole):
                             error=str(exc))
             return False
         self._tracked[request_id] = _Tracked(ext, decode, total_tokens, cached)
+        self._timeline.stamp(request_id, "prefill.tracked")
         return True
 
     def schedule(

@@ -17,7 +17,7 @@ from rd2h.domain.chunks import layer_index
 from rd2h.domain.errors import CompletionError, LayerSendError
 from rd2h.domain.protocol import ReadRequest
 from rd2h.domain.topology import compute_mapping, remote_port, tcp_endpoint
-from rd2h.ports.runtime import Clock, DeviceEvents, Logger
+from rd2h.ports.runtime import NO_TIMELINE, Clock, DeviceEvents, Logger, Timeline
 from rd2h.ports.transfer import TransferEngine
 
 Ticket = tuple[int, str]  # (announcement ticket, Decode endpoint)
@@ -31,6 +31,7 @@ class _Request:
     finished: bool = False
     error: str | None = None
     withheld: bool = False  # a later send was not announced because of ``error``
+    announced: bool = False  # a layer of it was announced (timeline)
 
 
 class PrefillWorker(ConnectorRole):
@@ -49,7 +50,9 @@ class PrefillWorker(ConnectorRole):
         settle_timeout_s: float | None = None,
         stop_timeout_s: float = 5.0,
         transport: TransferEngine | None = None,
+        timeline: Timeline = NO_TIMELINE,
     ) -> None:
+        self._timeline = timeline
         self._sender = sender
         # The engine exposing this rank's caches: Decode reads through it for as long
         # as this worker runs, so the worker owns it (closed at shutdown).
@@ -164,10 +167,17 @@ class PrefillWorker(ConnectorRole):
                 self._ticket_reqs[(ticket, endpoint)] = tuple(dict.fromkeys(rids))
                 for rid in rids:
                     self._requests[rid].open_tickets.add((ticket, endpoint))
+            for rids in names.values():
+                for rid in rids:
+                    r = self._requests[rid]
+                    if not r.announced:
+                        r.announced = True
+                        self._timeline.stamp(rid, "prefill.first_layer")
             if idx == self._last_layer:
                 for s in self._sends:
                     if s.final:
                         self._requests[s.internal_id].final_sent = True
+                        self._timeline.stamp(s.internal_id, "prefill.announced_all")
         try:
             self._sender.submit(idx, self._events.record(), targets, ticket=ticket)
         except LayerSendError as exc:
@@ -242,6 +252,7 @@ class PrefillWorker(ConnectorRole):
                 if r.finished and not r.open_tickets:
                     done.add(rid)
                     del self._requests[rid]
+                    self._timeline.stamp(rid, "prefill.released")
         return done
 
     def _resolve(self, ticket: Ticket, error: str | None) -> None:

@@ -65,7 +65,10 @@ class ConnectorRole:
     def build_connector_meta(self, scheduled: Sequence[ScheduledRequest]) -> StepPlan:
         return StepPlan()
 
-    def update_connector_output(self, admitted: Mapping[str, int]) -> None:
+    def update_connector_output(self, admitted: Mapping[str, int],
+                                finished_recving: Iterable[str] = ()) -> None:
+        """The workers' admission reports (summed over ranks) and the requests whose
+        KV vLLM now holds as received."""
         return None
 
     def request_finished(self, request_id: str) -> bool:

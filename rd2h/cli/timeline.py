@@ -1,0 +1,44 @@
+"""``rd2h timeline``: the per-request breakdown of the serving path from timeline stamps."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from rd2h.app.timeline import breakdown, load, render, select
+
+_DESCRIPTION = """\
+Merge the per-request stamps that the proxy and the engines' rd2h connectors write
+when RD2H_TIMELINE_DIR (or the connector option timeline_dir) names a folder, and
+print, for each hop of a request's path (proxy -> Decode admission -> metaserver post
+-> Prefill -> announcements and reads -> Decode's first token), the p50 and p99 of
+the time since the previous hop, the p50 of the time since the proxy received the
+request, and who owns that interval ("vLLM": vLLM's own engine loop, IPC or API
+server; "rd2h": the connector's waits; "proxy"; "model": the Prefill forward)."""
+
+
+def add_timeline_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "timeline", help="per-hop latency breakdown of requests from timeline stamps",
+        description=_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("directory", type=Path, help="the folder the processes stamped into")
+    p.add_argument("--since", type=float, metavar="UNIX_TIME",
+                   help="only requests that started at or after this time")
+    p.add_argument("--until", type=float, metavar="UNIX_TIME",
+                   help="only requests that started at or before this time")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead")
+    p.set_defaults(func=_run)
+
+
+def _run(args: argparse.Namespace) -> int:
+    if not args.directory.is_dir():
+        print(f"rd2h timeline: {args.directory} is not a folder")
+        return 2
+    requests = select(load(args.directory), args.since, args.until)
+    if not requests:
+        print(f"rd2h timeline: no stamped requests in {args.directory}")
+        return 1
+    b = breakdown(requests)
+    print(json.dumps(b.to_json()) if args.json else render(b))
+    return 0
