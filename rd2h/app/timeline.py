@@ -53,8 +53,9 @@ PATH: tuple[Hop, ...] = (
         "get_finished, TP exchange)"),
     Hop("decode.kv_ready", "vLLM", "worker output to the Decode scheduler "
         "(finished_recving)"),
-    Hop("proxy.first_byte", "vLLM", "Decode schedules the request, computes the last "
-        "prompt token, samples, detokenises, streams the first token"),
+    Hop("decode.scheduled", "vLLM", "the Decode engine's next step schedules the request"),
+    Hop("proxy.first_byte", "vLLM", "Decode computes the last prompt token, samples, "
+        "detokenises and streams the first token"),
     Hop("proxy.done", "vLLM", "the rest of the output"),
 )
 # Stamped too, off the path: failures and the ends of the Prefill leg.

@@ -34,6 +34,7 @@ from rd2h.app.connector.prefill_scheduler import (
     resolve_params,
 )
 from rd2h.app.connector.prefill_worker import PrefillWorker
+from rd2h.app.connector.roles import ScheduledRequest
 from rd2h.app.decode import DecodeReceiver
 from rd2h.app.prefill import PrefillSender
 from rd2h.app.timeline import load
@@ -291,8 +292,11 @@ def test_the_scheduler_stamps_match_alloc_admission_and_received_kv(tmp_path) ->
     assert "decode.admitted_all" not in load(tmp_path).get("cd" * 16, {})  # one rank of 2
     sched.update_connector_output({rid: 1})
     sched.update_connector_output({}, [rid])
+    sched.build_connector_meta([ScheduledRequest(rid, None, 69, 1, False)])
+    sched.build_connector_meta([ScheduledRequest(rid, None, 70, 1, False)])  # stamped once
     hops = load(tmp_path)["cd" * 16]
-    order = ["decode.matched", "decode.allocated", "decode.admitted_all", "decode.kv_ready"]
+    order = ["decode.matched", "decode.allocated", "decode.admitted_all", "decode.kv_ready",
+             "decode.scheduled"]
     assert sorted(hops, key=hops.__getitem__) == order
 
 

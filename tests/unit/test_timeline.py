@@ -71,7 +71,7 @@ def _request(rid: str, start: float, steps_ms: list[float]) -> list[tuple[str, s
 
 
 def test_breakdown_gives_each_hop_its_interval_from_the_previous_one(tmp_path) -> None:
-    steps = [0, 10, 1, 2, 3, 4, 1, 5, 6, 7, 1, 2, 1, 8, 20]
+    steps = [0, 10, 1, 2, 3, 4, 1, 5, 6, 7, 1, 2, 1, 3, 8, 20]
     assert len(steps) == len(PATH)
     records = []
     for i in range(10):
@@ -89,7 +89,7 @@ def test_breakdown_gives_each_hop_its_interval_from_the_previous_one(tmp_path) -
     assert matched.p99_ms == pytest.approx(18.91, rel=1e-6)  # rank 8.91 of 10..19
     # Request 3 skipped decode.reported: its next hop counts from the one before.
     assert by["decode.reported"].n == 9 and by["decode.kv_ready"].n == 10
-    assert by["proxy.first_byte"].at_p50_ms == pytest.approx(sum(steps[:14]) * 1.45)
+    assert by["proxy.first_byte"].at_p50_ms == pytest.approx(sum(steps[:15]) * 1.45)
     text = render(b)
     assert "decode.matched" in text and "vLLM" in text and "10 requests" in text
     assert json.loads(json.dumps(b.to_json()))["hops"][1]["hop"] == "decode.matched"

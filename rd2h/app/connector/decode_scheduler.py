@@ -60,6 +60,7 @@ class DecodeScheduler(ConnectorRole):
         self._remote: dict[str, int] = {}
         self._loads: list[DecodeLoad] = []
         self._waiting: dict[str, _Waiting] = {}
+        self._received: dict[str, bool] = {}  # KV received, not yet scheduled (timeline)
         self.posts = 0
 
     # -- the connector role's hooks
@@ -74,6 +75,10 @@ class DecodeScheduler(ConnectorRole):
                          num_external_tokens, request.num_computed_tokens, request.params)
 
     def build_connector_meta(self, scheduled: Sequence[ScheduledRequest]) -> StepPlan:
+        if self._received:
+            for r in scheduled:
+                if self._received.pop(r.request_id, False):
+                    self._timeline.stamp(r.request_id, "decode.scheduled")
         return StepPlan(loads=self.build())
 
     def update_connector_output(self, admitted: Mapping[str, int],
@@ -81,6 +86,8 @@ class DecodeScheduler(ConnectorRole):
         self.on_admitted(admitted)
         for request_id in finished_recving:
             self._timeline.stamp(request_id, "decode.kv_ready")
+            if self._timeline is not NO_TIMELINE:
+                self._received[request_id] = True  # its first step is stamped too
 
     def request_finished(self, request_id: str) -> bool:
         self.finished(request_id)
@@ -172,6 +179,7 @@ class DecodeScheduler(ConnectorRole):
     def finished(self, request_id: str) -> None:
         """``request_finished``: cancel pending posts and forget the request."""
         self._remote.pop(request_id, None)
+        self._received.pop(request_id, None)
         self._loads = [ld for ld in self._loads if ld.internal_id != request_id]
         w = self._waiting.pop(request_id, None)
         if w is not None:
