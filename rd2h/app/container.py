@@ -339,7 +339,7 @@ def build_decode_worker(
         log=container.logger(), exchange_timeout_s=options.deadlines.tp_exchange_s,
         stop_timeout_s=options.deadlines.stop_s,
         report_invalid_blocks=len(facts.group_layer_names) <= 1,
-        timeline=container.timeline(),
+        timeline=container.timeline(), idle_wait_s=options.idle_wait_ms / 1e3,
     )
     worker.start()
     return worker

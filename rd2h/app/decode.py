@@ -161,6 +161,11 @@ class DecodeReceiver(LoopThread):
         self._progress.clear()
         return happened
 
+    def in_flight(self) -> int:
+        """Requests admitted on this rank and not yet resolved by a step."""
+        with self._lock:
+            return self._session.admitted_count
+
     def counters(self) -> dict[str, int]:
         with self._lock:
             return self._session.counters()

@@ -167,6 +167,11 @@ class Rd2hOptions(BaseModel):
         (), description="Decode with CURVE: the Prefill public keys it accepts")
     limits: Limits = Field(default_factory=Limits)
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "WARNING"
+    idle_wait_ms: float = Field(
+        5.0, ge=0, le=100,
+        description="Decode: a step that computes nothing (every request waits for its "
+        "KV) waits up to this long for a request's KV to complete instead of returning at "
+        "once; vLLM's engine loop steps again after 1 ms otherwise. 0: never wait")
     timeline_dir: str | None = Field(
         None, min_length=1,
         description="write per-request timeline stamps (JSON lines, one file per process) "

@@ -256,6 +256,10 @@ class DecodeSession:
         return out
 
     @property
+    def admitted_count(self) -> int:
+        return self._book.admitted_count
+
+    @property
     def reads_in_flight(self) -> int:
         return len(self._reads)
 

@@ -262,6 +262,10 @@ class DecodeRequestBook:
         self.peer_contributions.discard_request(ext)
 
     # -- leak accounting
+    @property
+    def admitted_count(self) -> int:
+        return len(self._admitted)
+
     def counters(self) -> dict[str, int]:
         return {
             "admitted": len(self._admitted),

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from typing import Any
 
 import numpy as np
@@ -26,7 +27,7 @@ from rd2h.adapters.msgpack import MsgpackCodec
 from rd2h.adapters.torch.exchange import InMemoryExchangeGroup
 from rd2h.app.connector.decode_scheduler import DecodeScheduler
 from rd2h.app.connector.decode_worker import DecodeWorker
-from rd2h.app.connector.plans import DecodeEndpoint, DecodeLoad, PrefillSend
+from rd2h.app.connector.plans import DecodeEndpoint, DecodeLoad, PrefillSend, StepPlan
 from rd2h.app.connector.prefill_scheduler import (
     PrefillScheduler,
     TransferParamsError,
@@ -777,6 +778,7 @@ def test_a_failed_layer_raises_at_the_reuse_gate(pworker) -> None:
 
 
 
+IDLE_WAIT = 3.0  # the Decode worker's idle-step wait in these tests
 BPB = 64  # bytes per block of the one main tensor
 NB = 8
 D_EP = "tcp://10.0.0.9:31000"
@@ -805,7 +807,7 @@ def pd(tmp_path):
     d_log = RecordingLog()
     dworker = DecodeWorker(receiver=receiver, exchange=InMemoryExchangeGroup(1).member(0),
                            log=d_log, exchange_timeout_s=WAIT, stop_timeout_s=2,
-                           timeline=stamps)
+                           timeline=stamps, idle_wait_s=IDLE_WAIT)
     sender = PrefillSender(
         clients_factory=net.clients, codec=MsgpackCodec(),
         p_session=p_engine.session_id,
@@ -868,6 +870,50 @@ def test_the_pull_stamps_its_hops_in_order_on_the_timeline(pd, tmp_path) -> None
              "decode.kv_complete", "decode.reported"]
     assert {*order, "prefill.released"} <= set(hops)
     assert [hops[h] for h in order] == sorted(hops[h] for h in order)
+
+
+def test_an_idle_step_waits_for_the_completion_instead_of_returning_at_once(pd) -> None:
+    pworker, dworker, _, p_buf, d_buf, _ = pd
+    rid = "idle" + SUFFIX
+    dworker.bind_connector_metadata(StepPlan(loads=(DecodeLoad(rid, (5,), (5,)),)))
+    assert dworker.get_transfer_results(set()).finished_recving == frozenset()  # admitting
+    pworker.start_step([PrefillSend(rid, "idle", DecodeEndpoint("10.0.0.9", 31000, 1),
+                                    (0,), (0,), 0, 0, True)])
+    timer = threading.Timer(0.2, pworker.layer_written, (LAYER,))
+    timer.start()
+    dworker.bind_connector_metadata(StepPlan(idle=True))
+    t0 = time.monotonic()
+    res = dworker.get_transfer_results(set())
+    waited = time.monotonic() - t0
+    timer.join()
+    # It returned with the request because the completion woke it, not at the bound.
+    assert res.finished_recving == {rid} and waited < IDLE_WAIT
+    np.testing.assert_array_equal(d_buf[5], p_buf[0])
+
+
+def test_an_idle_step_with_nothing_in_flight_or_a_busy_step_does_not_wait(pd) -> None:
+    _, dworker, *_ = pd
+    for plan in (StepPlan(idle=True), StepPlan()):
+        dworker.bind_connector_metadata(plan)
+        t0 = time.monotonic()
+        dworker.get_transfer_results(set())
+        assert time.monotonic() - t0 < IDLE_WAIT / 2
+    dworker.bind_connector_metadata(StepPlan(loads=(DecodeLoad("w" + SUFFIX, (1,), (1,)),)))
+    t0 = time.monotonic()
+    dworker.get_transfer_results(set())  # a step that admits is not idle
+    assert time.monotonic() - t0 < IDLE_WAIT / 2
+
+
+def test_the_scheduler_marks_a_step_idle_only_when_it_computes_and_admits_nothing(
+        dsched) -> None:
+    sched, _, _ = dsched
+    assert sched.build_connector_meta([]).idle
+    assert not sched.build_connector_meta([ScheduledRequest("r", None, 3, 1, False)]).idle
+    params = _params()
+    sched.match(RID, 70, 0, params)
+    sched.after_alloc(RID, ([7, 8, 9],), 0, 0, 70, 0, params)
+    plan = sched.build_connector_meta([])
+    assert plan.loads and not plan.idle
 
 
 def test_a_request_without_kv_in_time_fails_with_its_blocks_invalid(pd) -> None:

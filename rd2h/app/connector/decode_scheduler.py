@@ -79,7 +79,9 @@ class DecodeScheduler(ConnectorRole):
             for r in scheduled:
                 if self._received.pop(r.request_id, False):
                     self._timeline.stamp(r.request_id, "decode.scheduled")
-        return StepPlan(loads=self.build())
+        loads = self.build()
+        return StepPlan(loads=loads, idle=not loads and not any(
+            r.num_scheduled_tokens for r in scheduled))
 
     def update_connector_output(self, admitted: Mapping[str, int],
                                 finished_recving: Iterable[str] = ()) -> None:

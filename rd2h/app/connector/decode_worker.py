@@ -31,8 +31,11 @@ class DecodeWorker(ConnectorRole):
         stop_timeout_s: float = 5.0,
         report_invalid_blocks: bool = True,
         timeline: Timeline = NO_TIMELINE,
+        idle_wait_s: float = 0.0,
     ) -> None:
         self._timeline = timeline
+        self._idle_wait_s = idle_wait_s
+        self._idle = False
         # Block ids are unique only within one cache group: with several groups vLLM
         # cannot take block-level load errors (failed requests still fail).
         self._report_invalid = report_invalid_blocks
@@ -51,8 +54,12 @@ class DecodeWorker(ConnectorRole):
         # Before the forward: Prefill may announce as soon as it learns the contact
         # info, and this rank must know the destinations by then.
         self.start_step(plan.loads)
+        self._idle = plan.idle
 
     def get_transfer_results(self, finished_req_ids: Iterable[str]) -> TransferResults:
+        if self._idle:
+            self._idle = False
+            self.wait_when_idle()
         res = self.get_finished(finished_req_ids)
         if self._report_invalid:
             self._invalid |= res.invalid_block_ids
@@ -81,6 +88,16 @@ class DecodeWorker(ConnectorRole):
             self._receiver.admit(load.internal_id, load.main_block_ids, load.indexer_block_ids)
             self._admitted.append(load.internal_id)
             self._timeline.stamp(load.internal_id, "decode.worker_admitted")
+
+    def wait_when_idle(self) -> bool:
+        """A step that computes nothing: wait up to ``idle_wait_s`` for a request to
+        complete or fail on this rank, if any is in flight (True: one did). vLLM's
+        engine loop would otherwise step again after 1 ms, and every step crosses to the
+        worker and back: on a CPU host that spinning takes the cores Prefill computes on.
+        A request that arrives meanwhile waits at most ``idle_wait_s`` to be admitted."""
+        if self._idle_wait_s <= 0 or not self._receiver.in_flight():
+            return False
+        return self._receiver.wait_for_progress(self._idle_wait_s)
 
     def take_admitted(self) -> list[str]:
         """Requests admitted since the last call (reported to the scheduler)."""

@@ -49,3 +49,6 @@ class StepPlan:
     # Prefill requests vLLM preempted in this step after some of their blocks were
     # announced: vLLM freed those blocks and this step's forward may overwrite them.
     preempted: tuple[str, ...] = ()
+    # Decode: the step computes nothing and admits nothing (every request waits for its
+    # KV), so a worker may wait a little for a completion rather than return at once.
+    idle: bool = False
