@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 from fakes.net import free_port
 from servers import MLA_ARGS, Server, running, vllm_server
-from tiny_model import make_tiny_deepseek, make_tiny_llama
+
+from rd2h.demo.tiny_model import make_tiny_deepseek, make_tiny_llama
 
 
 @pytest.fixture(scope="session")

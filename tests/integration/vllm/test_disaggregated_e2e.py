@@ -3,7 +3,7 @@
 and a single non-disaggregated engine as the reference.
 
 Run alone with ``pytest tests/integration/vllm``. The engines are real ``vllm
-serve`` processes on a tiny random-weight Llama (see tiny_model.py for why not
+serve`` processes on a tiny random-weight Llama (see rd2h/demo/tiny_model.py for why not
 the MLA model); Prefill uses chunked prefill (--max-num-batched-tokens 64); greedy tokens
 through the proxy must equal the reference engine's for the same prompts. Then
 Prefill is killed while a request waits for its KV: Decode must fail that request
@@ -23,7 +23,8 @@ import pytest
 from fakes.net import free_port, quiet_ports
 from prometheus_client.parser import text_string_to_metric_families
 from servers import proxy_server, rd2h_kv, running, vllm_server
-from tiny_model import NUM_LAYERS, VOCAB
+
+from rd2h.demo.tiny_model import NUM_LAYERS, VOCAB
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(1500)]
 

@@ -22,7 +22,8 @@ import pytest
 from fakes.net import free_port, quiet_ports
 from float64_reference import Float64Greedy
 from servers import MLA_ARGS, proxy_server, rd2h_kv, running, vllm_server
-from tiny_model import VOCAB
+
+from rd2h.demo.tiny_model import VOCAB
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(1500)]
 

@@ -33,7 +33,8 @@ import httpx
 import pytest
 from fakes.net import free_port, quiet_ports
 from servers import proxy_server, rd2h_kv, running, vllm_server
-from tiny_model import VOCAB
+
+from rd2h.demo.tiny_model import VOCAB
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(1200)]
 

@@ -36,7 +36,8 @@ import httpx
 import pytest
 from fakes.net import free_port, quiet_ports
 from servers import MLA_ARGS, Server, proxy_server, rd2h_kv, vllm_server
-from tiny_model import VOCAB
+
+from rd2h.demo.tiny_model import VOCAB
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(1800)]
 

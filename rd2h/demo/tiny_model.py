@@ -1,10 +1,13 @@
 """Tiny random-weight checkpoints, made locally: Llama (standard attention, chunked
 prefill on vLLM's CPU backend) and DeepSeek-V2 (MLA: the production cache shape, one
-576-wide latent per token).
+576-wide latent per token), and a word-level tokenizer over their vocabulary.
 
-Both are served for real in the end-to-end tests. MLA needs ``servers.MLA_ARGS`` on
-vLLM 0.32's CPU backend (the CPU rotary-embedding custom op is wrong for MLA's strided
-views; see the README), and there chunked prefill and prefix caching are off.
+Both models are served for real in the end-to-end tests and the serving benchmark. MLA
+needs ``MLA_ARGS`` (tests/integration/vllm/servers.py) on vLLM 0.32's CPU backend (the
+CPU rotary-embedding custom op is wrong for MLA's strided views; see the README), and
+there chunked prefill and prefix caching are off.
+
+torch, transformers and tokenizers are imported inside the builders only.
 """
 
 from __future__ import annotations
@@ -82,6 +85,49 @@ def make_tiny_llama(path: str | os.PathLike[str], seed: int = 1234) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)
     stamp.write_text(json.dumps({"marker": LLAMA_MARKER}))
+    return out
+
+
+TOKENIZER_MARKER = "rd2h-word-tokenizer-v1"
+BOS, EOS, UNK = "<s>", "</s>", "<unk>"  # ids 0, 1, 2 (the checkpoints' bos 0 / eos 1)
+
+
+def word(token_id: int) -> str:
+    """The word of a non-special id: ``w<id>``."""
+    return f"w{token_id}"
+
+
+def make_word_tokenizer(path: str | os.PathLike[str], vocab: int = VOCAB) -> Path:
+    """Save a word-level tokenizer beside the checkpoint at ``path`` (idempotent).
+
+    One word per id: ``<s>`` (0, bos), ``</s>`` (1, eos), ``<unk>`` (2), then ``w3`` ..
+    ``w<vocab-1>``; words are split on whitespace and decoded joined by single spaces,
+    no special tokens are added on encode. So decoding any ids and encoding the text
+    again gives the same ids back (as long as no special id is among them), which vLLM's
+    random benchmark prompts rely on (they are random ids decoded to text, re-encoded by
+    the server)."""
+    out = Path(path)
+    stamp = out / "rd2h-tokenizer-marker.json"
+    want = {"marker": TOKENIZER_MARKER, "vocab": vocab}
+    if stamp.exists() and json.loads(stamp.read_text()) == want:
+        return out
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = {BOS: 0, EOS: 1, UNK: 2, **{word(i): i for i in range(3, vocab)}}
+    tok = Tokenizer(models.WordLevel(vocab=words, unk_token=UNK))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.add_special_tokens([BOS, EOS, UNK])
+    out.mkdir(parents=True, exist_ok=True)
+    tok.save(str(out / "tokenizer.json"))
+    specials = {"bos_token": BOS, "eos_token": EOS, "unk_token": UNK}
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast", **specials,
+        "model_max_length": 2048, "clean_up_tokenization_spaces": False,
+        "add_bos_token": False, "add_eos_token": False,
+    }
+    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=1))
+    (out / "special_tokens_map.json").write_text(json.dumps(specials, indent=1))
+    stamp.write_text(json.dumps(want))
     return out
 
 
