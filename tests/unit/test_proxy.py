@@ -97,6 +97,13 @@ def models_route(app: FastAPI, owner: str) -> Callable[[Any], None]:
         return {"object": "list", "data": [{"id": "m", "object": "model", "owned_by": owner}],
                 "auth": request.headers.get("authorization")}
 
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Any:
+        if state["answer"] != 200:
+            return JSONResponse({"error": "down"}, status_code=state["answer"])
+        words = (await request.json())["prompt"].split()
+        return {"tokens": [len(w) for w in words], "count": len(words), "owner": owner}
+
     return lambda answer: state.__setitem__("answer", answer)
 
 
@@ -688,6 +695,22 @@ def test_models_fall_back_to_the_other_engines() -> None:
                         (("leg", "models"), ("reason", "status_5xx")))] == 1
         assert metrics[("rd2h_proxy_upstream_failures_total",
                         (("leg", "models"), ("reason", "connect")))] == 1
+
+    run(scenario())
+
+
+def test_tokenize_is_answered_by_an_engine_with_the_body_as_sent() -> None:
+    async def scenario() -> None:
+        s = Setup(n_decode=2)
+        s.decodes[0].set_models(500)
+        r = await s.client.post("/tokenize", json={"model": "m", "prompt": "ab cde f"})
+        assert r.status_code == 200
+        assert r.json() == {"tokens": [2, 3, 1], "count": 3, "owner": "decode-30001"}
+        metrics = await scrape(s)
+        assert metrics[("rd2h_proxy_upstream_failures_total",
+                        (("leg", "tokenize"), ("reason", "status_5xx")))] == 1
+        assert metrics[("rd2h_proxy_requests_total",
+                        (("endpoint", "/tokenize"), ("outcome", "ok")))] == 1
 
     run(scenario())
 

@@ -225,9 +225,11 @@ class RendezvousProxy:
                 expected=entry.expected,
             )
 
-    async def handle_models(self, request: Request) -> Response:
+    async def handle_models(self, request: Request, path: str = MODELS_PATH) -> Response:
+        """``GET /v1/models``, ``POST /tokenize`` or ``/detokenize``, from the engines."""
         started = time.monotonic()
-        self.metrics.in_flight.labels(MODELS_PATH).inc()
+        body = await request.body() if request.method == "POST" else None
+        self.metrics.in_flight.labels(path).inc()
         decodes = list(self.config.decode)
         first = next(self._models_rr) % len(decodes)
         engines = [*decodes[first:], *decodes[:first], *self.config.prefill]
@@ -236,11 +238,11 @@ class RendezvousProxy:
                 self.upstream, engines, _forwarded(request),
                 deadline_s=self.config.models_timeout_s,
                 connect_timeout_s=self.config.connect_timeout_s, log=self.log,
-                metrics=self.metrics)
+                metrics=self.metrics, path=path, body=body)
         finally:
-            self.metrics.in_flight.labels(MODELS_PATH).dec()
-        self.metrics.requests.labels(MODELS_PATH, label).inc()
-        self.metrics.request_duration.labels(MODELS_PATH).observe(time.monotonic() - started)
+            self.metrics.in_flight.labels(path).dec()
+        self.metrics.requests.labels(path, label).inc()
+        self.metrics.request_duration.labels(path).observe(time.monotonic() - started)
         return response
 
     # -- metaserver ----------------------------------------------------------------------
@@ -346,6 +348,14 @@ def create_app(
     @app.get(MODELS_PATH)
     async def models(request: Request) -> Response:
         return await proxy.handle_models(request)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        return await proxy.handle_models(request, "/tokenize")
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        return await proxy.handle_models(request, "/detokenize")
 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:

@@ -12,8 +12,9 @@ Series (all names start with ``rd2h_proxy_``):
   ``broken``: Decode's stream broke mid-answer, ``disconnected``: the client left).
 * ``requests_in_flight{endpoint}``, ``pending_rendezvous``, ``prefill_in_flight``.
 * ``upstream_failures_total{leg,reason}``: failed engine requests (``leg``:
-  ``decode``, ``prefill``, ``models``; ``reason``: ``connect``, ``connect_timeout``,
-  ``timeout``, ``connection_reset``, ``connection_closed``, ``transport``,
+  ``decode``, ``prefill``, ``models``, ``tokenize``, ``detokenize``; ``reason``:
+  ``connect``, ``connect_timeout``, ``timeout``, ``connection_reset``,
+  ``connection_closed``, ``transport``,
   ``status_4xx``, ``status_5xx``, ``stream_broken``, ``bad_answer``), including
   the ones that were sent again and then succeeded.
 * ``upstream_retries_total{leg,reason}``: requests sent again: ``stale_connection``

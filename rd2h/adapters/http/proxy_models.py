@@ -1,13 +1,13 @@
-"""``GET /v1/models`` for ``rd2h proxy``: answered by the engines behind it.
+"""``GET /v1/models``, ``POST /tokenize`` and ``POST /detokenize`` for ``rd2h proxy``:
+answered by the engines behind it (every engine serves the same model and tokenizer).
 
 Engines are asked one after the other (the Decode instances first, then the
-Prefill ones: every engine serves the same model) until one answers, all within
-one deadline. An engine's 2xx answer (a JSON object) is returned as is; a 4xx is
-relayed as is too (an auth error would be the same on every engine); a 5xx, a
-malformed answer or a transport failure moves on to the next engine. When none
-answers: 502 if some engine answered badly, 503 if none could be reached in time.
-GET is idempotent, so a request that met a stale pooled connection is sent once
-more on a fresh one.
+Prefill ones) until one answers, all within one deadline. An engine's 2xx answer
+(a JSON object) is returned as is; a 4xx is relayed as is too (an auth error would
+be the same on every engine); a 5xx, a malformed answer or a transport failure
+moves on to the next engine. When none answers: 502 if some engine answered
+badly, 503 if none could be reached in time. These requests are idempotent, so
+one that met a stale pooled connection is sent once more on a fresh one.
 """
 
 from __future__ import annotations
@@ -28,21 +28,28 @@ from rd2h.adapters.http.proxy_upstream import STALE, Upstream, UpstreamError
 from rd2h.ports.runtime import Logger
 
 MODELS_PATH = "/v1/models"
+# Engine endpoints the proxy relays as they are: path -> (method, metrics leg).
+ENGINE_PATHS = {MODELS_PATH: ("GET", "models"), "/tokenize": ("POST", "tokenize"),
+                "/detokenize": ("POST", "detokenize")}
 
 
-async def _get(upstream: Upstream, url: str, headers: Mapping[str, str], timeout: httpx.Timeout,
-               log: Logger, metrics: ProxyMetrics) -> httpx.Response:
+async def _ask(upstream: Upstream, method: str, url: str, headers: Mapping[str, str],
+               body: bytes | None, timeout: httpx.Timeout, log: Logger, metrics: ProxyMetrics,
+               leg: str) -> httpx.Response:
+    kw: dict[str, Any] = {"headers": dict(headers), "timeout": timeout}
+    if body is not None:
+        kw["content"] = body
+        kw["headers"]["content-type"] = "application/json"
     try:
-        return await upstream.send("GET", url, headers=dict(headers), timeout=timeout)
+        return await upstream.send(method, url, **kw)
     except UpstreamError as exc:
         if exc.resend != STALE:
             raise
-        metrics.failure("models", exc.label)
-        metrics.retry("models", STALE)
+        metrics.failure(leg, exc.label)
+        metrics.retry(leg, STALE)
         log.info("engine closed a reused connection; asking again on a fresh one",
                  url=url, error=str(exc))
-        return await upstream.send("GET", url, headers=dict(headers), timeout=timeout,
-                                   fresh=True)
+        return await upstream.send(method, url, fresh=True, **kw)
 
 
 async def fetch_models(
@@ -54,24 +61,28 @@ async def fetch_models(
     connect_timeout_s: float,
     log: Logger,
     metrics: ProxyMetrics,
+    path: str = MODELS_PATH,
+    body: bytes | None = None,
 ) -> tuple[Response, str]:
-    """The answer to ``GET /v1/models`` and its outcome label."""
+    """The engines' answer to ``path`` (one of ``ENGINE_PATHS``) and its outcome label."""
+    method, leg = ENGINE_PATHS[path]
     problems: list[str] = []
     answered = False
     timeout = httpx.Timeout(deadline_s, connect=min(connect_timeout_s, deadline_s))
     started = time.monotonic()
     with anyio.move_on_after(deadline_s) as scope:
         for base in engines:
-            url = base + MODELS_PATH
+            url = base + path
             try:
-                r = await _get(upstream, url, headers, timeout, log, metrics)
+                r = await _ask(upstream, method, url, headers, body, timeout, log, metrics,
+                               leg)
             except UpstreamError as exc:
-                metrics.failure("models", exc.label)
+                metrics.failure(leg, exc.label)
                 problems.append(f"{url}: {exc}")
                 continue
             answered = True
             if r.is_client_error:
-                metrics.failure("models", status_reason(r.status_code))
+                metrics.failure(leg, status_reason(r.status_code))
                 return Response(r.content, status_code=r.status_code,
                                 media_type=r.headers.get("content-type")), "engine_error"
             if r.is_success:
@@ -81,16 +92,16 @@ async def fetch_models(
                     payload = None
                 if isinstance(payload, dict):
                     return JSONResponse(payload), "ok"
-                metrics.failure("models", "bad_answer")
+                metrics.failure(leg, "bad_answer")
                 problems.append(f"{url}: HTTP {r.status_code} with no JSON object")
             else:
-                metrics.failure("models", status_reason(r.status_code))
+                metrics.failure(leg, status_reason(r.status_code))
                 problems.append(f"{url}: HTTP {r.status_code} {r.text[:200]}")
     if scope.cancelled_caught:
-        metrics.failure("models", "timeout")
+        metrics.failure(leg, "timeout")
         problems.append(f"no answer within {deadline_s:g} s "
                         f"(after {time.monotonic() - started:.1f} s)")
     status = 502 if answered else 503
-    message = "no engine answered GET /v1/models: " + "; ".join(problems)
-    log.warning("models request failed", status=status, error=message)
+    message = f"no engine answered {method} {path}: " + "; ".join(problems)
+    log.warning("engine request failed", path=path, status=status, error=message)
     return JSONResponse(error_body(status, message), status_code=status), "unavailable"

@@ -125,8 +125,18 @@ def vllm_server(
     # thread each, no engine's spinning OpenMP threads starve another process's
     # control threads (rd2h's sender / receiver).
     base_env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_LOGGING_LEVEL": "INFO",
-                "VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
+                "VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1",
+                "VLLM_ENABLE_V1_MULTIPROCESSING": "0" if _tp(args) == 1 else "1"}
     return Server(name, cmd, port, log, {**base_env, **(env or {})})
+
+
+def _tp(args: Sequence[str]) -> int:
+    """The engine's TP size. At TP 1 the engine core runs the model itself
+    (VLLM_ENABLE_V1_MULTIPROCESSING=0 keeps vLLM's CPU platform from forcing a worker
+    process, whose shared-memory queues spin on every step: README "Serving latency")."""
+    args = list(args)
+    flag = "--tensor-parallel-size"
+    return int(args[args.index(flag) + 1]) if flag in args else 1
 
 
 def proxy_server(port: int, prefill: list[str], decode: list[str], log: Path) -> Server:
