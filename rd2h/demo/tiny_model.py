@@ -22,11 +22,23 @@ NUM_LAYERS = 4
 MARKER = "rd2h-tiny-dsv2-v1"
 
 
+def _built(out: Path, marker: str) -> bool:
+    """A checkpoint with ``marker`` is already at ``out``."""
+    stamp = out / "rd2h-marker.json"
+    return stamp.exists() and json.loads(stamp.read_text()).get("marker") == marker
+
+
+def _save(model: object, out: Path, marker: str) -> Path:
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out, safe_serialization=True)  # type: ignore[attr-defined]
+    (out / "rd2h-marker.json").write_text(json.dumps({"marker": marker}))
+    return out
+
+
 def make_tiny_deepseek(path: str | os.PathLike[str], seed: int = 1234) -> Path:
     """Write the checkpoint to ``path`` once (idempotent); return the path."""
     out = Path(path)
-    stamp = out / "rd2h-marker.json"
-    if stamp.exists() and json.loads(stamp.read_text()).get("marker") == MARKER:
+    if _built(out, MARKER):
         return out
     import torch
     from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
@@ -55,11 +67,7 @@ def make_tiny_deepseek(path: str | os.PathLike[str], seed: int = 1234) -> Path:
         bos_token_id=0,
         eos_token_id=1,
     )
-    model = DeepseekV2ForCausalLM(cfg).to(torch.bfloat16)
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out, safe_serialization=True)
-    stamp.write_text(json.dumps({"marker": MARKER}))
-    return out
+    return _save(DeepseekV2ForCausalLM(cfg).to(torch.bfloat16), out, MARKER)
 
 
 LLAMA_MARKER = "rd2h-tiny-llama-v1"
@@ -68,8 +76,7 @@ LLAMA_MARKER = "rd2h-tiny-llama-v1"
 def make_tiny_llama(path: str | os.PathLike[str], seed: int = 1234) -> Path:
     """4 layers, GQA (4 query heads, 2 KV heads, head dim 64), vocab 1024."""
     out = Path(path)
-    stamp = out / "rd2h-marker.json"
-    if stamp.exists() and json.loads(stamp.read_text()).get("marker") == LLAMA_MARKER:
+    if _built(out, LLAMA_MARKER):
         return out
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -81,11 +88,7 @@ def make_tiny_llama(path: str | os.PathLike[str], seed: int = 1234) -> Path:
         head_dim=64, max_position_embeddings=2048, initializer_range=0.2,
         torch_dtype="bfloat16", bos_token_id=0, eos_token_id=1, tie_word_embeddings=False,
     )
-    model = LlamaForCausalLM(cfg).to(torch.bfloat16)
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out, safe_serialization=True)
-    stamp.write_text(json.dumps({"marker": LLAMA_MARKER}))
-    return out
+    return _save(LlamaForCausalLM(cfg).to(torch.bfloat16), out, LLAMA_MARKER)
 
 
 TOKENIZER_MARKER = "rd2h-word-tokenizer-v1"
