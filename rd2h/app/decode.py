@@ -265,7 +265,7 @@ class DecodeReceiver(LoopThread):
 
     def _report(self, outs: Iterable[Output]) -> None:
         outs = list(outs)
-        for out in outs:
+        for out in outs if self._timeline is not NO_TIMELINE else ():
             if isinstance(out, LayerDone):
                 for ext in out.completed:
                     self._timeline.stamp(ext, "decode.kv_complete")

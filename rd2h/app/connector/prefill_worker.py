@@ -167,7 +167,7 @@ class PrefillWorker(ConnectorRole):
                 self._ticket_reqs[(ticket, endpoint)] = tuple(dict.fromkeys(rids))
                 for rid in rids:
                     self._requests[rid].open_tickets.add((ticket, endpoint))
-            for rids in names.values():
+            for rids in names.values() if self._timeline is not NO_TIMELINE else ():
                 for rid in rids:
                     r = self._requests[rid]
                     if not r.announced:
