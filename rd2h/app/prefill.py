@@ -172,6 +172,12 @@ class PrefillSender(LoopThread):
         with self._cond:
             return self._session.take_resolved()
 
+    def take_outcomes(self) -> tuple[list[tuple[Hashable, str | None, str | None]],
+                                     dict[tuple[Hashable, str], tuple[str, ...]]]:
+        """``take_resolved()`` and the session's ``take_skipped()``, taken together."""
+        with self._cond:
+            return self._session.take_resolved(), self._session.take_skipped()
+
     def wait_resolved(self, timeout: float) -> bool:
         """Block until ``take_resolved`` has something to report, at most ``timeout``
         seconds; True if it has. (A stopped sender resolves everything it held.)"""

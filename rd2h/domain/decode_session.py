@@ -14,6 +14,7 @@ object, so one lock in the caller covers every rule.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Collection, Hashable, Iterable, Mapping
 from dataclasses import dataclass
@@ -80,6 +81,15 @@ class LayerFailed:
 
 
 @dataclass(frozen=True)
+class Skipped:
+    """Requests of a layer's announcement this rank no longer knows (aborted, finished,
+    never admitted): not read, named in the READ_DONE; the others were read."""
+
+    layer_idx: int
+    requests: tuple[str, ...]
+
+
+@dataclass(frozen=True)
 class PeerLost:
     p_session: str
     failed: tuple[str, ...]
@@ -111,8 +121,16 @@ class Rejected:
     layer_idx: int | None = None
 
 
-Output = (SendAck | Reply | Read | MetaStored | LayerDone | LayerFailed | PeerLost | Expired
-          | Rejected | Capped)
+@dataclass(frozen=True)
+class Forget:
+    """Nothing is kept for this connection (refused by the peer cap, or evicted from it):
+    drop what else is kept for it (the codec's signing state)."""
+
+    peer: Peer
+
+
+Output = (SendAck | Reply | Read | MetaStored | LayerDone | LayerFailed | Skipped | PeerLost
+          | Expired | Rejected | Capped | Forget)
 
 DEFAULT_MAX_PEERS = 1024
 
@@ -124,6 +142,7 @@ DEFAULT_MAX_PEERS = 1024
 class _Peer:
     session: str
     layers: dict[str, SourceLayout | LayoutMismatch]
+    proven: bool = False  # a READ_READY_BATCH came since its MF_META
 
 
 @dataclass
@@ -132,6 +151,7 @@ class _PendingRead:
     batch: ReadReadyBatch
     started: bool = False
     lost: bool = False
+    skipped: tuple[str, ...] = ()
 
 
 class DecodeSession:
@@ -170,6 +190,8 @@ class DecodeSession:
         if isinstance(message, MfMeta):
             return self._meta(peer, message)
         if isinstance(message, ReadReadyBatch):
+            if (known := self._peers.get(peer)) is not None:
+                known.proven = True  # no longer evictable by a newcomer (``_meta``)
             return self._ready(peer, message, now) + self._cap_hits()
         return [Rejected("unexpected", type(message).__name__)]
 
@@ -211,7 +233,7 @@ class DecodeSession:
             when = "during" if pending.started else "before"
             return self._fail(pending.peer, pending.batch,
                               f"prefill peer disconnected {when} the read", now)
-        return self._finish(pending.peer, pending.batch, now)
+        return self._finish(pending.peer, pending.batch, now, pending.skipped)
 
     def peer_lost(self, peer: Peer, now: float) -> list[Output]:
         """The connection closed: forget its metadata and fail the unfinished requests it
@@ -245,7 +267,9 @@ class DecodeSession:
 
     def finish_step(self, reports: Collection[RankReport], finished_by_vllm: Iterable[str],
                     now: float) -> StepOutcome:
-        return self._book.finish_step(reports, finished_by_vllm, now=now)
+        # A request a planned read names may still get bytes written into its blocks.
+        busy = {r.ext_req_id for p in self._reads.values() for r in p.batch.read_reqs}
+        return self._book.finish_step(reports, finished_by_vllm, now=now, busy=busy)
 
     def drop(self, internal_ids: Iterable[str]) -> None:
         self._book.drop(internal_ids)
@@ -269,10 +293,19 @@ class DecodeSession:
                 for hit in self._book.orphans.take_hits()]
 
     def _meta(self, peer: Peer, meta: MfMeta) -> list[Output]:
-        if peer not in self._peers and len(self._peers) >= self.max_peers:
+        known, out = self._peers.get(peer), []
+        if known is None and len(self._peers) >= self.max_peers:
+            # The oldest peer that announced nothing since its MF_META (e.g. a replayed
+            # one: only a holder of the secret can announce) yields its slot.
+            idle = next((p for p, k in self._peers.items() if not k.proven), None)
+            if idle is not None:
+                del self._peers[idle]
+                self._memo.forget(idle)
+                out.append(Forget(idle))
+        if known is None and len(self._peers) >= self.max_peers:
             # Not acknowledged: that Prefill's handshake deadline reports it.
-            out: list[Output] = [Rejected("capped", f"MF_META from a new connection while "
-                                          f"{self.max_peers} peers are known")]
+            out = [Rejected("capped", f"MF_META from a new connection while "
+                            f"{self.max_peers} peers are known"), Forget(peer)]
             if not self._peers_capped:
                 self._peers_capped = True
                 out.append(Capped("peers", "all peers", self.max_peers))
@@ -285,8 +318,8 @@ class DecodeSession:
                 layers[name] = SourceLayout.from_metadata(name, lm)
             except LayoutMismatch as exc:
                 layers[name] = exc
-        self._peers[peer] = _Peer(meta.p_session, layers)
-        return [SendAck(peer), MetaStored(peer, meta.p_session, len(layers))]
+        self._peers[peer] = _Peer(meta.p_session, layers, known is not None and known.proven)
+        return [*out, SendAck(peer), MetaStored(peer, meta.p_session, len(layers))]
 
     def _ready(self, peer: Peer, batch: ReadReadyBatch, now: float) -> list[Output]:
         known = self._peers.get(peer)
@@ -306,6 +339,14 @@ class DecodeSession:
             for r in batch.read_reqs
             if (d := self._book.destination(r.ext_req_id)) is not None
         }
+        skipped: tuple[str, ...] = ()
+        if len(dests) < len(batch.read_reqs):
+            # Requests this rank no longer knows (aborted, finished, never admitted):
+            # not read, named in the reply; the rest of the layer is read as usual.
+            skipped = tuple(dict.fromkeys(r.ext_req_id for r in batch.read_reqs
+                                          if r.ext_req_id not in dests))
+            batch = dataclasses.replace(
+                batch, read_reqs=tuple(r for r in batch.read_reqs if r.ext_req_id in dests))
         try:
             plan = plan_reads(batch, src, dst, dests, d_rank=self.d_rank, d_tp=self.d_tp,
                               main_shared=self.main_shared, memo=self._memo, owner=peer)
@@ -317,20 +358,28 @@ class DecodeSession:
         # These requests now depend on this peer until it reports their final layer.
         self._book.note_contribution(peer, (r.ext_req_id for r in batch.read_reqs))
         if not plan.num_descriptors:
-            return self._finish(peer, batch, now)
+            return self._finish(peer, batch, now, skipped)
         token = next(self._tokens)
-        self._reads[token] = _PendingRead(peer, batch)
+        self._reads[token] = _PendingRead(peer, batch, skipped=skipped)
         return [Read(token, peer, known.session, plan)]
 
-    def _finish(self, peer: Peer, batch: ReadReadyBatch, now: float) -> list[Output]:
+    def _finish(self, peer: Peer, batch: ReadReadyBatch, now: float,
+                skipped: tuple[str, ...] = ()) -> list[Output]:
+        done_ids = batch.done_ext_ids
+        if skipped:  # no orphan state for a request this rank has already forgotten
+            gone = set(skipped)
+            done_ids = tuple(e for e in done_ids if e not in gone)
         try:
             completed = self._book.record_done(
-                batch.done_ext_ids, batch.group_member_idx, batch.tp_ratio, peer=peer, now=now
+                done_ids, batch.group_member_idx, batch.tp_ratio, peer=peer, now=now
             )
         except ProtocolError as exc:
             return self._fail(peer, batch, exc.detail, now)
-        return [Reply(peer, ReadDone(batch.layer_idx, batch.seq)),
-                LayerDone(batch.layer_idx, tuple(completed))]
+        out: list[Output] = [Reply(peer, ReadDone(batch.layer_idx, batch.seq, skipped)),
+                             LayerDone(batch.layer_idx, tuple(completed))]
+        if skipped:
+            out.append(Skipped(batch.layer_idx, skipped))
+        return out
 
     def _fail(self, peer: Peer, batch: ReadReadyBatch, reason: str, now: float | None,
               *, unexpected: bool = False) -> list[Output]:

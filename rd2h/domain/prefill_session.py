@@ -56,6 +56,8 @@ class PrefillSession:
         self._announcements: dict[int, Announcement] = {}
         self._links: dict[str, Link] = {}
         self._resolved: list[tuple[Hashable, str | None, str | None]] = []
+        # (ticket, endpoint) -> requests that endpoint skipped (it no longer knows them)
+        self._skipped: dict[tuple[Hashable, str], tuple[str, ...]] = {}
         self._tickets: set[Hashable] = set()  # open ones
         self._dead: str | None = None
 
@@ -160,6 +162,11 @@ class PrefillSession:
         if entry is None:
             return []
         link.last_used = now
+        ann = self._announcements.get(entry.aid)
+        # Skipped requests: only ids this announcement named (a peer cannot drop others).
+        if (isinstance(message, ReadDone) and message.skipped and ann and ann.ticket is not None
+                and (gone := tuple(set(message.skipped) & set(entry.batch.named_ext_ids)))):
+            self._skipped[(ann.ticket, endpoint)] = gone
         if error is not None and link.state == "ready":
             # Decode may have restarted behind the same endpoint (ZMQ reconnects silently
             # and a new ROUTER has no MF_META of ours): handshake again before the next.
@@ -264,6 +271,11 @@ class PrefillSession:
 
     def take_resolved(self) -> list[tuple[Hashable, str | None, str | None]]:
         out, self._resolved = self._resolved, []
+        return out
+
+    def take_skipped(self) -> dict[tuple[Hashable, str], tuple[str, ...]]:
+        """``(ticket, endpoint) -> ext ids`` the endpoint skipped (no longer known there)."""
+        out, self._skipped = self._skipped, {}
         return out
 
     @property

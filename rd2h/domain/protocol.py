@@ -122,6 +122,10 @@ class ReadReadyBatch:
 class ReadDone:
     layer_idx: int
     seq: int | None = None  # extension (field 2): the answered announcement's ``seq``
+    # Extension (field 3, only after ``seq``): requests of the announcement that Decode
+    # did not read because it no longer knows them (aborted, finished, never admitted
+    # here); every other request of the layer was read as usual.
+    skipped: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -337,7 +341,11 @@ def message_from_fields(
         if len(fields) < 2:
             raise ProtocolError("READ_DONE needs a layer index")
         layer_idx = _int(fields[1], "layer index", minimum=0)
-        return ReadDone(layer_idx, _seq_field(fields, 2, layer_idx))
+        seq = _seq_field(fields, 2, layer_idx)
+        skipped: tuple[str, ...] = ()
+        if seq is not None and len(fields) > 3 and isinstance(fields[3], (list, tuple)):
+            skipped = tuple(_str(e, "skipped request id", layer_idx) for e in fields[3])
+        return ReadDone(layer_idx, seq, skipped)
     if tag == READ_FAILED:
         if len(fields) < 2:
             raise ProtocolError("READ_FAILED needs a layer index")
@@ -375,6 +383,8 @@ def fields_of(message: Message, encode_nested_metadata: Any = None) -> list[Any]
         payload = layer_map if encode_nested_metadata is None else encode_nested_metadata(layer_map)
         return [MF_META, message.p_session, payload]
     if isinstance(message, ReadDone):
+        if message.skipped and message.seq is not None:
+            return [READ_DONE, message.layer_idx, message.seq, list(message.skipped)]
         return [READ_DONE, message.layer_idx, *_opt(message.seq)]
     if isinstance(message, ReadFailed):
         return [READ_FAILED, message.layer_idx, message.error, *_opt(message.seq)]

@@ -48,6 +48,9 @@ class StepOutcome:
     failed: frozenset[str]
     invalid_block_ids: frozenset[int]
     reasons: Mapping[str, str] = field(default_factory=dict)
+    # Among ``finished``: requests vLLM aborted while their KV was still coming, now
+    # reported so that vLLM frees their blocks (no read can land in them any more).
+    aborted: frozenset[str] = frozenset()
 
 
 @dataclass
@@ -72,6 +75,10 @@ class DecodeRequestBook:
         self._failed: dict[str, str] = {}
         self._invalid_reported: set[str] = set()
         self._pending_finished: set[str] = set()
+        # ext id -> internal id: vLLM finished (aborted) the request before its KV was
+        # reported. vLLM 0.32 keeps such a request's blocks until the connector names it
+        # in ``finished_recving``; it is reported once no read can still land in them.
+        self._aborting: dict[str, str] = {}
         self.orphans = OrphanLedger(max_orphans_per_peer, max_orphans)
         self.peer_contributions = PeerContributions()
         self._now = 0.0  # the latest time seen: orphans learned without one get it
@@ -202,10 +209,14 @@ class DecodeRequestBook:
         reports: Collection[RankReport],
         finished_by_vllm: Iterable[str] = (),
         now: float | None = None,
+        busy: Collection[str] = (),
     ) -> StepOutcome:
         """Resolve this step. With ``now``, state about ids never admitted here (learned
         from other ranks) expires like any orphan instead of waiting for an admission
-        that may never come."""
+        that may never come. A request vLLM finished while still waiting for its KV
+        (an abort) is forgotten at once (later announcements skip it) and reported
+        finished once it is not in ``busy`` (the ext ids a read in flight may still
+        write), so that vLLM frees its blocks."""
         merged = merge_tp_reports(reports)
         self._seen(now)
         for ext in merged.failed - self._failed.keys():  # another rank's failure is ours
@@ -235,9 +246,18 @@ class DecodeRequestBook:
                 reasons[entry.internal_id] = self._failed[ext]
             self._forget(ext)
         for internal_id in finished_by_vllm:
-            self._forget(self._ext_of(internal_id))
+            ext = self._ext_of(internal_id)
+            entry = self._admitted.get(ext)
+            if entry is not None and entry.internal_id == internal_id:
+                self._aborting[ext] = internal_id  # never reported: vLLM holds its blocks
+            self._forget(ext)
+        aborted = {internal for ext, internal in self._aborting.items() if ext not in busy}
+        if aborted:
+            self._aborting = {e: i for e, i in self._aborting.items() if i not in aborted}
+            finished |= aborted
         return StepOutcome(
-            frozenset(finished), frozenset(failed_internal), frozenset(invalid), reasons
+            frozenset(finished), frozenset(failed_internal), frozenset(invalid), reasons,
+            frozenset(aborted),
         )
 
     def drop(self, internal_ids: Iterable[str]) -> None:
@@ -272,6 +292,7 @@ class DecodeRequestBook:
             "terminal": len(self._terminal),
             "failed": len(self._failed),
             "pending_finished": len(self._pending_finished),
+            "aborting": len(self._aborting),
             "contributors": len(self.contributors),
             "orphans": len(self.orphans),
             "peer_contributions": len(self.peer_contributions),

@@ -18,6 +18,7 @@ class DecodeResults:
     finished: frozenset[str]
     failed: frozenset[str]
     invalid_block_ids: frozenset[int]
+    aborted: frozenset[str] = frozenset()
 
 
 class DecodeWorker(ConnectorRole):
@@ -48,6 +49,7 @@ class DecodeWorker(ConnectorRole):
         self._invalid: set[int] = set()
         self.requests_done = 0
         self.requests_failed = 0
+        self.requests_aborted = 0
 
     # -- the connector role's hooks
     def bind_connector_metadata(self, plan: StepPlan) -> None:
@@ -112,9 +114,14 @@ class DecodeWorker(ConnectorRole):
         for rid in outcome.failed:
             self._log.warning("request failed to receive its KV", request=rid,
                               reason=outcome.reasons.get(rid, "?"))
+        if outcome.aborted:
+            self._log.info("aborted requests released (no read can land in their blocks)",
+                           requests=sorted(outcome.aborted))
         self.requests_failed += len(outcome.failed)
-        self.requests_done += len(outcome.finished) - len(outcome.failed)
-        return DecodeResults(outcome.finished, outcome.failed, outcome.invalid_block_ids)
+        self.requests_aborted += len(outcome.aborted)
+        self.requests_done += len(outcome.finished) - len(outcome.failed) - len(outcome.aborted)
+        return DecodeResults(outcome.finished, outcome.failed, outcome.invalid_block_ids,
+                             outcome.aborted)
 
     @property
     def stats(self) -> DecodeStats:

@@ -32,6 +32,7 @@ class _Request:
     error: str | None = None
     withheld: bool = False  # a later send was not announced because of ``error``
     announced: bool = False  # a layer of it was announced (timeline)
+    ext: str = ""  # the id announcements carry (Decode's replies name it)
 
 
 class PrefillWorker(ConnectorRole):
@@ -78,6 +79,7 @@ class PrefillWorker(ConnectorRole):
         self._lock = threading.Lock()
         self.layers_announced = 0
         self.requests_failed = 0
+        self.requests_skipped = 0  # Decode no longer knew them (aborted there)
         self.requests_settled = 0
 
     # -- the connector role's hooks
@@ -99,7 +101,8 @@ class PrefillWorker(ConnectorRole):
 
     def kv_connector_stats(self) -> dict[str, Any]:
         return {"layers_announced": self.layers_announced,
-                "requests_failed": self.requests_failed}
+                "requests_failed": self.requests_failed,
+                "requests_aborted": self.requests_skipped}
 
     @property
     def sender(self) -> PrefillSender:
@@ -147,6 +150,7 @@ class PrefillWorker(ConnectorRole):
             return False
         targets = []
         names: dict[str, list[str]] = {}
+        exts: dict[str, str] = {}
         for s in self._sends:
             m = compute_mapping(self._p_tp, s.decode.tp_size, self._p_rank)
             endpoint = tcp_endpoint(s.decode.host, remote_port(s.decode.base_port, m.d_rank))
@@ -159,6 +163,7 @@ class PrefillWorker(ConnectorRole):
                 continue
             targets.append(LayerTarget(endpoint, req, done, m.member, m.ratio, s.ext_id))
             names.setdefault(endpoint, []).append(s.internal_id)
+            exts[s.internal_id] = s.ext_id
         if not targets:
             return False
         ticket = next(self._ticket_ids)
@@ -167,6 +172,7 @@ class PrefillWorker(ConnectorRole):
                 self._ticket_reqs[(ticket, endpoint)] = tuple(dict.fromkeys(rids))
                 for rid in rids:
                     self._requests[rid].open_tickets.add((ticket, endpoint))
+                    self._requests[rid].ext = exts[rid]
             for rids in names.values() if self._timeline is not NO_TIMELINE else ():
                 for rid in rids:
                     r = self._requests[rid]
@@ -236,8 +242,26 @@ class PrefillWorker(ConnectorRole):
 
     # -- completion
     def _collect_resolved(self) -> None:
-        for ticket, endpoint, error in self._sender.take_resolved():
+        resolved, skipped = self._sender.take_outcomes()
+        for key, exts in skipped.items():
+            self._skip(key, exts)  # type: ignore[arg-type]
+        for ticket, endpoint, error in resolved:
             self._resolve((ticket, endpoint), error)  # type: ignore[arg-type]
+
+    def _skip(self, ticket: Ticket, exts: tuple[str, ...]) -> None:
+        """Decode answered this announcement without reading these requests: it no
+        longer knows them (the client went away, Decode aborted them). No more of them
+        is announced; their blocks are released once vLLM finished them here."""
+        gone = set(exts)
+        with self._lock:
+            for rid in self._ticket_reqs.get(ticket, ()):
+                r = self._requests.get(rid)
+                if r is None or r.ext not in gone or r.error is not None:
+                    continue
+                r.error = f"decode endpoint {ticket[1]} no longer knows the request (aborted)"
+                self.requests_skipped += 1
+                self._log.info("decode skipped an aborted request; no more of it is "
+                               "announced", request=rid, endpoint=ticket[1])
 
     def get_finished(self, finished_req_ids: Iterable[str]) -> set[str]:
         """Requests vLLM finished whose announcements have all been answered."""
