@@ -14,8 +14,7 @@ from __future__ import annotations
 
 import importlib.util
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
-from typing import Any, Literal
+from typing import Any
 
 from dependency_injector import containers, providers
 
@@ -30,6 +29,7 @@ from rd2h.adapters.zmq import (
 from rd2h.app.clock import MonotonicClock
 from rd2h.app.connector.decode_scheduler import DecodeScheduler
 from rd2h.app.connector.decode_worker import DecodeWorker
+from rd2h.app.connector.facts import EngineFacts
 from rd2h.app.connector.prefill_scheduler import PrefillScheduler
 from rd2h.app.connector.prefill_worker import PrefillWorker
 from rd2h.app.connector.roles import ConnectorRole
@@ -234,31 +234,6 @@ def build_container(settings: Rd2hSettings) -> Container:
 # ====================================================================== the vLLM connector
 
 
-@dataclass(frozen=True)
-class EngineFacts:
-    """What vLLM tells the connector about this engine and rank."""
-
-    side: Literal["prefill", "decode"]
-    kv_port: int
-    global_dp_rank: int
-    tp_size: int
-    tp_rank: int
-    engine_id: str
-    block_size: int
-    group_layer_names: tuple[tuple[str, ...], ...]
-    local_rank: int = 0  # the rank's accelerator on its host, as vLLM assigned it
-    num_blocks: int = 0
-
-    def on_rank(self, tp_rank: int, tp_size: int, local_rank: int) -> EngineFacts:
-        return replace(self, tp_rank=tp_rank, tp_size=tp_size, local_rank=local_rank)
-
-    def settings(self, options: Rd2hOptions) -> Rd2hSettings:
-        return Rd2hSettings.for_rank(
-            options, role=self.side, kv_port=self.kv_port, global_dp_rank=self.global_dp_rank,
-            tp_size=self.tp_size, tp_rank=self.tp_rank, local_rank=self.local_rank,
-        )
-
-
 def build_scheduler_role(options: Rd2hOptions, facts: EngineFacts) -> ConnectorRole:
     settings = facts.settings(options)  # validates ports up front
     groups = discover_cache_groups(facts.group_layer_names)
@@ -298,7 +273,8 @@ def build_prefill_worker(
     by_idx = {layer_index(name): lay for name, lay in layouts.items()}
     d = options.deadlines
     worker = container.prefill_worker(
-        sender=container.prefill_sender(p_session=transport.session_id, layers=by_idx),
+        sender=container.prefill_sender(p_session=transport.session_id, layers=by_idx,
+                                        compat=facts.compat),
         layer_names={i: lay.layer_name for i, lay in by_idx.items()},
         reuse_timeout_s=d.layer_ack_s + d.meta_ack_s, transport=transport,
     )
@@ -334,7 +310,8 @@ def build_decode_worker(
     for addr, size in destinations.regions():
         transport.register_memory(addr, size)
     worker = DecodeWorker(
-        receiver=container.decode_receiver(destinations=destinations.layouts()),
+        receiver=container.decode_receiver(destinations=destinations.layouts(),
+                                           compat=facts.compat),
         exchange=exchange or container.tp_exchange(group=tp_group if facts.tp_size > 1 else None),
         log=container.logger(), exchange_timeout_s=options.deadlines.tp_exchange_s,
         stop_timeout_s=options.deadlines.stop_s,

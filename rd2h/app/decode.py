@@ -16,15 +16,18 @@ from collections.abc import Callable, Iterable, Mapping
 
 from rd2h.app.loop import LoopThread
 from rd2h.app.telemetry import DecodeStats, add_sample, report_decode
+from rd2h.domain.compat import Compat
 from rd2h.domain.decode_session import (
     DEFAULT_MAX_PEERS,
     DecodeSession,
     Expired,
+    Forget,
     LayerDone,
     Output,
     Read,
     Reply,
     SendAck,
+    SendRefusal,
 )
 from rd2h.domain.errors import ProtocolError, TransferError
 from rd2h.domain.layout import DestinationLayout
@@ -46,6 +49,8 @@ class DecodeReceiver(LoopThread):
     ``on_progress`` (optional) is called, on the loop thread, each time a request
     reached a terminal state on this rank: a worker loop that sleeps between steps
     (and the other TP ranks' loops, which must step with it) can wake at once.
+    ``compat`` (optional): what this rank states for MF_META's compatibility map (the
+    codec adds its ``signing``); an MF_META whose map differs is refused.
     """
 
     def __init__(
@@ -70,6 +75,7 @@ class DecodeReceiver(LoopThread):
         max_orphans_per_peer: int = DEFAULT_ORPHANS_PER_PEER,
         max_orphans: int = DEFAULT_ORPHANS_TOTAL,
         timeline: Timeline = NO_TIMELINE,
+        compat: Compat | None = None,
     ) -> None:
         self._timeline = timeline
         super().__init__(f"rd2h-decode-{d_rank}", start_timeout_s, stop_timeout_s)
@@ -86,7 +92,8 @@ class DecodeReceiver(LoopThread):
                                       request_timeout_s=request_timeout_s,
                                       max_peers=max_peers,
                                       max_orphans_per_peer=max_orphans_per_peer,
-                                      max_orphans=max_orphans)
+                                      max_orphans=max_orphans, compat=None if compat is None
+                                      else compat.with_values(auth=codec.signing))
         self._lock = threading.Lock()
         self._progress = threading.Event()
         self._server: ControlServer | None = None
@@ -153,6 +160,20 @@ class DecodeReceiver(LoopThread):
         failed, so no step can resolve them any more)."""
         with self._lock:
             self._session.drop(internal_ids)
+
+    def fail_loads(self, reasons: Mapping[str, str]) -> list[str]:
+        """Fail these requests (internal id -> reason) now: their KV will not come (the
+        proxy could not dispatch them to Prefill). Returns those that were still waiting."""
+        failed: list[str] = []
+        with self._lock:
+            for internal_id, reason in reasons.items():
+                failed += self._session.fail_loads((internal_id,), reason)
+        if failed:
+            self._log.warning("failing requests whose KV will not come", requests=failed,
+                              reason=next(iter(reasons.values())))
+            self.stats.failed_fast += len(failed)
+            self._progress.set()
+        return failed
 
     def wait_for_progress(self, timeout: float) -> bool:
         """Block until a request reached a terminal state on this rank since the last
@@ -227,12 +248,17 @@ class DecodeReceiver(LoopThread):
         for out in outs:
             if isinstance(out, SendAck):
                 self._server.send(out.peer, self._codec.encode_ack(out.peer))  # type: ignore[arg-type]
+            elif isinstance(out, SendRefusal):
+                frame = self._codec.encode_refusal(out.refusal, out.peer)
+                self._server.send(out.peer, frame)  # type: ignore[arg-type]
             elif isinstance(out, Reply):
                 frame = self._codec.encode(out.message, out.peer)
                 if not self._server.send(out.peer, frame):  # type: ignore[arg-type]
                     self._log.warning("reply not delivered", layer=out.message.layer_idx)
             elif isinstance(out, Read):
                 self._perform(self._read(out))
+            elif isinstance(out, Forget):  # e.g. a replayed MF_META keeps no signing state
+                self._codec.forget(out.peer)
 
     def _read(self, read: Read) -> list[Output]:
         """One batched read; a loss seen just before or during it fails the layer."""

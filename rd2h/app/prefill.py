@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from rd2h.app.loop import LoopThread
 from rd2h.app.telemetry import SenderStats, report_prefill
 from rd2h.domain.announce import LayerTarget, group_batches
+from rd2h.domain.compat import Compat
 from rd2h.domain.errors import LayerSendError, ProtocolError
 from rd2h.domain.layout import SourceLayout
 from rd2h.domain.prefill_events import (
@@ -70,6 +71,7 @@ class PrefillSender(LoopThread):
         poll_interval_s: float = 0.02,
         start_timeout_s: float = 10.0,
         stop_timeout_s: float = 5.0,
+        compat: Compat | None = None,  # MF_META's compat map (the codec adds ``auth``)
     ) -> None:
         super().__init__("rd2h-prefill-sender", start_timeout_s, stop_timeout_s)
         self._clients_factory = clients_factory
@@ -82,7 +84,8 @@ class PrefillSender(LoopThread):
             device_event_s=event_timeout_s, reconnect_after_s=reconnect_after_s,
             idle_link_s=idle_link_s))
         self._meta = MfMeta(p_session,
-                            {lay.layer_name: lay.to_metadata() for lay in layers.values()})
+                            {lay.layer_name: lay.to_metadata() for lay in layers.values()},
+                            None if compat is None else compat.with_values(auth=codec.signing))
         self._cond = threading.Condition()  # guards the session, the queues and the jobs
         self._events: deque[tuple[int, DeviceEvent | None]] = deque()
         self._jobs: deque[_Handshake] = deque()
@@ -255,6 +258,7 @@ class PrefillSender(LoopThread):
         connection closed still counts), then deadlines."""
         assert self._clients is not None
         lost = self._clients.disconnected()
+        back = self._clients.reconnected()
         now = self._clock.now()
         outs: list[Output] = []
         with self._cond:
@@ -262,6 +266,8 @@ class PrefillSender(LoopThread):
                 outs += self._receive(endpoint, payload, now)
             for endpoint in lost:
                 outs += self._session.connection_lost(endpoint, now)
+            for endpoint in back:
+                self._session.connection_restored(endpoint)
             outs += self._session.tick(now)
             self._note(outs)
         self._execute(outs)
@@ -270,9 +276,15 @@ class PrefillSender(LoopThread):
         try:
             if self._codec.is_ack(payload, endpoint):
                 return self._session.ack_received(endpoint, now)
-        except ProtocolError as exc:  # an ACK without valid authentication
+            refused = self._codec.refusal(payload, endpoint)
+        except ProtocolError as exc:  # an ACK (or a refusal) without valid authentication
             self._log.error("refusing acknowledgement", endpoint=endpoint, error=exc.detail)
             return self._session.ack_refused(endpoint, exc.detail, now)
+        if refused is not None:  # Decode refused our MF_META: what waits on it fails now
+            self._log.error("decode refused the handshake", endpoint=endpoint,
+                            reason=refused.describe())
+            self.stats.handshakes_refused += 1
+            return self._session.ack_refused(endpoint, refused.describe(), now, notify=True)
         try:
             msg = self._codec.decode(payload, endpoint)
         except ProtocolError as exc:

@@ -25,6 +25,7 @@ def add_sample(samples: list[float], value: float) -> None:
 class SenderStats:
     layers_sent: int = 0
     layers_failed: int = 0
+    handshakes_refused: int = 0  # Decode refused our MF_META (incompatible builds)
     ack_latencies_ms: list[float] = field(default_factory=list)
 
 
@@ -64,6 +65,13 @@ class DecodeStats:
     malformed: int = 0
     auth_refused: int = 0
     capped: int = 0  # times a bound on peer-driven state was reached
+    skipped: int = 0  # announced requests not read: no longer known here (aborted)
+    failed_fast: int = 0  # requests failed because the proxy could not dispatch them
+    peer_lost_failed: int = 0  # requests failed because their Prefill peer disconnected
+    expired: int = 0  # requests failed because no KV arrived by the request deadline
+    refused_unauthenticated: int = 0  # MF_META refused: authentication failed
+    refused_capped: int = 0  # MF_META refused: the peer cap was full
+    refused_incompatible: int = 0  # MF_META refused: the builds do not match
     first_ready_at: float | None = None
     last_read_end_at: float | None = None
     read_latencies_ms: list[float] = field(default_factory=list)
@@ -87,15 +95,21 @@ def report_decode(outs: Iterable[d.Output], stats: DecodeStats, log: Logger) -> 
                 log.error("read planning failed unexpectedly", layer=out.layer_idx,
                           error=out.reason)
             log.warning("layer read failed", layer=out.layer_idx, error=out.reason)
+        elif isinstance(out, d.Skipped):
+            stats.skipped += len(out.requests)
+            log.info("announced requests not read: no longer known here (aborted)",
+                     layer=out.layer_idx, requests=list(out.requests))
         elif isinstance(out, d.PeerLost):
             if out.failed:
                 progress = True
+                stats.peer_lost_failed += len(out.failed)
                 log.warning("prefill peer lost; failing its requests", session=out.p_session,
                             requests=list(out.failed))
             else:
                 log.info("prefill peer disconnected", session=out.p_session)
         elif isinstance(out, d.Expired):
             progress = True
+            stats.expired += len(out.requests)
             log.warning("requests timed out waiting for KV", requests=list(out.requests))
         elif isinstance(out, d.MetaStored):
             log.info("peer metadata stored", session=out.p_session, layers=out.layers)
@@ -113,10 +127,15 @@ def _rejected(out: d.Rejected, stats: DecodeStats, log: Logger) -> None:
         log.warning("ignoring unknown message type", tag=out.detail)
     elif out.kind == "unauthenticated":
         stats.auth_refused += 1
+        stats.refused_unauthenticated += out.layer_idx is None  # an MF_META
         log.error("refusing unauthenticated control message", layer=out.layer_idx,
                   error=out.detail)
     elif out.kind == "capped":
+        stats.refused_capped += 1
         log.info("refusing control message", reason=out.detail)
+    elif out.kind == "incompatible":
+        stats.refused_incompatible += 1
+        log.error("refusing MF_META from an incompatible prefill build", error=out.detail)
     elif out.kind == "malformed":
         stats.malformed += 1
         what = "dropping malformed message" if out.layer_idx is None else "malformed ready message"

@@ -11,6 +11,7 @@ from rd2h.app.settings import MIN_SECRET_CHARS, Deadlines
 from rd2h.demo.faults import Fault, check_faults
 from rd2h.demo.synthetic import Allocation, Shapes, block_pattern
 from rd2h.domain.chunks import chunk_block_range
+from rd2h.domain.compat import Compat, compat_of
 from rd2h.domain.topology import check_topology
 
 ENGINE_SUFFIX = "-e0000001"  # vLLM appends 9 characters to request ids
@@ -112,6 +113,16 @@ class DemoConfig:
     @property
     def shapes(self) -> Shapes:
         return Shapes(block_size=self.block_size, indexer=self.indexer, scale=self.scale)
+
+
+def demo_compat(cfg: DemoConfig) -> Compat:
+    """What every demo rank states in MF_META's compatibility map: the synthetic
+    DeepSeek-V3.2-like MLA cache (main K 512 + V 64 bf16 values per token: a 576-wide
+    latent, one KV head), this run's block size and layers, the TP-shared main pool."""
+    shapes = cfg.shapes
+    return compat_of(block_size=cfg.block_size, kv_dtype="bfloat16", num_layers=cfg.layers,
+                     head_size=(shapes.main_k_per_token + shapes.main_v_per_token) // 2,
+                     kv_heads=1, mla=True, main_sharing="shared_pool")
 
 
 def layer_name(layer: int) -> str:

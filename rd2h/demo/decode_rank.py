@@ -22,6 +22,7 @@ from rd2h.demo.config import (
     SENTINEL,
     STEP_INTERVAL_S,
     DemoConfig,
+    demo_compat,
     internal_id,
     layer_name,
     main_pool_mismatches,
@@ -110,7 +111,7 @@ def _decode_rank(cfg: DemoConfig, d_rank: int, base_port: int, dist_port: int, s
     peek = container.peek_codec()  # the fault wrappers only look at frames
     receiver = container.decode_receiver(
         destinations=destinations, on_read=on_read if cfg.replay else None,
-        on_progress=sig.wake_all,
+        on_progress=sig.wake_all, compat=demo_compat(cfg),
         transfer=decode_transfer(cfg.faults, d_rank, transport, cfg.seed),
         server_factory=lambda: decode_server(
             cfg.faults, d_rank, container.control_server(), peek, killed

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from rd2h.app.prefill import LayerTarget
-from rd2h.demo.config import DemoConfig, chunk_ranges, internal_id
+from rd2h.demo.config import DemoConfig, chunk_ranges, demo_compat, internal_id
 from rd2h.demo.faults import prefill_kill_layer
 from rd2h.demo.memory import enter_netns, killed, prefill_memory, prefill_report, process_cpu
 from rd2h.demo.signals import Signals
@@ -69,7 +69,8 @@ def _prefill_rank(cfg: DemoConfig, p_rank: int, base_port: int, alloc: Allocatio
 
     mapping = compute_mapping(cfg.prefill_tp, cfg.decode_tp, p_rank)
     endpoint = tcp_endpoint(cfg.host, remote_port(base_port, mapping.d_rank))
-    sender = container.prefill_sender(p_session=transport.session_id, layers=layouts)
+    sender = container.prefill_sender(p_session=transport.session_id, layers=layouts,
+                                      compat=demo_compat(cfg))
     events = container.device_events()
     kill_layer = prefill_kill_layer(cfg.faults, p_rank)
     sender.start()

@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from rd2h.demo.config import DemoConfig, chunk_bounds, internal_id, layer_name
+from rd2h.demo.config import DemoConfig, chunk_bounds, demo_compat, internal_id, layer_name
 from rd2h.demo.faults import prefill_kill_layer
 from rd2h.demo.memory import killed, prefill_memory, prefill_report
 from rd2h.demo.signals import Signals
@@ -57,7 +57,8 @@ def prefill_rank_via_provider(cfg: DemoConfig, p_rank: int, base_port: int,
 
     # A layer's gate resolves (acknowledged, failed or expired) within this budget.
     gate_s = deadlines.device_event_s + deadlines.meta_ack_s + deadlines.layer_ack_s + 1.0
-    sender = container.prefill_sender(p_session=transport.session_id, layers=layouts)
+    sender = container.prefill_sender(p_session=transport.session_id, layers=layouts,
+                                      compat=demo_compat(cfg))
     worker = container.prefill_worker(
         sender=sender, layer_names={i: layer_name(i) for i in range(cfg.layers)},
         buffer_reuse=cfg.shared_buffers > 0, reuse_timeout_s=gate_s,

@@ -16,9 +16,27 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from collections.abc import Collection, Hashable, Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 
+from rd2h.domain.compat import Compat, compare
+from rd2h.domain.decode_events import (
+    Capped,
+    Expired,
+    Forget,
+    LayerDone,
+    LayerFailed,
+    MetaStored,
+    Output,
+    Peer,
+    PeerLost,
+    Read,
+    Rejected,
+    Reply,
+    SendAck,
+    SendRefusal,
+    Skipped,
+)
 from rd2h.domain.errors import (
     AuthenticationError,
     LayoutMismatch,
@@ -28,109 +46,9 @@ from rd2h.domain.errors import (
 )
 from rd2h.domain.layout import DestinationLayout, SourceLayout
 from rd2h.domain.orphans import DEFAULT_ORPHANS_PER_PEER, DEFAULT_ORPHANS_TOTAL, CapHit
-from rd2h.domain.planning import PlanMemo, ReadPlan, plan_reads
+from rd2h.domain.planning import PlanMemo, plan_reads
 from rd2h.domain.protocol import Message, MfMeta, ReadDone, ReadFailed, ReadReadyBatch, clip
 from rd2h.domain.request_book import DecodeRequestBook, RankReport, StepOutcome
-
-Peer = Hashable  # a control connection (the ROUTER identity)
-
-
-# ---------------------------------------------------------------- what comes out
-
-
-@dataclass(frozen=True)
-class SendAck:
-    peer: Peer
-
-
-@dataclass(frozen=True)
-class Reply:
-    peer: Peer
-    message: ReadDone | ReadFailed
-
-
-@dataclass(frozen=True)
-class Read:
-    """Perform this batched read, then report ``read_done(token, ...)``; call
-    ``begin_read(token)`` first (False: the peer is gone, skip the read)."""
-
-    token: int
-    peer: Peer
-    p_session: str
-    plan: ReadPlan
-
-
-@dataclass(frozen=True)
-class MetaStored:
-    peer: Peer
-    p_session: str
-    layers: int
-
-
-@dataclass(frozen=True)
-class LayerDone:
-    layer_idx: int
-    completed: tuple[str, ...]  # requests whose KV is now complete on this rank
-
-
-@dataclass(frozen=True)
-class LayerFailed:
-    layer_idx: int
-    reason: str
-    unexpected: bool = False  # the planner itself failed (a bug, not the peer)
-
-
-@dataclass(frozen=True)
-class Skipped:
-    """Requests of a layer's announcement this rank no longer knows (aborted, finished,
-    never admitted): not read, named in the READ_DONE; the others were read."""
-
-    layer_idx: int
-    requests: tuple[str, ...]
-
-
-@dataclass(frozen=True)
-class PeerLost:
-    p_session: str
-    failed: tuple[str, ...]
-
-
-@dataclass(frozen=True)
-class Expired:
-    requests: tuple[str, ...]
-    timeout_s: float
-
-
-@dataclass(frozen=True)
-class Capped:
-    """A bound on what peers can make this rank hold was reached (``what``: ``orphans``
-    or ``peers``); state beyond it is not kept. Once per episode."""
-
-    what: str
-    owner: str
-    limit: int
-
-
-@dataclass(frozen=True)
-class Rejected:
-    """A frame that could not be used: ``kind`` is ``unknown``, ``unauthenticated`` or
-    ``malformed``; a READ_FAILED went back when it named its layer."""
-
-    kind: str
-    detail: str
-    layer_idx: int | None = None
-
-
-@dataclass(frozen=True)
-class Forget:
-    """Nothing is kept for this connection (refused by the peer cap, or evicted from it):
-    drop what else is kept for it (the codec's signing state)."""
-
-    peer: Peer
-
-
-Output = (SendAck | Reply | Read | MetaStored | LayerDone | LayerFailed | Skipped | PeerLost
-          | Expired | Rejected | Capped | Forget)
 
 DEFAULT_MAX_PEERS = 1024
 
@@ -166,6 +84,7 @@ class DecodeSession:
         max_peers: int = DEFAULT_MAX_PEERS,
         max_orphans_per_peer: int = DEFAULT_ORPHANS_PER_PEER,
         max_orphans: int = DEFAULT_ORPHANS_TOTAL,
+        compat: Compat | None = None,
     ) -> None:
         if max_peers < 1:
             raise ValueError("max_peers must be >= 1")
@@ -177,6 +96,7 @@ class DecodeSession:
         self.main_shared = main_shared
         self.request_timeout_s = request_timeout_s
         self.max_peers = max_peers
+        self.compat = compat  # what this side states (None: no MF_META is ever refused)
         self._peers: dict[Peer, _Peer] = {}
         # Every layer of a chunk names the same blocks: plan them once per peer.
         self._memo = PlanMemo()
@@ -274,6 +194,11 @@ class DecodeSession:
     def drop(self, internal_ids: Iterable[str]) -> None:
         self._book.drop(internal_ids)
 
+    def fail_loads(self, internal_ids: Iterable[str], reason: str) -> list[str]:
+        """Fail admitted, unfinished requests whose KV the deployment knows will not come
+        (reported at the next step); returns their external ids."""
+        return self._book.fail_admitted(internal_ids, clip(reason))
+
     def counters(self) -> dict[str, int]:
         out = self._book.counters()
         out["peers"] = len(self._peers)
@@ -293,15 +218,20 @@ class DecodeSession:
                 for hit in self._book.orphans.take_hits()]
 
     def _meta(self, peer: Peer, meta: MfMeta) -> list[Output]:
-        known, out = self._peers.get(peer), []
-        if known is None and len(self._peers) >= self.max_peers:
-            # The oldest peer that announced nothing since its MF_META (e.g. a replayed
-            # one: only a holder of the secret can announce) yields its slot.
-            idle = next((p for p, k in self._peers.items() if not k.proven), None)
-            if idle is not None:
-                del self._peers[idle]
-                self._memo.forget(idle)
-                out.append(Forget(idle))
+        refused = None if meta.compat is None or self.compat is None else compare(
+            meta.compat, self.compat)
+        if refused is not None:  # an incompatible build: nothing of this peer is kept
+            self._peers.pop(peer, None)
+            self._memo.forget(peer)
+            why = clip(f"prefill {meta.p_session}: {refused.describe()}")
+            return [Rejected("incompatible", why), SendRefusal(peer, refused), Forget(peer)]
+        known, out = self._peers.get(peer), list[Output]()
+        # Full: the oldest peer that announced nothing since its MF_META (a replayed one
+        # cannot: that needs the secret) yields its slot; it holds no other state.
+        for idle in [p for p, k in self._peers.items() if not k.proven][:1] if (
+                known is None and len(self._peers) >= self.max_peers) else ():
+            del self._peers[idle]
+            out.append(Forget(idle))
         if known is None and len(self._peers) >= self.max_peers:
             # Not acknowledged: that Prefill's handshake deadline reports it.
             out = [Rejected("capped", f"MF_META from a new connection while "
@@ -334,15 +264,18 @@ class DecodeSession:
                               now)
         if isinstance(src, LayoutMismatch):
             return self._fail(peer, batch, str(src), now)
+        book = self._book
         dests = {
             r.ext_req_id: d
             for r in batch.read_reqs
-            if (d := self._book.destination(r.ext_req_id)) is not None
+            if (d := book.destination(r.ext_req_id)) is not None
+            and not book.is_terminal(r.ext_req_id)
         }
         skipped: tuple[str, ...] = ()
         if len(dests) < len(batch.read_reqs):
-            # Requests this rank no longer knows (aborted, finished, never admitted):
-            # not read, named in the reply; the rest of the layer is read as usual.
+            # Requests this rank no longer reads (aborted, never admitted, or already
+            # ended here, e.g. failed): not read, named in the reply; the rest of the
+            # layer is read as usual.
             skipped = tuple(dict.fromkeys(r.ext_req_id for r in batch.read_reqs
                                           if r.ext_req_id not in dests))
             batch = dataclasses.replace(

@@ -39,7 +39,7 @@ from rd2h.domain.prefill_events import (
     SendBatch,
     SendMeta,
 )
-from rd2h.domain.prefill_state import Announcement, Entry, Link, PrefillTimeouts
+from rd2h.domain.prefill_state import Announcement, Entry, Link, Links, PrefillTimeouts
 from rd2h.domain.protocol import ReadDone, ReadFailed, ReadReadyBatch
 
 __all__ = ["PrefillSession", "PrefillTimeouts"]
@@ -54,7 +54,7 @@ class PrefillSession:
             self._gates.register_layer(idx, *lay.storage_keys)
         self._ids = itertools.count()
         self._announcements: dict[int, Announcement] = {}
-        self._links: dict[str, Link] = {}
+        self._links = Links()
         self._resolved: list[tuple[Hashable, str | None, str | None]] = []
         # (ticket, endpoint) -> requests that endpoint skipped (it no longer knows them)
         self._skipped: dict[tuple[Hashable, str], tuple[str, ...]] = {}
@@ -119,11 +119,11 @@ class PrefillSession:
             if self._dead is not None:
                 out.append(HandshakeDone(ep, self._dead))
                 continue
-            link = self._link(ep, now)
+            link = self._links.at(ep, now)
             if link.state == "ready":
                 out.append(HandshakeDone(ep, None))
-            elif link.state == "backoff":
-                out.append(HandshakeDone(ep, link.reason))
+            elif link.state == "backoff" or link.gone:
+                out.append(HandshakeDone(ep, link.reason or link.gone))
             elif link.state == "down":
                 out += self._start_handshake(ep, link, now)
         return out
@@ -140,13 +140,17 @@ class PrefillSession:
             out += self._send(entry, link, now)
         return out
 
-    def ack_refused(self, endpoint: str, detail: str, now: float) -> list[Output]:
-        """An acknowledgement that failed authentication."""
+    def ack_refused(self, endpoint: str, detail: str, now: float,
+                    notify: bool = False) -> list[Output]:
+        """An ACK that failed authentication, or Decode refused MF_META: fail at once.
+        ``notify`` (Decode refused an incompatible build): keep the connection and send
+        what waits, and what comes until the backoff ends, as notices Decode will not read
+        but fail the requests of (instead of their KV deadline)."""
         link = self._links.get(endpoint)
         if link is None or link.state != "handshaking":
             return []
         return self._handshake_failed(endpoint, link, f"decode endpoint {endpoint} refused: "
-                                      f"{detail}", now)
+                                      f"{detail}", now, notify=notify)
 
     def reply(self, endpoint: str, message: ReadDone | ReadFailed, now: float) -> list[Output]:
         """READ_DONE or READ_FAILED: the answer to the announcement whose id it echoes
@@ -198,8 +202,12 @@ class PrefillSession:
     def connection_lost(self, endpoint: str, now: float) -> list[Output]:
         """The transport saw the connection close: no reply on it will come, and Decode
         fails the requests this rank was contributing to, so nothing still queued for
-        the endpoint is worth sending either."""
+        the endpoint is worth sending either. Until ``connection_restored``, sends to it
+        fail at once (a handshake would only wait for ``meta_ack_s``)."""
         link = self._links.get(endpoint)
+        if link is not None:
+            link.gone = (f"decode endpoint {endpoint} disconnected and has not reconnected "
+                         f"(process gone, connection reset or heartbeat timeout)")
         if link is not None and link.state == "handshaking":
             return self._handshake_failed(
                 endpoint, link,
@@ -208,6 +216,12 @@ class PrefillSession:
             )
         return self._reset(endpoint, f"decode endpoint {endpoint} disconnected (process "
                            f"gone, connection reset or heartbeat timeout)", close=False)
+
+    def connection_restored(self, endpoint: str) -> None:
+        """The transport connected to ``endpoint`` again: handshakes may go ahead."""
+        link = self._links.get(endpoint)
+        if link is not None:
+            link.gone = ""
 
     def tick(self, now: float) -> list[Output]:
         """Fail whatever passed its deadline."""
@@ -233,19 +247,8 @@ class PrefillSession:
                 out += self._reset(ep, f"no acknowledgement of layer {late.layer_idx} "
                                    f"from decode endpoint {ep} within {t.layer_ack_s:g} s",
                                    close=True)
-        return out + self._close_idle(now)
-
-    def _close_idle(self, now: float) -> list[Output]:
-        """Forget endpoints with nothing in flight for ``idle_link_s`` (Decode instances
-        come and go; their connections must not pile up)."""
-        out: list[Output] = []
-        for ep, link in list(self._links.items()):
-            if (link.state in ("ready", "down") or now >= link.deadline) and not (
-                    link.waiting or link.inflight or link.state == "handshaking") and (
-                    now - link.last_used >= self.timeouts.idle_link_s):
-                del self._links[ep]
-                out.append(Disconnect(ep))
-        return out
+        return out + [Disconnect(ep) for ep in self._links.close_idle(
+            now, self.timeouts.idle_link_s)]
 
     def stop(self, reason: str) -> list[Output]:
         """The sender is gone: every entry fails, every gate opens, nothing more is
@@ -313,18 +316,13 @@ class PrefillSession:
         }
 
     # ------------------------------------------------------------ rules
-    def _link(self, endpoint: str, now: float) -> Link:
-        link = self._links.get(endpoint)
-        if link is None:
-            link = self._links[endpoint] = Link(last_used=now)
-        if link.state == "backoff" and now >= link.deadline:
-            link.state, link.reason = "down", ""
-        return link
-
     def _dispatch(self, entry: Entry, now: float) -> list[Output]:
-        link = self._link(entry.endpoint, now)
+        link = self._links.at(entry.endpoint, now)
         if link.state == "backoff":
-            return self._end(entry, link.reason)
+            notice = [SendBatch(entry.endpoint, entry.batch, entry.aid)] if link.notify else []
+            return notice + self._end(entry, link.reason)
+        if link.gone and link.state != "ready":
+            return self._end(entry, link.gone)
         if link.state == "ready":
             return self._send(entry, link, now)
         entry.phase = "handshake"
@@ -345,13 +343,17 @@ class PrefillSession:
         return [SendBatch(entry.endpoint, entry.batch, entry.aid)]
 
     def _handshake_failed(self, endpoint: str, link: Link, reason: str,
-                          now: float) -> list[Output]:
-        """Drop the connection; sends to it fail at once for ``reconnect_after_s``."""
-        link.state = "backoff"
+                          now: float, *, notify: bool = False) -> list[Output]:
+        """Drop the connection (with ``notify``: keep it, see ``ack_refused``); sends to
+        it fail at once for ``reconnect_after_s``."""
+        link.state, link.reason, link.notify = "backoff", reason, notify
         link.deadline = now + self.timeouts.reconnect_after_s
-        link.reason = reason
-        out: list[Output] = [Disconnect(endpoint), HandshakeDone(endpoint, reason)]
+        out: list[Output] = [HandshakeDone(endpoint, reason)]
+        if not notify:
+            out.insert(0, Disconnect(endpoint))
         for entry in [*link.waiting, *link.inflight]:
+            if notify:
+                out.append(SendBatch(entry.endpoint, entry.batch, entry.aid))
             out += self._end(entry, reason)
         return out
 

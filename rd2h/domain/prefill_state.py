@@ -49,7 +49,12 @@ class Announcement:
 class Link:
     """One Decode endpoint: ``down`` (no MF_META acknowledged on this connection),
     ``handshaking`` (until ``deadline``), ``ready``, or ``backoff`` (a handshake failed
-    for ``reason``; sends fail at once until ``deadline``)."""
+    for ``reason``; sends fail at once until ``deadline``).
+
+    ``gone``: the transport reported the connection lost and not re-established since;
+    a handshake would only wait for ``meta_ack_s``, so sends fail at once with it.
+    ``notify``: Decode refused our MF_META (incompatible builds); announcements still go
+    out, unread there, so that Decode fails the requests they name at once."""
 
     state: str = "down"
     deadline: float = 0.0
@@ -57,3 +62,29 @@ class Link:
     waiting: list[Entry] = field(default_factory=list)
     inflight: list[Entry] = field(default_factory=list)
     last_used: float = 0.0
+    gone: str = ""
+    notify: bool = False
+
+
+class Links(dict[str, Link]):
+    """The session's links by endpoint."""
+
+    def at(self, endpoint: str, now: float) -> Link:
+        """The endpoint's link (new: ``down``); a backoff that ran out is ``down`` again."""
+        link = self.get(endpoint)
+        if link is None:
+            link = self[endpoint] = Link(last_used=now)
+        if link.state == "backoff" and now >= link.deadline:
+            link.state, link.reason, link.notify = "down", "", False
+        return link
+
+    def close_idle(self, now: float, idle_s: float) -> list[str]:
+        """Forget links with nothing in flight for ``idle_s`` (Decode instances come and
+        go; their connections must not pile up); returns their endpoints."""
+        idle = [ep for ep, link in self.items()
+                if (link.state in ("ready", "down") or now >= link.deadline)
+                and not (link.waiting or link.inflight or link.state == "handshaking")
+                and now - link.last_used >= idle_s]
+        for ep in idle:
+            del self[ep]
+        return idle

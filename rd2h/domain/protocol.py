@@ -14,6 +14,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from rd2h.domain.compat import Compat, compat_at, compat_field
 from rd2h.domain.errors import ProtocolError, UnknownMessageType
 
 # Type tags are msgpack bin (bytes), never str.
@@ -82,6 +83,7 @@ class LayerMetadata:
 class MfMeta:
     p_session: str
     layers: Mapping[str, LayerMetadata]
+    compat: Compat | None = None  # extension (field 3): facts both builds must share
 
 
 @dataclass(frozen=True)
@@ -336,7 +338,7 @@ def message_from_fields(
             if decode_nested_metadata is None:
                 raise ProtocolError("MF_META carries encoded metadata but no decoder was given")
             raw = decode_nested_metadata(raw)
-        return MfMeta(session, decode_layer_map(raw))
+        return MfMeta(session, decode_layer_map(raw), compat_at(fields))
     if tag == READ_DONE:
         if len(fields) < 2:
             raise ProtocolError("READ_DONE needs a layer index")
@@ -381,7 +383,7 @@ def fields_of(message: Message, encode_nested_metadata: Any = None) -> list[Any]
     if isinstance(message, MfMeta):
         layer_map = {name: meta.to_map() for name, meta in message.layers.items()}
         payload = layer_map if encode_nested_metadata is None else encode_nested_metadata(layer_map)
-        return [MF_META, message.p_session, payload]
+        return [MF_META, message.p_session, payload, *compat_field(message.compat)]
     if isinstance(message, ReadDone):
         if message.skipped and message.seq is not None:
             return [READ_DONE, message.layer_idx, message.seq, list(message.skipped)]

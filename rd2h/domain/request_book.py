@@ -79,6 +79,9 @@ class DecodeRequestBook:
         # reported. vLLM 0.32 keeps such a request's blocks until the connector names it
         # in ``finished_recving``; it is reported once no read can still land in them.
         self._aborting: dict[str, str] = {}
+        # Terminal here and on every rank, held back while a read may still write into
+        # the request's blocks (its failure must not hand them to vLLM before that).
+        self._deferred: set[str] = set()
         self.orphans = OrphanLedger(max_orphans_per_peer, max_orphans)
         self.peer_contributions = PeerContributions()
         self._now = 0.0  # the latest time seen: orphans learned without one get it
@@ -164,6 +167,15 @@ class DecodeRequestBook:
                 continue
             self._mark_failed(ext, reason, peer)
 
+    def fail_admitted(self, internal_ids: Iterable[str], reason: str) -> list[str]:
+        """The deployment knows these requests' KV will not come (e.g. the proxy's
+        Prefill dispatch failed): fail those admitted here and not yet terminal."""
+        exts = (self._ext_of(i) for i in internal_ids)
+        failed = [e for e in exts if e in self._admitted and e not in self._terminal]
+        for ext in failed:
+            self._mark_failed(ext, reason, None)
+        return failed
+
     def _mark_failed(self, ext: str, reason: str, owner: Hashable | None) -> None:
         """The one way a request becomes failed, whoever learned it first."""
         if not self._holds(ext, owner):
@@ -201,7 +213,7 @@ class DecodeRequestBook:
         # Requests waiting only for their admission here (``_pending_finished``) were
         # already finished on every rank: re-announcing their failure would make the
         # ranks that forgot them fail them again, and they would never be cleaned.
-        failed = self._failed.keys() - self._pending_finished
+        failed = self._failed.keys() - self._pending_finished - self._deferred
         return RankReport(frozenset(self._terminal), frozenset(failed))
 
     def finish_step(
@@ -226,19 +238,22 @@ class DecodeRequestBook:
         reasons: dict[str, str] = {}
         for ext in self._failed:
             entry = self._admitted.get(ext)
-            if entry is None or ext in self._invalid_reported:
+            if entry is None or ext in self._invalid_reported or ext in busy:
                 continue
             # Destination ids are int64 arrays; vLLM gets plain ints.
             invalid.update(entry.destination.main_block_ids.tolist())
             invalid.update(entry.destination.indexer_block_ids.tolist())
             self._invalid_reported.add(ext)
         finished: set[str] = set()
-        for ext in merged.finished | self._pending_finished:
+        for ext in merged.finished | self._pending_finished | self._deferred:
             entry = self._admitted.get(ext)
             if entry is None:
                 self._terminal.discard(ext)
                 if self.orphans.add(ext, None, self._now):
                     self._pending_finished.add(ext)
+                continue
+            if ext in busy:  # reported once the read in flight has ended
+                self._deferred.add(ext)
                 continue
             finished.add(entry.internal_id)
             if ext in self._failed:
@@ -277,6 +292,7 @@ class DecodeRequestBook:
         self._failed.pop(ext, None)
         self._invalid_reported.discard(ext)
         self._pending_finished.discard(ext)
+        self._deferred.discard(ext)
         self.orphans.discard(ext)
         self.contributors.discard(ext)
         self.peer_contributions.discard_request(ext)
@@ -293,6 +309,7 @@ class DecodeRequestBook:
             "failed": len(self._failed),
             "pending_finished": len(self._pending_finished),
             "aborting": len(self._aborting),
+            "deferred": len(self._deferred),
             "contributors": len(self.contributors),
             "orphans": len(self.orphans),
             "peer_contributions": len(self.peer_contributions),

@@ -11,11 +11,14 @@ from __future__ import annotations
 from collections.abc import Hashable
 from typing import Protocol
 
+from rd2h.domain.compat import MetaRefused
 from rd2h.domain.protocol import Message
 
 
 class WireCodec(Protocol):
     max_frame_bytes: int
+    # The signing envelope version ("none" unsigned), stated in MF_META's compat map.
+    signing: str
 
     def encode(self, message: Message, conn: Hashable = None) -> bytes:
         """One frame holding the message's positional tuple."""
@@ -34,6 +37,16 @@ class WireCodec(Protocol):
     def is_ack(self, frame: bytes, conn: Hashable = None) -> bool:
         """Whether ``frame`` is an acknowledgement; raises ``AuthenticationError`` for an
         acknowledgement that lacks or fails the configured signature."""
+        ...
+
+    def encode_refusal(self, refusal: MetaRefused, conn: Hashable = None) -> bytes:
+        """Decode's refusal of an MF_META (raw ``b"NAK"`` + the refusal), signed like the
+        acknowledgement."""
+        ...
+
+    def refusal(self, frame: bytes, conn: Hashable = None) -> MetaRefused | None:
+        """The refusal in ``frame``, None when it is not one; ``ProtocolError`` when it is
+        malformed, ``AuthenticationError`` when it lacks or fails the signature."""
         ...
 
     def forget(self, conn: Hashable) -> None:

@@ -57,6 +57,11 @@ class ControlClients(Protocol):
         loss are returned by ``poll`` first; ``poll`` returns early when one is seen."""
         ...
 
+    def reconnected(self) -> list[str]:
+        """Endpoints reported by ``disconnected`` whose connection was established again
+        since (Decode back behind the same address); reported after their loss."""
+        ...
+
     def wake(self) -> None:
         """Interrupt a poll from another thread (thread-safe)."""
         ...

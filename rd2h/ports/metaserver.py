@@ -50,6 +50,11 @@ class MetaserverPoster(Protocol):
         """Posts queued, waiting for a retry, or on the wire."""
         ...
 
+    def take_failed(self) -> dict[str, str]:
+        """Posted requests the metaserver reported will get no KV (request id -> reason),
+        since the last call; a request is reported at most once."""
+        ...
+
     def stats(self) -> MetaserverStats: ...
 
     def shutdown(self, timeout: float) -> bool:

@@ -150,6 +150,7 @@ class MemoryClients:
         self._conns: dict[str, _Conn | None] = {}  # connected endpoint -> live connection
         self._replies: queue.Queue[tuple[str, bytes]] = queue.Queue()
         self._lost: list[str] = []
+        self._gone: set[str] = set()  # lost, not reconnected since
 
     def connect(self, endpoint: str) -> None:
         with self._net._lock:
@@ -161,6 +162,7 @@ class MemoryClients:
             if conn is not None and conn.alive:
                 conn.server._drop(conn)
             self._lost = [ep for ep in self._lost if ep != endpoint]
+            self._gone.discard(endpoint)
 
     def send(self, endpoint: str, payload: bytes, timeout: float = 5.0) -> None:
         deadline = time.monotonic() + max(0.0, timeout)
@@ -199,6 +201,14 @@ class MemoryClients:
             lost, self._lost = list(dict.fromkeys(self._lost)), []
             return lost
 
+    def reconnected(self) -> list[str]:
+        """Like ZeroMQ, which reconnects by itself: a lost endpoint is back once a server
+        listens there again."""
+        with self._net._lock:
+            back = sorted(ep for ep in self._gone if self._net._lookup(ep) is not None)
+            self._gone.difference_update(back)
+            return back
+
     def wake(self) -> None:
         self._replies.put(_WAKE)
 
@@ -215,4 +225,5 @@ class MemoryClients:
         if self._conns.get(conn.endpoint) is conn:
             self._conns[conn.endpoint] = None
             self._lost.append(conn.endpoint)
+            self._gone.add(conn.endpoint)
             self._replies.put(_WAKE)

@@ -20,6 +20,7 @@ class RecordingMetaserver:
         self.posts: list[tuple[str, str, dict[str, Any]]] = []
         self.cancels: list[str] = []
         self.shutdowns: list[float] = []
+        self.failed: dict[str, str] = {}  # what take_failed reports next
         RecordingMetaserver.made.append(self)
 
     def post(self, request_id: str, url: str, payload: dict[str, Any]) -> None:
@@ -33,6 +34,10 @@ class RecordingMetaserver:
 
     def pending(self) -> int:
         return 0
+
+    def take_failed(self) -> dict[str, str]:
+        out, self.failed = self.failed, {}
+        return out
 
     def stats(self) -> MetaserverStats:
         return MetaserverStats(delivered=len(self.posts), cancelled=len(self.cancels))

@@ -29,6 +29,7 @@ from rd2h.app.container import build_container
 from rd2h.app.decode import DecodeReceiver
 from rd2h.app.prefill import LayerTarget, PrefillSender
 from rd2h.app.settings import Rd2hSettings
+from rd2h.domain.compat import Compat
 from rd2h.domain.layout import DestinationLayout, DestTensor, SourceLayout, TensorComponent
 from rd2h.domain.protocol import ACK, Message, MfMeta, ReadRequest
 from rd2h.domain.request_book import StepOutcome
@@ -195,7 +196,8 @@ def decode_memory(
 
 def start_sender(
     p: PSide, codec: WireCodec = PLAIN, log: RecordingLogger | None = None, *,
-    layouts: Mapping[int, SourceLayout] | None = None, **timeouts: float,
+    layouts: Mapping[int, SourceLayout] | None = None, compat: Compat | None = None,
+    **timeouts: float,
 ) -> PrefillSender:
     sender = PrefillSender(
         clients_factory=ZmqControlClients, codec=codec, p_session=p.session,
@@ -204,6 +206,7 @@ def start_sender(
         meta_ack_timeout_s=timeouts.get("meta_ack_timeout_s", WAIT),
         layer_ack_timeout_s=timeouts.get("layer_ack_timeout_s", WAIT),
         event_timeout_s=timeouts.get("event_timeout_s", WAIT), poll_interval_s=0.005,
+        compat=compat,
     )
     sender.start()
     p.sender = sender

@@ -8,7 +8,7 @@ Every wait has a short deadline; a refusal never waits out more than one of them
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Hashable, Iterator
 
 import pytest
 import zmq
@@ -38,7 +38,14 @@ from rd2h.app.container import build_container
 from rd2h.app.prefill import PrefillSender
 from rd2h.app.settings import Rd2hSettings
 from rd2h.domain.errors import LayerSendError
-from rd2h.domain.protocol import MfMeta, ReadDone, ReadFailed, ReadReadyBatch, ReadRequest
+from rd2h.domain.protocol import (
+    Message,
+    MfMeta,
+    ReadDone,
+    ReadFailed,
+    ReadReadyBatch,
+    ReadRequest,
+)
 from rd2h.ports.codec import WireCodec
 
 pytestmark = pytest.mark.integration
@@ -61,8 +68,8 @@ class Rig:
         self._close.append(p.engine.close)
         return p
 
-    def decode(self, codec: WireCodec) -> DSide:
-        d = start_decode(LAYERS, codec)
+    def decode(self, codec: WireCodec, **kw: int) -> DSide:
+        d = start_decode(LAYERS, codec, **kw)
         self._close.append(d.stop)
         return d
 
@@ -310,3 +317,60 @@ def test_decode_refuses_replayed_and_foreign_signed_frames(rig: Rig) -> None:
     out = run_transfer(p, d, sender, REQ, [(0, 3)])
     assert out.failed == frozenset() and internal(REQ.ext) in out.finished
     assert_transfer_landed(p, d, REQ)
+
+
+class Recording(AuthenticatedCodec):
+    """Prefill's signing codec, keeping every MF_META frame it sends (what a wire
+    capture of the connection would give an attacker)."""
+
+    def __init__(self) -> None:
+        super().__init__(PLAIN, SECRET.encode())
+        self.metas: list[bytes] = []
+
+    def encode(self, message: Message, conn: Hashable = None) -> bytes:
+        frame = super().encode(message, conn)
+        if isinstance(message, MfMeta):
+            self.metas.append(frame)
+        return frame
+
+
+def test_replayed_mf_meta_on_more_connections_than_the_cap_costs_valid_peers_nothing(
+    rig: Rig,
+) -> None:
+    """A valid Prefill transfers, then idles; its captured MF_META is replayed on more
+    connections than ``max_peers``. The idle Prefill's next transfer lands with no
+    refusal, and a new valid Prefill takes a slot a replay held."""
+    cap = 4
+    decode_codec = AuthenticatedCodec(PLAIN, SECRET.encode(), max_connections=cap)
+    d = rig.decode(decode_codec, max_peers=cap)
+    p, capture = rig.prefill(), Recording()
+    sender = rig.sender(p, capture)
+    first = Transfer("req-replay-1", (5, 1, 6), (2, 7, 0), (9, 3, 4), (0, 7, 2))
+    out = run_transfer(p, d, sender, first, [(0, 2), (2, 3)])
+    assert out.failed == frozenset() and internal(first.ext) in out.finished
+    assert_transfer_landed(p, d, first)
+    (meta,) = capture.metas
+
+    thieves = [rig.dealer(d.endpoint) for _ in range(10)]
+    deadline = time.monotonic() + WAIT
+    for thief in thieves:  # one at a time: each replay is handled before the next
+        thief.send(meta)
+        assert recv_frames(thief, max(0.1, deadline - time.monotonic()))[0].startswith(b"ACK")
+    assert d.receiver.counters()["peers"] == cap  # the valid one and the 3 newest replays
+    assert decode_codec.connections == cap  # evicted replays keep no signing state
+
+    second = Transfer("req-replay-2", (0, 4), (3, 5), (1, 12), (11, 6))
+    out = run_transfer(p, d, sender, second, [(0, 2)])
+    assert out.failed == frozenset() and internal(second.ext) in out.finished
+    assert_transfer_landed(p, d, second)
+    assert d.receiver.stats.auth_refused == 0
+    assert capture.metas == [meta]  # no refusal made it handshake again
+
+    p2 = rig.prefill()
+    third = Transfer("req-replay-3", (2, 7), (1, 6), (14, 8), (13, 15))
+    fresh = AuthenticatedCodec(PLAIN, SECRET.encode())
+    out = run_transfer(p2, d, rig.sender(p2, fresh), third, [(0, 2)])
+    assert out.failed == frozenset() and internal(third.ext) in out.finished
+    assert_transfer_landed(p2, d, third)
+    assert d.receiver.counters()["peers"] == cap and d.receiver.stats.auth_refused == 0
+    assert_guarded(d, {"main": (9, 3, 4, 1, 12, 14, 8), "indexer": (0, 7, 2, 11, 6, 13, 15)})

@@ -33,18 +33,18 @@ POSITIONS = {"first": 0, "middle": LAYERS // 2, "last": LAYERS - 1}
 RUN_BUDGET_S = 45.0
 
 
-def run(ratio: str, *faults: str, **extra: object) -> DemoResult:
+def run(ratio: str, *faults: str, slack_s: float = 0.0, **extra: object) -> DemoResult:
     p_tp, d_tp = RATIOS[ratio]
     cfg = DemoConfig(prefill_tp=p_tp, decode_tp=d_tp,
                      faults=tuple(parse_fault(f) for f in faults), **{**SMALL, **extra})
     t0 = time.monotonic()
     res = run_demo(cfg, progress=False)
     took = time.monotonic() - t0
-    check_promises(res, took)
+    check_promises(res, took, slack_s)
     return res
 
 
-def check_promises(res: DemoResult, took: float) -> None:
+def check_promises(res: DemoResult, took: float, slack_s: float = 0.0) -> None:
     """What every scenario must keep, whatever failed."""
     assert res.errors == [], res.errors
     assert res.verified, res
@@ -62,7 +62,7 @@ def check_promises(res: DemoResult, took: float) -> None:
         else:
             assert o["mismatched_blocks"] == 0
         if o["ended_s"] is not None:  # ended on the Decode ranks that lived
-            assert o["ended_s"] <= REQUEST_S + 1.5, (rid, o)
+            assert o["ended_s"] <= REQUEST_S + 1.5 + slack_s, (rid, o)
 
 
 def reasons(res: DemoResult) -> set[str]:
@@ -150,7 +150,9 @@ def test_slow_decode_past_the_layer_deadline(ratio: str, shared_buffers: int) ->
     """Decode reads later than Prefill waits: Prefill fails the layers and resets the
     connection; Decode must then not complete requests from storage Prefill may have
     reused (with shared buffers it really is reused)."""
-    res = run(ratio, "slow-decode@ms=2000", shared_buffers=shared_buffers)
+    # A failed request is reported once no read can still land in its blocks: a read
+    # slowed by 2 s may hold its report back by as much.
+    res = run(ratio, "slow-decode@ms=2000", shared_buffers=shared_buffers, slack_s=2.0)
     assert res.requests_failed == res.requests
     assert res.layer_errors
 

@@ -105,6 +105,37 @@ def test_prefill_sees_a_killed_decode_process_at_once(decode_peer) -> None:
         clients.close()
 
 
+def test_prefill_sees_a_restarted_decode_reconnect() -> None:
+    """A killed Decode is reported once; a Decode started again on the same port is
+    reported by ``reconnected()`` once ZeroMQ has connected to it by itself."""
+    port = free_port()
+    endpoint = tcp_endpoint(HOST, port)
+    proc = spawn(DECODE_PEER, str(port), "bound")
+    clients = ZmqControlClients(heartbeat_ivl_s=0.1, heartbeat_timeout_s=0.5)
+    try:
+        clients.connect(endpoint)
+        clients.send(endpoint, MsgpackCodec().encode(_meta()), timeout=WAIT)
+        poll_until(lambda: clients.poll(0.1), WAIT)
+        assert clients.reconnected() == []  # the first connection is no reconnection
+        proc.kill()
+        proc.wait(WAIT)
+        lost, _ = poll_until(lambda: clients.poll(0.05) or clients.disconnected(), WAIT)
+        assert lost == [endpoint]
+        time.sleep(0.5)  # ZeroMQ retries meanwhile: refused attempts are no new loss
+        clients.poll(0.05)
+        assert clients.disconnected() == [] and clients.reconnected() == []
+        proc = spawn(DECODE_PEER, str(port), "bound")
+        back, _ = poll_until(lambda: clients.poll(0.05) or clients.reconnected(), WAIT)
+        assert back == [endpoint], back
+        clients.send(endpoint, MsgpackCodec().encode(_meta()), timeout=WAIT)
+        (reply,), _ = poll_until(lambda: clients.poll(0.1), WAIT)
+        assert reply == (endpoint, b"ACK")
+    finally:
+        clients.close()
+        proc.kill()
+        proc.wait(WAIT)
+
+
 def test_prefill_sees_a_frozen_decode_process_by_heartbeat(decode_peer) -> None:
     """SIGSTOP keeps the TCP connection open (the kernel still ACKs); only the missing
     ZMTP heartbeat replies tell."""

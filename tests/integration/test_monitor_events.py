@@ -1,4 +1,4 @@
-"""The socket monitor's fast path: ``_monitor_events`` looks at ``EVENTS`` before it
+"""The socket monitor's fast path: ``monitor_events`` looks at ``EVENTS`` before it
 receives, so an idle check raises nothing; queued events and lost connections are still
 all reported, in order."""
 
@@ -10,7 +10,8 @@ import pytest
 import zmq
 from fakes.net import free_port
 
-from rd2h.adapters.zmq.channel import ZmqControlClients, ZmqControlServer, _monitor_events
+from rd2h.adapters.zmq.channel import ZmqControlClients, ZmqControlServer
+from rd2h.adapters.zmq.sockets import monitor_events
 
 pytestmark = pytest.mark.integration
 
@@ -40,7 +41,7 @@ def test_an_idle_monitor_is_checked_without_a_failed_receive() -> None:
     try:
         spy = _CountingMonitor(monitor)
         for _ in range(3):
-            assert _monitor_events(spy) == []  # type: ignore[arg-type]
+            assert monitor_events(spy) == []  # type: ignore[arg-type]
         assert spy.recvs == 0
     finally:
         sock.disable_monitor()
@@ -70,14 +71,14 @@ def test_queued_events_are_all_returned_in_order() -> None:
         events: list[tuple[int, int]] = []
         deadline = time.monotonic() + WAIT
         while len(events) < 4 and time.monotonic() < deadline:
-            events += _monitor_events(monitor)
+            events += monitor_events(monitor)
             time.sleep(0.01)
         kinds = [e for e, _ in events]
         assert sorted(kinds) == sorted([zmq.EVENT_ACCEPTED] * 2 + [zmq.EVENT_DISCONNECTED] * 2)
         for fd in {v for _, v in events}:  # per descriptor: accepted, then closed
             assert [e for e, v in events if v == fd] == [zmq.EVENT_ACCEPTED,
                                                         zmq.EVENT_DISCONNECTED]
-        assert _monitor_events(monitor) == []
+        assert monitor_events(monitor) == []
     finally:
         for d in dealers:
             d.close(0)

@@ -179,6 +179,45 @@ def test_state_is_per_connection_bounded_and_forgotten():
         AuthenticatedCodec(PLAIN, SECRET, max_connections=0)
 
 
+def test_replayed_mf_meta_never_displaces_a_proven_connection():
+    """A captured MF_META replayed on more connections than the cap: each gets unproven
+    state, evicting only older unproven state; the valid connection proved itself with
+    a frame after the ACK and keeps working."""
+    p, d = signed(), AuthenticatedCodec(PLAIN, SECRET, max_connections=4)
+    captured = p.encode(META, "ep")
+    assert d.decode(captured, b"id") == META and p.is_ack(d.encode_ack(b"id"), "ep")
+    assert p.proven("ep") and not d.proven(b"id")  # Prefill: the ACK bound its nonce
+    assert d.decode(p.encode(BATCH, "ep"), b"id") == BATCH
+    assert d.proven(b"id")
+    for n in range(10):
+        assert d.decode(captured, n) == META
+        d.encode_ack(n)
+        assert not d.proven(n)
+    assert d.connections == 1 + 4  # the proven one and the 4 newest unproven ones
+    assert d.decode(p.encode(BATCH, "ep"), b"id") == BATCH
+    assert p.decode(d.encode(ReadDone(5, 7), b"id"), "ep") == ReadDone(5, 7)
+    with pytest.raises(AuthenticationError, match="does not match"):
+        d.decode(p.encode(BATCH, "ep"), 9)  # bound to the valid connection's nonces
+    with pytest.raises(AuthenticationError, match="another connection"):
+        d.decode(p.encode(BATCH, "ep"), 0)  # its unproven state was evicted
+
+
+def test_proven_state_is_bounded_by_refusing_rather_than_evicting():
+    d = AuthenticatedCodec(PLAIN, SECRET, max_connections=2)
+    peers = {n: signed() for n in range(3)}
+    for n, p in peers.items():
+        d.decode(p.encode(META, "ep"), n)
+        assert p.is_ack(d.encode_ack(n), "ep")
+        if n < 2:
+            assert d.decode(p.encode(BATCH, "ep"), n) == BATCH and d.proven(n)
+    with pytest.raises(AuthenticationError, match="too many authenticated") as ei:
+        d.decode(peers[2].encode(BATCH, "ep"), 2)
+    assert ei.value.layer_idx == 5 and not d.proven(2)
+    assert d.decode(peers[0].encode(BATCH, "ep"), 0) == BATCH  # untouched
+    d.forget(1)  # a proven connection closed: room for one more
+    assert d.decode(peers[2].encode(BATCH, "ep"), 2) == BATCH and d.proven(2)
+
+
 # ====================================================================== without the secret
 
 

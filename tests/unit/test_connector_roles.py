@@ -132,6 +132,9 @@ class ScriptedDecode:
             except queue.Empty:
                 return [(ep, p) for ep, p in out if p]
 
+    def reconnected(self) -> list[str]:
+        return []
+
     def disconnected(self) -> list[str]:
         return []
 

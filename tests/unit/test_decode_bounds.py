@@ -15,7 +15,14 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from rd2h.domain.decode_session import Capped, DecodeSession, Read
+from rd2h.domain.decode_session import (
+    Capped,
+    DecodeSession,
+    Forget,
+    Read,
+    Rejected,
+    SendAck,
+)
 from rd2h.domain.errors import ProtocolError
 from rd2h.domain.layout import DestinationLayout, DestTensor, SourceLayout, TensorComponent
 from rd2h.domain.protocol import MfMeta, ReadReadyBatch, ReadRequest
@@ -153,11 +160,39 @@ def test_a_hit_cap_is_reported_once_per_episode() -> None:
 def test_the_peer_cap_refuses_new_metadata_until_a_peer_leaves() -> None:
     s = DecodeSession(destinations=DST, d_rank=0, d_tp=1, max_peers=1)
     assert s.receive(b"a", META, 0.0)[0].__class__.__name__ == "SendAck"
+    s.receive(b"a", ReadReadyBatch(0, NAMES[0], (), ()), 0.0)  # a announced: proven
     outs = s.receive(b"b", META, 0.0)
-    assert [type(o).__name__ for o in outs] == ["Rejected", "Capped"]
+    assert [type(o).__name__ for o in outs] == ["Rejected", "Forget", "Capped"]
+    assert outs[1] == Forget(b"b")  # the refused connection keeps nothing (codec state)
     assert s.receive(b"a", META, 0.0)[0].__class__.__name__ == "SendAck"  # known: fine
+    assert [type(o).__name__ for o in s.receive(b"b", META, 0.0)] == ["Rejected", "Forget"]
     s.peer_lost(b"a", 1.0)
     assert s.receive(b"b", META, 1.0)[0].__class__.__name__ == "SendAck"
+
+
+def test_a_peer_that_announced_nothing_yields_its_slot_to_a_newcomer() -> None:
+    """Replayed MF_METAs (each on a new connection) can fill the peer table but never
+    announce a layer: a newcomer takes the oldest such slot; a peer that announced, or
+    that re-sent its MF_META after announcing, is never evicted."""
+    s = DecodeSession(destinations=DST, d_rank=0, d_tp=1, max_peers=3)
+    s.receive(b"valid", META, 0.0)
+    s.receive(b"valid", ReadReadyBatch(0, NAMES[0], (), ()), 0.0)
+    s.receive(b"valid", META, 0.0)  # still proven
+    for n in range(10):
+        outs = s.receive(b"replay-%d" % n, META, 0.0)
+        assert isinstance(outs[-2], SendAck)
+        assert outs[:-2] == ([Forget(b"replay-%d" % (n - 2))] if n >= 2 else [])
+    assert s.counters()["peers"] == 3
+    outs = s.receive(b"new", META, 0.0)
+    assert outs[0] == Forget(b"replay-8") and isinstance(outs[1], SendAck)
+    s.receive(b"new", ReadReadyBatch(1, NAMES[1], (), ()), 0.0)
+    assert s.receive(b"replay-10", META, 0.0)[0] == Forget(b"replay-9")
+    assert s.receive(b"last", META, 0.0)[0] == Forget(b"replay-10")
+    s.receive(b"last", ReadReadyBatch(0, NAMES[0], (), ()), 0.0)
+    outs = s.receive(b"one-more", META, 0.0)  # all 3 proven: refused, nothing evicted
+    assert isinstance(outs[0], Rejected) and outs[1] == Forget(b"one-more")
+    outs = s.receive(b"valid", ReadReadyBatch(1, NAMES[1], (), (), 0, 1, 3), 0.0)
+    assert [type(o).__name__ for o in outs] == ["Reply", "LayerDone"]
 
 
 def test_a_connection_without_metadata_leaves_no_state_for_unknown_ids() -> None:

@@ -121,6 +121,7 @@ class FakeClients:
         self.metas: list[str] = []
         self.disconnects: list[str] = []
         self._lost: list[str] = []
+        self._back: list[str] = []
         self._lock = threading.Lock()
 
     def connect(self, endpoint: str) -> None:
@@ -150,14 +151,28 @@ class FakeClients:
             except queue.Empty:
                 return [(ep, p) for ep, p in out if p]
 
+    def reconnected(self) -> list[str]:
+        with self._lock:
+            back, self._back = self._back, []
+        return back
+
     def disconnected(self) -> list[str]:
         with self._lock:
             lost, self._lost = self._lost, []
         return lost
 
-    def lose(self, endpoint: str) -> None:
+    def lose(self, endpoint: str, reconnects: bool = True) -> None:
+        """The connection to ``endpoint`` closed; ``reconnects``: the transport connects
+        again by itself (the peer is alive), reported after the loss."""
         with self._lock:
             self._lost.append(endpoint)
+            if reconnects:
+                self._back.append(endpoint)
+        self.wake()
+
+    def come_back(self, endpoint: str) -> None:
+        with self._lock:
+            self._back.append(endpoint)
         self.wake()
 
     def reply(self, endpoint: str, message: ReadDone | ReadFailed) -> None:
@@ -220,6 +235,40 @@ def test_lost_endpoint_fails_its_pending_layers_at_once() -> None:
         sender.submit(0, None, _target("A"))  # a new announcement handshakes again
         assert clients.ready.get(timeout=WAIT)[0] == "A"
         assert clients.metas.count("A") == 2
+    finally:
+        assert sender.stop(WAIT)
+
+
+def test_an_endpoint_reported_gone_fails_new_sends_at_once_until_it_is_back() -> None:
+    """Decode died: the monitor reported the loss and nothing reconnected. A new
+    announcement to it fails at once, not after ``meta_ack_s`` (no handshake is tried);
+    once the transport connects again, the next one handshakes as usual."""
+    clients = FakeClients()
+    sender = _sender(clients, meta_ack_timeout_s=30.0, layer_ack_timeout_s=30.0)
+    try:
+        sender.submit(0, None, _target("A"))
+        assert clients.ready.get(timeout=WAIT)[0] == "A"
+        clients.reply("A", ReadDone(0))
+        sender.wait_for_layer_send(0, timeout=WAIT)
+        clients.lose("A", reconnects=False)
+        wait_until(lambda: sender.counters()["unacked_sends"] == 0 and not clients._lost,
+                   "the loss to be seen")
+        time.sleep(0.05)  # the sender loop handled the loss
+        t0 = time.monotonic()
+        sender.submit(1, None, _target("A"))
+        with pytest.raises(LayerSendError, match="has not reconnected"):
+            sender.wait_for_layer_send(1, timeout=WAIT)
+        assert time.monotonic() - t0 < 2.0  # not the 30 s handshake deadline
+        assert clients.metas.count("A") == 1  # no handshake was tried
+        clients.come_back("A")
+        wait_until(lambda: not clients._back, "the reconnection to be seen")
+        time.sleep(0.05)
+        sender.submit(1, None, _target("A"))
+        assert clients.ready.get(timeout=WAIT)[0] == "A"
+        assert clients.metas.count("A") == 2
+        clients.reply("A", ReadDone(1))
+        sender.wait_for_layer_send(1, timeout=WAIT)
+        assert _clean(sender), sender.counters()
     finally:
         assert sender.stop(WAIT)
 

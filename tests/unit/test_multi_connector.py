@@ -281,6 +281,9 @@ class RecordingSender:
     def take_resolved(self) -> list[Any]:
         return []
 
+    def take_outcomes(self) -> tuple[list[Any], dict[Any, Any]]:
+        return [], {}
+
     def counters(self) -> dict[str, int]:
         return {}
 

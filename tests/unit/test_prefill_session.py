@@ -274,8 +274,40 @@ def test_a_lost_connection_fails_only_the_entries_for_that_endpoint() -> None:
     s.reply("B", ReadDone(0), 2.0)
     s.reply("B", ReadDone(2), 2.0)
     assert_clean(s)
-    # The next announcement to A handshakes again.
+    # A is gone until the transport connects again: a send fails at once, without the
+    # handshake that would only wait for meta_ack_s; prepare says so too.
+    outs = s.event_done(announce(s, 0, ["A"]), 2.5)
+    assert [a[:2] for a in answered(outs)] == [(0, "A")]
+    assert "has not reconnected" in answered(outs)[0][2]
+    assert not any(isinstance(o, Connect | SendMeta) for o in outs)
+    assert "has not reconnected" in (s.prepare(["A"], 2.6)[0].error or "")
+    # Once connected again, the next announcement to A handshakes again.
+    s.connection_restored("A")
     assert s.event_done(announce(s, 0, ["A"]), 3.0) == [Connect("A"), SendMeta("A")]
+    s.stop("end")
+
+
+def test_a_refused_build_gets_notices_so_decode_fails_its_requests_at_once() -> None:
+    """Decode refused MF_META (incompatible builds): the connection stays, and what
+    waited on the handshake, and every announcement until the backoff ends, still goes
+    out (unread there: Decode fails the requests it names) while failing here at once."""
+    s = session()
+    aid = announce(s, 0, ["A"])
+    assert s.event_done(aid, 0.0) == [Connect("A"), SendMeta("A")]
+    outs = s.ack_refused("A", "incompatible builds: block_size: prefill 16, decode 32",
+                         0.1, notify=True)
+    assert Disconnect("A") not in outs
+    sends = [o for o in outs if isinstance(o, SendBatch)]
+    assert [(o.endpoint, o.batch.layer_idx) for o in sends] == [("A", 0)]
+    assert "block_size" in answered(outs)[0][2]
+    outs = s.event_done(announce(s, 1, ["A"]), 0.5)  # during the backoff
+    assert [o.batch.layer_idx for o in outs if isinstance(o, SendBatch)] == [1]
+    assert "block_size" in answered(outs)[0][2]
+    s.sent("A", 1, 0.5)  # the notice went out: nothing waits for an answer to it
+    assert_clean(s)
+    # After the backoff the next announcement handshakes again (Decode may be upgraded).
+    later = s.event_done(announce(s, 0, ["A"]), 0.1 + s.timeouts.reconnect_after_s + 1)
+    assert later == [Connect("A"), SendMeta("A")]
     s.stop("end")
 
 

@@ -145,7 +145,7 @@ def assert_book_clean(*books: DecodeRequestBook) -> None:
     for book in books:
         assert book.counters() == {
             "admitted": 0, "terminal": 0, "failed": 0, "pending_finished": 0, "aborting": 0,
-            "contributors": 0, "orphans": 0, "peer_contributions": 0,
+            "deferred": 0, "contributors": 0, "orphans": 0, "peer_contributions": 0,
         }
         assert len(book.destinations) == 0
 

@@ -10,6 +10,10 @@ as delivered and logged (older proxies answer errors for posts they do not
 need). Every wait in here is bounded: one attempt by ``timeout_s``, an idle
 worker wakes at least every ``idle_wake_s``, ``shutdown`` joins within its
 deadline.
+
+Once a post is delivered, the request is *watched* (``rd2h.adapters.http.metaserver_watch``):
+one long-poll per metaserver and engine asks the proxy which posted requests will get
+no KV (their Prefill dispatch failed), and ``take_failed`` hands them to the scheduler.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from typing import Any
 
 import httpx
 
+from rd2h.adapters.http.metaserver_watch import Watcher
 from rd2h.ports.metaserver import MetaserverStats
 from rd2h.ports.runtime import Logger
 
@@ -39,6 +44,7 @@ class _Post:
     attempts: int = 0
     in_flight: bool = False
     cancelled: bool = False
+    engine: str | None = None  # the posting engine (``remote_engine_id``): watched by it
 
 
 @dataclass(frozen=True)
@@ -83,6 +89,8 @@ class MetaserverClient:
         idle_wake_s: float = 1.0,
         log: Logger | None = None,
         transport: httpx.BaseTransport | None = None,
+        watch: bool = True,
+        watch_wait_s: float = 10.0,
     ) -> None:
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0, not {timeout_s!r}")
@@ -115,6 +123,9 @@ class MetaserverClient:
         self._counts = {"delivered": 0, "http_errors": 0, "transport_errors": 0,
                         "failed": 0, "cancelled": 0}
         self._alive = workers
+        self.watcher = Watcher(self._cond, log, retry_delay_s=retry_delay_s,
+                               wait_s=watch_wait_s, timeout_s=timeout_s,
+                               transport=transport) if watch else None
         self._threads = [
             threading.Thread(target=self._run, name=f"rd2h-metaserver-{i}", daemon=True)
             for i in range(workers)
@@ -132,7 +143,8 @@ class MetaserverClient:
             raise ValueError(
                 f"metaserver payload for request {request_id!r} is not JSON-serialisable: {exc}"
             ) from exc
-        job = _Post(request_id, url, body)
+        engine = payload.get("remote_engine_id")
+        job = _Post(request_id, url, body, engine=engine if isinstance(engine, str) else None)
         with self._cond:
             if self._closed:
                 raise RuntimeError("metaserver client is shut down; cannot post")
@@ -144,6 +156,8 @@ class MetaserverClient:
         with self._cond:
             jobs = self._by_request.pop(request_id, [])
             dropped = self._drop(jobs)
+            if self.watcher is not None:
+                self.watcher.forget(request_id)
             self._cond.notify_all()
         if dropped:
             self._log.debug("metaserver posts cancelled", request=request_id, posts=dropped)
@@ -152,6 +166,12 @@ class MetaserverClient:
     def pending(self) -> int:
         with self._cond:
             return sum(len(jobs) for jobs in self._by_request.values())
+
+    def take_failed(self) -> dict[str, str]:
+        if self.watcher is None:
+            return {}
+        with self._cond:
+            return self.watcher.take_failed()
 
     def stats(self) -> MetaserverStats:
         with self._cond:
@@ -175,6 +195,8 @@ class MetaserverClient:
         with self._cond:
             if not self._closed:
                 self._closed = True
+                if self.watcher is not None:
+                    self.watcher.close()
                 for jobs in self._by_request.values():
                     self._drop(jobs)
                 self._by_request.clear()
@@ -258,6 +280,9 @@ class MetaserverClient:
                 self._counts["delivered"] += 1
                 self._counts["http_errors"] += int(outcome.status >= 400)
                 self._forget(job)
+                if (outcome.status < 300 and job.engine and not job.cancelled
+                        and self.watcher is not None):
+                    self.watcher.watch(job.request_id, job.url, job.engine)
             self._cond.notify_all()
         self._report(job, outcome, retrying=isinstance(outcome, _TransportFailure) and retrying)
 

@@ -52,6 +52,7 @@ from rd2h.adapters.http.proxy_config import (
 )
 from rd2h.adapters.http.proxy_metrics import HealthCounters, ProxyMetrics
 from rd2h.adapters.http.proxy_models import MODELS_PATH, fetch_models
+from rd2h.adapters.http.proxy_outcomes import DispatchFailures, WatchError
 from rd2h.adapters.http.proxy_prefill import PrefillLeg
 from rd2h.adapters.http.proxy_relay import DecodeCall, DecodeRelay, error_body
 from rd2h.adapters.http.proxy_upstream import (
@@ -115,8 +116,9 @@ class RendezvousProxy:
         self._tasks: set[asyncio.Task[None]] = set()
         self.metrics = ProxyMetrics(pending=lambda: len(self.table),
                                     prefill_in_flight=lambda: len(self._tasks))
+        self.failures = DispatchFailures()
         self.prefill = PrefillLeg(config, self.upstream, self.metrics, self.counters, log,
-                                  timeline)
+                                  timeline, self.failures)
 
     # -- client requests ----------------------------------------------------------------
 
@@ -332,6 +334,7 @@ def create_app(
 
     app = FastAPI(title="rd2h proxy", lifespan=lifespan)
     app.state.proxy = proxy
+    app.state.before_shutdown = proxy.failures.close  # watches answer at once
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -344,6 +347,13 @@ def create_app(
     @app.post(METASERVER_PATH)
     async def metaserver(request: Request) -> JSONResponse:
         return await proxy.handle_post(request)
+
+    @app.post(METASERVER_PATH + "/watch")
+    async def watch(request: Request) -> JSONResponse:
+        try:
+            return JSONResponse(await proxy.failures.watch(json.loads(await request.body())))
+        except (json.JSONDecodeError, UnicodeDecodeError, WatchError) as exc:
+            return _error(400, f"bad watch request: {exc}")
 
     @app.get(MODELS_PATH)
     async def models(request: Request) -> Response:

@@ -15,15 +15,17 @@ The framing rule lives here and nowhere else:
   message, when Prefill knows no Decode nonce yet); ``seq`` counts the sender's
   signed frames on the connection from 1.
 - The signed MF_META acknowledgement is ``b"ACK" + nonce + seq + tag`` with
-  ``P = b"ACK"``: it tells Prefill the Decode nonce of the connection.
+  ``P = b"ACK"``: it tells Prefill the Decode nonce of the connection. Decode's
+  refusal of an MF_META (``rd2h.domain.compat``) is signed the same way:
+  ``P + nonce + seq + tag`` with ``P = b"NAK" + msgpack(refusal)``.
 
 So every frame after MF_META is bound to both nonces of its connection: a frame
 captured on one connection is refused on any other, and one sent again on its own
-connection is refused by its sequence number. A replayed MF_META only earns the
-replayer an ACK it cannot use (metadata stored under its own connection, within the
-peer cap). A receiver seeing a new nonce from its peer takes it as a restarted
-peer and restarts the count. Protocol extensions only append fields, so a peer
-without a secret reads a signed message as the plain one and ignores the envelope.
+connection is refused by its sequence number. A replayed MF_META earns the replayer
+an ACK it cannot use and unproven state only (below). A receiver seeing a new nonce
+from its peer takes it as a restarted peer and restarts the count. Protocol
+extensions only append fields, so a peer without a secret reads a signed message as
+the plain one and ignores the envelope.
 
 What it gives: nobody without the secret can make Decode store metadata, read, or
 fail a request, nor replay what a holder of the secret sent; Prefill accepts no
@@ -32,8 +34,16 @@ connection. What it does not give: confidentiality or protection from an attacke
 inside an established TCP connection (configure CURVE for those).
 
 State per connection (``conn``: Decode's peer identity, Prefill's endpoint) is
-created only by a verified frame or by sending, dropped by ``forget`` and capped
-(the least recently used goes first).
+created only by a verified MF_META (Decode) or by sending it (Prefill), and dropped
+by ``forget``. It starts *unproven*; the connection *proves* itself with the first
+verified frame whose MAC binds this side's own nonce too (Decode: any signed frame
+after the ACK; Prefill: the ACK), which only a holder of the secret that got this
+side's nonce on this connection can sign (never a replayed MF_META). Each kind holds
+at most ``max_connections`` connections: a new unproven one evicts the oldest
+unproven one only; proven state is never evicted, and while ``max_connections`` are
+proven a further connection's proving frame is refused ("too many authenticated
+connections") until one is forgotten. Decode forgets a connection when it closes and
+when its session keeps no peer for it (refused by the peer cap, or evicted).
 """
 
 from __future__ import annotations
@@ -47,6 +57,7 @@ from collections.abc import Hashable
 from dataclasses import dataclass, field
 
 from rd2h.adapters.msgpack.codec import MsgpackCodec
+from rd2h.domain.compat import NAK, MetaRefused
 from rd2h.domain.errors import AuthenticationError, ProtocolError
 from rd2h.domain.protocol import ACK, Message, ReadReadyBatch
 
@@ -129,7 +140,8 @@ class AuthenticatedCodec:
         self._inner = inner
         self._key = bytes(secret)
         self._max_conns = max_connections
-        self._conns: OrderedDict[Hashable, _Conn] = OrderedDict()
+        self._proven: dict[Hashable, _Conn] = {}
+        self._unproven: OrderedDict[Hashable, _Conn] = OrderedDict()  # oldest first
         self._lock = threading.Lock()
         self.max_frame_bytes = inner.max_frame_bytes + _ENVELOPE_FIELD + 4
 
@@ -137,22 +149,39 @@ class AuthenticatedCodec:
     def forget(self, conn: Hashable) -> None:
         """The connection is gone: its nonces and counters go too."""
         with self._lock:
-            self._conns.pop(conn, None)
+            self._proven.pop(conn, None)
+            self._unproven.pop(conn, None)
 
     @property
     def connections(self) -> int:
         with self._lock:
-            return len(self._conns)
+            return len(self._proven) + len(self._unproven)
+
+    def proven(self, conn: Hashable) -> bool:
+        """Whether ``conn`` proved itself (see the module docstring)."""
+        with self._lock:
+            return conn in self._proven
 
     def _conn(self, conn: Hashable, create: bool) -> _Conn | None:
-        state = self._conns.get(conn)
-        if state is not None:
-            self._conns.move_to_end(conn)
-        elif create:
-            state = self._conns[conn] = _Conn()
-            while len(self._conns) > self._max_conns:
-                self._conns.popitem(last=False)
+        state = self._proven.get(conn)
+        if state is None:
+            state = self._unproven.get(conn)
+        if state is None and create:
+            state = self._unproven[conn] = _Conn()
+            while len(self._unproven) > self._max_conns:
+                self._unproven.popitem(last=False)  # never a proven connection's state
         return state
+
+    def _prove(self, conn: Hashable) -> str | None:
+        """``conn`` just verified a frame bound to this side's nonce: its state becomes
+        proven, unless ``max_connections`` are proven already (then why not)."""
+        if conn in self._proven:
+            return None
+        if len(self._proven) >= self._max_conns:
+            return (f"too many authenticated connections ({self._max_conns}); this one is "
+                    f"refused until one of them closes")
+        self._proven[conn] = self._unproven.pop(conn)
+        return None
 
     def _envelope(self, plain: bytes, conn: Hashable) -> bytes:
         """Only the opening MF_META creates a connection's state; anything else sent on
@@ -180,7 +209,8 @@ class AuthenticatedCodec:
         tag = envelope[-DIGEST_BYTES:]
         with self._lock:
             state = self._conn(conn, create=False)
-            mine = _NO_NONCE if first or state is None else state.mine
+            bound = not first and state is not None  # the MAC must cover this side's nonce
+            mine = state.mine if bound and state is not None else _NO_NONCE
             if not hmac.compare_digest(tag, self._mac(mine, nonce, seq, plain)):
                 if state is None and not first:
                     return "control message is signed for another connection (no MF_META " \
@@ -195,7 +225,8 @@ class AuthenticatedCodec:
                 return f"control message replayed (sequence {count} already seen on this " \
                        f"connection)"
             state.theirs, state.received = nonce, count  # a new nonce: the peer restarted
-        return None
+            # A MAC over this side's nonce: only who got it on this connection signs that.
+            return self._prove(conn) if bound else None
 
     # -- encode
     def encode(self, message: Message, conn: Hashable = None) -> bytes:
@@ -250,3 +281,34 @@ class AuthenticatedCodec:
         if reason is not None:
             raise AuthenticationError(f"MF_META acknowledgement refused: {reason}; {_HINT}")
         return True
+
+    # -- the MF_META refusal (signed like the ACK)
+    signing = _CONTEXT.decode()  # the envelope version MF_META's compat map states
+
+    def encode_refusal(self, refusal: MetaRefused, conn: Hashable = None) -> bytes:
+        plain = self._inner.encode_refusal(refusal)
+        return plain + self._envelope(plain, conn)
+
+    def refusal(self, frame: bytes, conn: Hashable = None) -> MetaRefused | None:
+        """The verified refusal in ``frame``, or None when it is not one; an unsigned or
+        wrongly signed refusal raises ``AuthenticationError`` (the handshake fails either
+        way, as for an unsigned ACK; an unsigned one's claim is quoted)."""
+        raw = bytes(frame)
+        if not raw.startswith(NAK):
+            return None
+        if len(raw) > self.max_frame_bytes:
+            raise ProtocolError(f"MF_META refusal of {len(raw)} bytes exceeds the "
+                                f"{self.max_frame_bytes}-byte limit")
+        try:  # the whole frame one refusal, nothing after it: no envelope
+            claim = self._inner.refusal(raw)
+        except ProtocolError:
+            claim = None
+        if claim is not None or len(raw) <= len(NAK) + ENVELOPE_BYTES:
+            said = f" (it said: {claim.describe()})" if claim is not None else ""
+            raise AuthenticationError(f"MF_META refusal is not signed (the decode endpoint "
+                                      f"has no shared secret){said}; {_HINT}")
+        plain = raw[:-ENVELOPE_BYTES]
+        reason = self._verify(plain, raw[-ENVELOPE_BYTES:], conn, first=False)
+        if reason is not None:
+            raise AuthenticationError(f"MF_META refusal not verified: {reason}; {_HINT}")
+        return self._inner.refusal(plain)

@@ -36,6 +36,7 @@ from typing import Any
 
 import msgpack
 
+from rd2h.domain.compat import NAK, MetaRefused, refusal_fields, refusal_from_fields
 from rd2h.domain.errors import ProtocolError
 from rd2h.domain.protocol import ACK, Message, fields_of, message_from_fields
 
@@ -216,6 +217,23 @@ class MsgpackCodec:
     @staticmethod
     def is_ack(frame: bytes, conn: Hashable = None) -> bool:
         return bytes(frame) == ACK
+
+    # The signing envelope version MF_META's compat map states: none without a secret.
+    signing = "none"
+
+    def encode_refusal(self, refusal: MetaRefused, conn: Hashable = None) -> bytes:
+        """Decode's refusal of an MF_META: ``b"NAK"`` + the msgpack-encoded refusal."""
+        return NAK + self._pack(refusal_fields(refusal))
+
+    def refusal(self, frame: bytes, conn: Hashable = None) -> MetaRefused | None:
+        """The refusal in ``frame``, or None when it is not one (``ProtocolError`` when it
+        is malformed: bounded like any frame)."""
+        raw = bytes(frame)
+        if not raw.startswith(NAK):
+            return None
+        body = self._unpack(raw[len(NAK):], "MF_META refusal",
+                            _Budget(self.max_objects, self.max_bytes), self.max_metadata_objects)
+        return refusal_from_fields(body)
 
     def forget(self, conn: Hashable) -> None:
         """Nothing is kept per connection."""

@@ -39,6 +39,33 @@ COUNTERS: dict[str, tuple[str, str]] = {
                       "completely (counted per TP rank)."),
     "layers_announced": ("layers_announced", "Request layers this Prefill engine "
                          "announced to Decode engines."),
+    "requests_aborted": ("requests_aborted", "Decode: requests vLLM aborted while their KV "
+                         "was still coming (client gone). Prefill: requests a Decode engine "
+                         "no longer knew, so no more of them was announced."),
+    "requests_skipped": ("requests_skipped", "Announced requests this Decode engine did not "
+                         "read because it no longer knew them (per layer and TP rank)."),
+}
+# series -> help text, {stats key: value of the "cause" label}
+CAUSED: dict[str, tuple[str, dict[str, str]]] = {
+    "requests_failed_by_cause": (
+        "Requests this Decode engine failed to receive, by what it learned (counted per "
+        "TP rank): the proxy could not dispatch them to Prefill, their Prefill peer "
+        "disconnected, or no KV arrived by the request deadline.",
+        {"failed_dispatch": "prefill_dispatch_failed", "failed_prefill_lost":
+         "prefill_disconnected", "failed_deadline": "deadline"}),
+    "handshakes_refused": (
+        "MF_META handshakes refused: by this Decode engine (incompatible build, failed "
+        "authentication, peer cap), or refused to this Prefill engine by a Decode engine.",
+        {"refused_incompatible": "incompatible", "refused_unauthenticated":
+         "unauthenticated", "refused_peer_cap": "peer_cap"}),
+}
+# stats key -> (series name, help text): gauges, moved by the payload's change
+GAUGES: dict[str, tuple[str, str]] = {
+    "held_requests": ("prefill_held_requests", "Requests whose KV this Prefill engine still "
+                      "holds for Decode engines (an announcement unanswered, or finished by "
+                      "vLLM and not yet released)."),
+    "held_blocks": ("prefill_held_blocks", "KV blocks (main) of the requests this Prefill "
+                    "engine still holds for Decode engines."),
 }
 READ_LATENCY = PREFIX + "read_latency_seconds"
 READ_LATENCY_BUCKETS_S = tuple(ms / 1e3 for ms in READ_LATENCY_BUCKETS_MS)
@@ -60,6 +87,18 @@ class Rd2hPromMetrics(KVConnectorPromMetrics):
             counter = self._counter_cls(name=PREFIX + name, documentation=doc,
                                         labelnames=labelnames)
             self.counters[key] = create_metric_per_engine(counter, per_engine_labelvalues)
+        self.caused: dict[str, tuple[dict[int, Any], str]] = {}
+        for name, (doc, causes) in CAUSED.items():
+            counter = self._counter_cls(name=PREFIX + name, documentation=doc,
+                                        labelnames=[*labelnames, "cause"])
+            for key, cause in causes.items():
+                self.caused[key] = ({i: counter.labels(*values, cause) for i, values
+                                     in per_engine_labelvalues.items()}, cause)
+        self.gauges: dict[str, dict[int, Any]] = {}
+        for key, (name, doc) in GAUGES.items():
+            gauge = self._gauge_cls(name=PREFIX + name, documentation=doc,
+                                    labelnames=labelnames, multiprocess_mode="sum")
+            self.gauges[key] = create_metric_per_engine(gauge, per_engine_labelvalues)
         histogram = self._histogram_cls(
             name=READ_LATENCY,
             documentation="Duration of one batched read of KV cache from a Prefill engine "
@@ -72,6 +111,14 @@ class Rd2hPromMetrics(KVConnectorPromMetrics):
         for key, per_engine in self.counters.items():
             value = transfer_stats_data.get(key)
             if value and value > 0:  # a counter only goes up
+                per_engine[engine_idx].inc(value)
+        for key, (per_engine, _) in self.caused.items():
+            value = transfer_stats_data.get(key)
+            if value and value > 0:
+                per_engine[engine_idx].inc(value)
+        for key, per_engine in self.gauges.items():
+            value = transfer_stats_data.get(key)
+            if value:  # a change since the last payload (payloads carry deltas)
                 per_engine[engine_idx].inc(value)
         histogram = self.read_latency[engine_idx]
         for latency_ms, times in read_latencies(transfer_stats_data):

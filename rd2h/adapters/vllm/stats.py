@@ -19,7 +19,10 @@ from typing import Any
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
 _SUMS = ("bytes_pulled", "layers_done", "layers_failed", "reads_failed", "read_seconds",
-         "requests_done", "requests_failed", "layers_announced")
+         "requests_done", "requests_failed", "layers_announced", "requests_aborted",
+         "requests_skipped", "failed_dispatch", "failed_prefill_lost", "failed_deadline",
+         "refused_incompatible", "refused_unauthenticated", "refused_peer_cap",
+         "held_requests", "held_blocks")
 
 LATENCIES = "read_latency_ms"
 OVERFLOW = "read_latency_overflow"

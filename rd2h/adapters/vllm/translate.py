@@ -9,6 +9,7 @@ from typing import Any
 from rd2h.app.connector.roles import BlockIds, RequestFacts, ScheduledRequest
 from rd2h.app.container import EngineFacts
 from rd2h.app.settings import ConnectorConfigError, Rd2hOptions
+from rd2h.domain.compat import Compat, compat_of
 
 
 def side_of(kv_role: str | None) -> str:
@@ -46,8 +47,42 @@ def engine(vllm_config: Any, kv_cache_config: Any) -> tuple[Rd2hOptions, EngineF
         block_size=int(block_size),
         group_layer_names=tuple(tuple(g.layer_names) for g in groups),
         num_blocks=kv_cache_config.num_blocks if kv_cache_config is not None else 0,
+        compat=compat(vllm_config, groups[0].kv_cache_spec if groups else None, options, side,
+                      int(block_size)),
     )
     return options, facts
+
+
+def compat(vllm_config: Any, spec: Any, options: Rd2hOptions, side: str,
+           block_size: int) -> Compat:
+    """What this engine states in MF_META's compatibility map: facts that do not depend
+    on TP (the KV cache spec's head size, MLA and dtype; the model's layers and total KV
+    heads when there is a model config). Main-KV sharing: Decode's mode, and Prefill's
+    only when configured explicitly (Prefill itself does not depend on it)."""
+    model = getattr(vllm_config, "model_config", None)
+    head_size = getattr(spec, "head_size", None)
+    mla = type(spec).__name__.startswith("MLA") if spec is not None else None
+    if model is not None:
+        head_size = head_size if head_size is not None else int(model.get_head_size())
+        mla = bool(model.use_mla) if mla is None else mla
+    sharing = options.main_sharing if side == "prefill" else (
+        "shared_pool" if options.main_shared else "rank_local")
+    return compat_of(
+        block_size=block_size, kv_dtype=kv_dtype(vllm_config, spec), mla=mla,
+        head_size=None if head_size is None else int(head_size), main_sharing=sharing,
+        num_layers=None if model is None else int(model.get_total_num_hidden_layers()),
+        kv_heads=None if model is None else int(model.get_total_num_kv_heads()),
+    )
+
+
+def kv_dtype(vllm_config: Any, spec: Any) -> str | None:
+    """The KV cache's element type: vLLM's ``cache_dtype`` when set ("fp8" is
+    "fp8_e4m3"), else the cache spec's torch dtype (e.g. "bfloat16")."""
+    configured = getattr(getattr(vllm_config, "cache_config", None), "cache_dtype", None)
+    if configured not in (None, "auto"):
+        return "fp8_e4m3" if configured == "fp8" else str(configured)
+    dtype = getattr(spec, "dtype", None)
+    return None if dtype is None else str(dtype).removeprefix("torch.")
 
 
 def on_worker(facts: EngineFacts, tp_group: Any, world_group: Any) -> EngineFacts:

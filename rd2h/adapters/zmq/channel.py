@@ -24,7 +24,6 @@ import os
 import time
 
 import zmq
-from zmq.utils.monitor import parse_monitor_message
 
 from rd2h.adapters.zmq.curve import (
     CurveClientKeys,
@@ -35,6 +34,15 @@ from rd2h.adapters.zmq.curve import (
     require_curve,
     term_bounded,
 )
+from rd2h.adapters.zmq.sockets import (
+    DEFAULT_RECV_HWM,
+    check_hwm,
+    close_monitor,
+    monitor_events,
+    non_empty,
+    set_heartbeat,
+    source_fd,
+)
 from rd2h.domain.errors import Rd2hError
 from rd2h.domain.topology import tcp_endpoint
 
@@ -44,66 +52,6 @@ DEFAULT_HEARTBEAT_TIMEOUT_S = 5.0
 
 class BindError(Rd2hError):
     """The Decode control socket could not bind its port."""
-
-
-DEFAULT_RECV_HWM = 64
-
-
-def _check_hwm(recv_hwm: int) -> int:
-    if isinstance(recv_hwm, bool) or not isinstance(recv_hwm, int) or recv_hwm < 1:
-        raise ValueError(f"recv_hwm must be an integer >= 1, got {recv_hwm!r}")
-    return recv_hwm
-
-
-def _non_empty(frames: list[bytes]) -> list[bytes]:
-    return [f for f in frames if f]
-
-
-def _set_heartbeat(sock: zmq.Socket, ivl_s: float, timeout_s: float) -> None:
-    """Ping every ``ivl_s``; drop the connection when nothing came back within
-    ``timeout_s`` (and ask the peer to do the same: TTL). ``ivl_s`` 0 disables."""
-    if ivl_s <= 0:
-        return
-    if timeout_s <= ivl_s:
-        raise ValueError(f"heartbeat timeout {timeout_s:g} s must exceed the interval {ivl_s:g} s")
-    sock.setsockopt(zmq.HEARTBEAT_IVL, max(1, int(ivl_s * 1000)))
-    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, max(1, int(timeout_s * 1000)))
-    sock.setsockopt(zmq.HEARTBEAT_TTL, min(6_553_500, max(100, int(timeout_s * 1000))))
-
-
-_EVENTS = int(zmq.EVENTS)
-_POLLIN = int(zmq.POLLIN)
-
-
-def _monitor_events(monitor: zmq.Socket) -> list[tuple[int, int]]:
-    """Every queued ``(event, value)`` of a monitor socket, without blocking.
-
-    ``EVENTS`` says whether a message is queued (libzmq processes the socket's pending
-    commands first, as a receive would), so the common case, nothing queued, costs one
-    option read instead of a failed receive and its ``zmq.Again``."""
-    out = []
-    while monitor.get(_EVENTS) & _POLLIN:
-        try:
-            frames = monitor.recv_multipart(zmq.NOBLOCK)
-        except zmq.Again:  # not expected after POLLIN; harmless if it happens
-            return out
-        event = parse_monitor_message(frames)
-        out.append((int(event["event"]), int(event["value"])))
-    return out
-
-
-def _close_monitor(sock: zmq.Socket, monitor: zmq.Socket) -> None:
-    with contextlib.suppress(zmq.ZMQError):
-        sock.disable_monitor()
-    monitor.close(0)
-
-
-def _source_fd(frame: zmq.Frame) -> int | None:
-    try:
-        fd = frame.get(zmq.SRCFD)
-    except (zmq.ZMQError, AttributeError, TypeError):
-        return None
-    return fd if isinstance(fd, int) and fd >= 0 else None
 
 
 class ZmqControlServer:
@@ -122,7 +70,7 @@ class ZmqControlServer:
         curve: CurveServerKeys | None = None,
         recv_hwm: int = DEFAULT_RECV_HWM,
     ) -> None:
-        _check_hwm(recv_hwm)
+        check_hwm(recv_hwm)
         if curve is not None:
             require_curve()
             if context is not None:
@@ -146,7 +94,7 @@ class ZmqControlServer:
             self._sock.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes)
             self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
             self._sock.setsockopt(zmq.RCVHWM, recv_hwm)
-            _set_heartbeat(self._sock, heartbeat_ivl_s, heartbeat_timeout_s)
+            set_heartbeat(self._sock, heartbeat_ivl_s, heartbeat_timeout_s)
             if curve is not None:
                 apply_server_keys(self._sock, curve)
             if ":" in host:
@@ -177,7 +125,7 @@ class ZmqControlServer:
         """Apply queued connection events in order; the descriptors that closed (and
         were not accepted again since). Known peers on them are queued as lost."""
         gone: set[int] = set()
-        for event, fd in _monitor_events(self._monitor):
+        for event, fd in monitor_events(self._monitor):
             if event == zmq.EVENT_DISCONNECTED:
                 gone.add(fd)
                 identity = self._peer_of_fd.pop(fd, None)
@@ -209,8 +157,8 @@ class ZmqControlServer:
             if len(frames) < 2:
                 continue
             identity = frames[0].bytes
-            rest = _non_empty([f.bytes for f in frames[1:]])
-            fd = _source_fd(frames[-1])
+            rest = non_empty([f.bytes for f in frames[1:]])
+            fd = source_fd(frames[-1])
             if fd is not None:
                 if fd in gone:  # sent just before its connection closed
                     self._lost.append(identity)
@@ -251,7 +199,7 @@ class ZmqControlServer:
 
     def close(self) -> None:
         if self._sock is not None and not self._sock.closed:
-            _close_monitor(self._sock, self._monitor)
+            close_monitor(self._sock, self._monitor)
         self._release()
 
 
@@ -267,7 +215,7 @@ class ZmqControlClients:
         curve: CurveClientKeys | None = None,
         recv_hwm: int = DEFAULT_RECV_HWM,
     ) -> None:
-        self._recv_hwm = _check_hwm(recv_hwm)
+        self._recv_hwm = check_hwm(recv_hwm)
         if curve is not None:
             require_curve()
         self._curve = curve
@@ -281,6 +229,8 @@ class ZmqControlClients:
         self._monitor_of: dict[zmq.Socket, zmq.Socket] = {}
         self._by_monitor: dict[zmq.Socket, str] = {}
         self._lost: list[str] = []
+        self._back: list[str] = []  # reconnected after a reported loss
+        self._gone: set[str] = set()  # reported lost, not connected since
         self._poller = zmq.Poller()
         # Self-pipe: wake() interrupts a poll from any thread (e.g. a new task queued).
         self._wake_r, self._wake_w = os.pipe()
@@ -299,9 +249,10 @@ class ZmqControlClients:
             apply_client_keys(sock, self._curve)
         if endpoint.startswith("tcp://["):
             sock.setsockopt(zmq.IPV6, 1)
-        _set_heartbeat(sock, *self._heartbeat)
-        # One monitor per DEALER: a closed connection names its endpoint.
-        monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        set_heartbeat(sock, *self._heartbeat)
+        # One monitor per DEALER: a closed connection names its endpoint, and so does
+        # its next connection (Decode back behind the same address).
+        monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECTED)
         sock.connect(endpoint)
         self._by_endpoint[endpoint] = sock
         self._by_socket[sock] = endpoint
@@ -319,10 +270,12 @@ class ZmqControlClients:
         monitor = self._monitor_of.pop(sock)
         self._by_monitor.pop(monitor, None)
         self._poller.unregister(monitor)
-        _close_monitor(sock, monitor)
+        close_monitor(sock, monitor)
         sock.close(0)
         # A loss seen before must not fail work sent over a later connection.
         self._lost = [ep for ep in self._lost if ep != endpoint]
+        self._back = [ep for ep in self._back if ep != endpoint]
+        self._gone.discard(endpoint)
 
     def send(self, endpoint: str, payload: bytes, timeout: float = 5.0) -> None:
         """Queue one frame; waits at most ``timeout`` for the connection to exist."""
@@ -358,8 +311,8 @@ class ZmqControlClients:
         # Losses first: a reply that arrived before its connection closed is already
         # queued on the DEALER, so reading the sockets afterwards returns it too.
         for monitor, endpoint in self._by_monitor.items():
-            if any(ev == zmq.EVENT_DISCONNECTED for ev, _ in _monitor_events(monitor)):
-                self._lost.append(endpoint)
+            for ev, _ in monitor_events(monitor):
+                self._note_event(endpoint, ev)
         for sock in self._by_socket:
             if sock not in events and not self._lost:
                 continue
@@ -371,13 +324,27 @@ class ZmqControlClients:
                     frames = sock.recv_multipart(zmq.NOBLOCK)
                 except zmq.Again:
                     break
-                for frame in _non_empty(frames):
+                for frame in non_empty(frames):
                     out.append((endpoint, frame))
         return out
+
+    def _note_event(self, endpoint: str, event: int) -> None:
+        if event == zmq.EVENT_CONNECTED:
+            if endpoint in self._gone:
+                self._gone.discard(endpoint)
+                self._back.append(endpoint)
+        elif event == zmq.EVENT_DISCONNECTED:
+            self._gone.add(endpoint)
+            self._lost.append(endpoint)
+            self._back = [ep for ep in self._back if ep != endpoint]
 
     def disconnected(self) -> list[str]:
         lost, self._lost = list(dict.fromkeys(self._lost)), []
         return lost
+
+    def reconnected(self) -> list[str]:
+        back, self._back = list(dict.fromkeys(self._back)), []
+        return back
 
     def close(self) -> None:
         for endpoint in list(self._by_endpoint):

@@ -62,6 +62,7 @@ class DecodeScheduler(ConnectorRole):
         self._waiting: dict[str, _Waiting] = {}
         self._received: dict[str, bool] = {}  # KV received, not yet scheduled (timeline)
         self.posts = 0
+        self.failed_fast = 0  # requests failed because their Prefill dispatch failed
 
     # -- the connector role's hooks
     def get_num_new_matched_tokens(self, request: RequestFacts,
@@ -80,7 +81,8 @@ class DecodeScheduler(ConnectorRole):
                 if self._received.pop(r.request_id, False):
                     self._timeline.stamp(r.request_id, "decode.scheduled")
         loads = self.build()
-        return StepPlan(loads=loads, idle=not loads and not any(
+        failed = self.dispatch_failures()
+        return StepPlan(loads=loads, failed_loads=failed, idle=not loads and not failed and not any(
             r.num_scheduled_tokens for r in scheduled))
 
     def update_connector_output(self, admitted: Mapping[str, int],
@@ -177,6 +179,20 @@ class DecodeScheduler(ConnectorRole):
             self.posts += 1
             posted.append(request_id)
         return posted
+
+    def dispatch_failures(self) -> tuple[tuple[str, str], ...]:
+        """Requests the metaserver says will get no KV (its Prefill dispatch failed), as
+        ``(request, reason)`` for the workers; each is reported once."""
+        failed = self._metaserver.take_failed()
+        if not failed:
+            return ()
+        by_ext = {w.payload["request_id"]: rid for rid, w in self._waiting.items()}
+        out = tuple((by_ext[ext], reason) for ext, reason in failed.items() if ext in by_ext)
+        for rid, reason in out:
+            self.failed_fast += 1
+            self._log.warning("request will get no KV; failing it now", request=rid,
+                              reason=reason)
+        return out
 
     def finished(self, request_id: str) -> None:
         """``request_finished``: cancel pending posts and forget the request."""

@@ -56,6 +56,8 @@ class DecodeWorker(ConnectorRole):
         # Before the forward: Prefill may announce as soon as it learns the contact
         # info, and this rank must know the destinations by then.
         self.start_step(plan.loads)
+        if plan.failed_loads:
+            self._receiver.fail_loads(dict(plan.failed_loads))
         self._idle = plan.idle
 
     def get_transfer_results(self, finished_req_ids: Iterable[str]) -> TransferResults:
@@ -79,7 +81,12 @@ class DecodeWorker(ConnectorRole):
         return {"bytes_pulled": s.bytes_read, "layers_done": s.layers_done,
                 "layers_failed": s.layers_failed, "read_seconds": s.read_seconds,
                 "reads_failed": s.reads_failed, "requests_done": self.requests_done,
-                "requests_failed": self.requests_failed, "read_latency_ms": latencies}
+                "requests_failed": self.requests_failed, "read_latency_ms": latencies,
+                "requests_aborted": self.requests_aborted, "requests_skipped": s.skipped,
+                "failed_dispatch": s.failed_fast, "failed_prefill_lost": s.peer_lost_failed,
+                "failed_deadline": s.expired, "refused_incompatible": s.refused_incompatible,
+                "refused_unauthenticated": s.refused_unauthenticated,
+                "refused_peer_cap": s.refused_capped}
 
     # -- the rules
     def start(self) -> str:

@@ -52,3 +52,6 @@ class StepPlan:
     # Decode: the step computes nothing and admits nothing (every request waits for its
     # KV), so a worker may wait a little for a completion rather than return at once.
     idle: bool = False
+    # Decode: (request, reason) whose KV will not come (the proxy could not dispatch it
+    # to Prefill): every worker fails it now, so vLLM applies kv_load_failure_policy.
+    failed_loads: tuple[tuple[str, str], ...] = ()

@@ -33,6 +33,7 @@ class _Request:
     withheld: bool = False  # a later send was not announced because of ``error``
     announced: bool = False  # a layer of it was announced (timeline)
     ext: str = ""  # the id announcements carry (Decode's replies name it)
+    blocks: int = 0  # main blocks of it announced so far (the held-blocks gauge)
 
 
 class PrefillWorker(ConnectorRole):
@@ -102,7 +103,14 @@ class PrefillWorker(ConnectorRole):
     def kv_connector_stats(self) -> dict[str, Any]:
         return {"layers_announced": self.layers_announced,
                 "requests_failed": self.requests_failed,
-                "requests_aborted": self.requests_skipped}
+                "requests_aborted": self.requests_skipped,
+                "refused_incompatible": self._sender.stats.handshakes_refused, **self.held()}
+
+    def held(self) -> dict[str, int]:
+        """Requests (and their main blocks) this rank still holds for Decode."""
+        with self._lock:
+            return {"held_requests": len(self._requests),
+                    "held_blocks": sum(r.blocks for r in self._requests.values())}
 
     @property
     def sender(self) -> PrefillSender:
@@ -124,6 +132,7 @@ class PrefillWorker(ConnectorRole):
                 r = self._requests.setdefault(s.internal_id, _Request(set()))
                 if r.error is None:
                     kept.append(s)
+                    r.blocks = max(r.blocks, s.main_start + len(s.main_block_ids))
                 elif not r.withheld:
                     r.withheld = True
                     self._log.warning("not announcing more of a request with a failed "
@@ -243,10 +252,11 @@ class PrefillWorker(ConnectorRole):
     # -- completion
     def _collect_resolved(self) -> None:
         resolved, skipped = self._sender.take_outcomes()
-        for key, exts in skipped.items():
-            self._skip(key, exts)  # type: ignore[arg-type]
-        for ticket, endpoint, error in resolved:
-            self._resolve((ticket, endpoint), error)  # type: ignore[arg-type]
+        for ticket, endpoint, error in resolved:  # in the order the answers came
+            key: Ticket = (ticket, endpoint)  # type: ignore[assignment]
+            if key in skipped:
+                self._skip(key, skipped.pop(key))
+            self._resolve(key, error)
 
     def _skip(self, ticket: Ticket, exts: tuple[str, ...]) -> None:
         """Decode answered this announcement without reading these requests: it no
@@ -258,7 +268,8 @@ class PrefillWorker(ConnectorRole):
                 r = self._requests.get(rid)
                 if r is None or r.ext not in gone or r.error is not None:
                     continue
-                r.error = f"decode endpoint {ticket[1]} no longer knows the request (aborted)"
+                r.error = (f"decode endpoint {ticket[1]} no longer reads the request "
+                           f"(aborted, or failed there)")
                 self.requests_skipped += 1
                 self._log.info("decode skipped an aborted request; no more of it is "
                                "announced", request=rid, endpoint=ticket[1])
