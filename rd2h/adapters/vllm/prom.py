@@ -63,9 +63,9 @@ CAUSED: dict[str, tuple[str, dict[str, str]]] = {
 GAUGES: dict[str, tuple[str, str]] = {
     "held_requests": ("prefill_held_requests", "Requests whose KV this Prefill engine still "
                       "holds for Decode engines (an announcement unanswered, or finished by "
-                      "vLLM and not yet released)."),
+                      "vLLM and not yet released), summed over TP ranks."),
     "held_blocks": ("prefill_held_blocks", "KV blocks (main) of the requests this Prefill "
-                    "engine still holds for Decode engines."),
+                    "engine still holds for Decode engines, summed over TP ranks."),
 }
 READ_LATENCY = PREFIX + "read_latency_seconds"
 READ_LATENCY_BUCKETS_S = tuple(ms / 1e3 for ms in READ_LATENCY_BUCKETS_MS)

@@ -7,8 +7,9 @@ serve`` processes on a tiny random-weight Llama (see rd2h/demo/tiny_model.py for
 the MLA model); Prefill uses chunked prefill (--max-num-batched-tokens 64); greedy tokens
 through the proxy must equal the reference engine's for the same prompts. Then
 Prefill is killed: the proxy's dispatch fails and Decode, told at once, fails the
-request at once (not at its KV deadline), and serves again once a Prefill is back. The Decode engine keeps
-vLLM's stats on, so rd2h's series on its ``/metrics`` are checked too.
+request at once (not at its KV deadline), and serves again once a Prefill is back.
+The Decode engine keeps vLLM's stats on, so rd2h's series on its ``/metrics`` are
+checked too.
 """
 
 from __future__ import annotations

@@ -70,6 +70,21 @@ def _metrics(url: str, *names: str) -> dict[str, float]:
     return out
 
 
+def _series(url: str, name: str, **labels: str) -> float:
+    """The sum of one series' samples whose labels include ``labels``."""
+    text = httpx.get(url + "/metrics", timeout=10).text
+    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
+               if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
+
+
+def _until(what: str, check: Any, deadline_s: float = 15.0) -> None:
+    """Stats reach /metrics with the steps' outputs: poll ``check`` until it holds."""
+    t0 = time.monotonic()
+    while not check():
+        assert time.monotonic() - t0 < deadline_s, what
+        time.sleep(0.25)
+
+
 IDLE = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc")
 
 
@@ -194,6 +209,20 @@ async def _give_up(url: str, model: str, prompt: list[int], mode: str, wait_s: f
     return "finished"
 
 
+async def _when_in_flight(proxy: Server, key: str, n: int, deadline_s: float = 30.0) -> None:
+    """Wait until the proxy's healthcheck shows at least ``n`` in ``key`` (``pending``:
+    client requests; ``prefill_in_flight``: Prefill dispatches)."""
+    t0 = time.monotonic()
+    async with httpx.AsyncClient(timeout=5) as c:
+        while (await c.get(proxy.url + "/healthcheck")).json()[key] < n:
+            assert time.monotonic() - t0 < deadline_s, f"never {n} {key}"
+            await asyncio.sleep(0.01)
+
+
+def _count(server: Server, text: str) -> int:
+    return server.log.read_text(errors="replace").count(text)
+
+
 def _figures(label: str, results: list[dict[str, Any]]) -> str:
     t = sorted(r["seconds"] for r in results)
     ok = sum(r["status"] == 200 for r in results)
@@ -243,6 +272,12 @@ def test_clients_that_give_up_fail_nobody_and_leave_nothing_behind(cluster) -> N
     assert busy_cpu <= max(2 * idle_cpu, idle_cpu + 0.15), (idle_cpu, busy_cpu)
     decode_log = c["decode"].log.read_text(errors="replace")
     assert "request failed to receive its KV" not in decode_log, _logs(c, "decode")
+    # Operators see it: aborts counted on Decode, nothing held on either Prefill.
+    _until("aborts on Decode's /metrics", lambda: _series(
+        c["decode"].url, "vllm:rd2h_requests_aborted_total") >= 1)
+    for name in ("prefill_a", "prefill_b"):
+        assert _series(c[name].url, "vllm:rd2h_prefill_held_requests") == 0
+        assert _series(c[name].url, "vllm:rd2h_prefill_held_blocks") == 0
 
 
 # ------------------------------------------------------------------------------ (a)
@@ -250,24 +285,34 @@ def test_clients_that_give_up_fail_nobody_and_leave_nothing_behind(cluster) -> N
 
 def test_a_dead_prefill_costs_no_request_its_deadline(cluster) -> None:
     c = cluster
-    prompts = [_prompt(50 + 7 * i, 500 + i) for i in range(24)]
+    prompts = [_prompt(150 + 7 * i, 500 + i) for i in range(32)]
     for p in prompts:
         _reference(c, p)
+    before = {"failover": _count(c["proxy"], "prefill dispatch failed"),
+              "peer_lost": _count(c["decode"], "prefill peer lost")}
 
     async def with_kill() -> list[dict[str, Any]]:
-        load = asyncio.create_task(_load(c["proxy"].url, c["model"], prompts, 4))
-        await asyncio.sleep(1.0)
+        load = asyncio.create_task(_load(c["proxy"].url, c["model"], prompts, 6))
+        await _when_in_flight(c["proxy"], "prefill_in_flight", 3)  # some are on A
         c["prefill_a"].kill()
         return await load
 
     results = asyncio.run(with_kill())
-    print(f"\n(a) {_figures('Prefill A killed 1 s into 24 requests at concurrency 4', results)}")
+    hit = {"failover": _count(c["proxy"], "prefill dispatch failed") - before["failover"],
+           "peer_lost": _count(c["decode"], "prefill peer lost") - before["peer_lost"]}
+    label = "Prefill A killed with 3 dispatches in flight, 32 requests at concurrency 6"
+    print(f"\n(a) {_figures(label, results)}; dispatches failed over: "
+          f"{hit['failover']}, Decode peer-lost events: {hit['peer_lost']}")
+    assert sum(hit.values()) >= 1, hit  # the kill met requests in flight
     for r in results:
         assert r["status"] == 200, (r, _logs(c))
         assert r["tokens"] == _reference(c, r["prompt"]), _logs(c)
         assert r["seconds"] < REQUEST_S / 4, r  # nobody waited for request_s
 
     # B gone too: every dispatch fails; Decode must hear it at once and recompute.
+    cause = {"cause": "prefill_dispatch_failed"}
+    failed_before = _series(c["decode"].url, "vllm:rd2h_requests_failed_by_cause_total",
+                            **cause)
     c["prefill_b"].kill()
     alone = [_prompt(70 + 9 * i, 700 + i) for i in range(6)]
     for p in alone:
@@ -279,6 +324,9 @@ def test_a_dead_prefill_costs_no_request_its_deadline(cluster) -> None:
         assert r["seconds"] < 10.0, r  # before: request_s (120 s, 20.2-20.6 s at 20 s)
     decode_log = c["decode"].log.read_text(errors="replace")
     assert "request will get no KV; failing it now" in decode_log, _logs(c, "decode", "proxy")
+    _until("dispatch failures on Decode's /metrics", lambda: _series(
+        c["decode"].url, "vllm:rd2h_requests_failed_by_cause_total", **cause)
+        >= failed_before + len(alone))
 
     prefill = c["prefill_a"]
     prefill.start()
@@ -296,17 +344,20 @@ def test_a_dead_decode_gives_clean_errors_and_prefill_returns_to_idle(cluster) -
     c = cluster
     prefill, decode = c["prefill_a"], c["decode"]  # B stays down since (a)
     idle = {"prefill_a": _metrics(prefill.url, *IDLE)}
-    prompts = [_prompt(120 + 5 * i, 900 + i) for i in range(12)]
+    prompts = [_prompt(150 + 5 * i, 900 + i) for i in range(24)]
 
     async def with_kill() -> list[dict[str, Any]]:
         load = asyncio.create_task(_load(c["proxy"].url, c["model"], prompts, 6, timeout=60))
-        await asyncio.sleep(0.5)
+        await _when_in_flight(c["proxy"], "pending", 4)
         decode.kill()
         return await load
 
     t0 = time.monotonic()
     results = asyncio.run(with_kill())
-    print(f"\n(b) {_figures('Decode killed 0.5 s into 12 requests', results)}")
+    errors = sorted({r["status"] for r in results if r["status"] != 200}, key=str)
+    print(f"\n(b) {_figures('Decode killed with 4 requests in flight, 24 requests', results)}"
+          f"; error statuses {errors}")
+    assert any(r["status"] != 200 for r in results)  # the kill met requests in flight
     for r in results:
         if r["status"] != 200:
             assert r["status"] in (502, 503), r  # the proxy's clean error, not a hang
@@ -332,9 +383,9 @@ def test_a_prefill_of_another_block_size_is_refused_at_the_handshake(cluster) ->
     root = c["root"]
     extra = {"transport": "cma", "log_level": "INFO",
              "deadlines": {"layer_ack_s": 10.0, "meta_ack_s": 5.0}}
-    odd = vllm_server("prefill, block size 16", c["model"], free_port(),
+    odd = vllm_server("prefill, block size 64", c["model"], free_port(),
                       root / "prefill_odd.log", kv=rd2h_kv("kv_producer", c["kv_port"], extra),
-                      args=["--block-size", "16"])
+                      args=["--block-size", "64"])  # Decode's is 32 (CPU attention: x32)
     proxy = proxy_server(free_port(), [odd.url], [c["decode"].url], root / "proxy_odd.log")
     with running(odd, proxy, startup_s=STARTUP_S):
         prompt = _prompt(96, 13)
@@ -349,3 +400,5 @@ def test_a_prefill_of_another_block_size_is_refused_at_the_handshake(cluster) ->
         odd_log = odd.log.read_text(errors="replace")
         assert "block_size" in odd_log and "refused" in odd_log, odd.tail(40)
         assert "block_size" in c["decode"].log.read_text(errors="replace")
+        _until("the refusal on Decode's /metrics", lambda: _series(
+            c["decode"].url, "vllm:rd2h_handshakes_refused_total", cause="incompatible") >= 1)
