@@ -77,7 +77,7 @@ def cluster(tmp_path_factory, llama_model, llama_reference):
         free_port(), [servers["prefill"].url], [servers["decode"].url], root / "proxy.log"
     )
     with running(*servers.values()):
-        yield {"model": str(model), "base": llama_reference, **servers}
+        yield {"model": str(model), "base": llama_reference, "kv_port": kv_port, **servers}
 
 
 def _logs(cluster) -> str:
@@ -164,6 +164,31 @@ def test_decode_metrics_show_the_pull(cluster):
     assert grew["read_latency_seconds_bucket++Inf"] == grew["read_latency_seconds_count"]
     for name in FAILURES:
         assert grew[name] == 0, (name, grew, _logs(cluster))
+
+
+def test_a_mismatched_prefill_build_gets_the_client_an_error_not_wrong_tokens(
+        cluster, tmp_path):
+    """A Prefill with another block size (64 against Decode's 32) behind its own proxy:
+    Decode refuses its MF_META naming ``block_size``; with vLLM's default policy
+    ("fail") the client gets an error at once, never tokens from mismatched KV."""
+    extra = {"transport": "cma", "log_level": "INFO"}
+    odd = vllm_server("prefill, block size 64", cluster["model"], free_port(),
+                      tmp_path / "prefill_odd.log",
+                      kv=rd2h_kv("kv_producer", cluster["kv_port"], extra),
+                      args=["--block-size", "64"])
+    proxy = proxy_server(free_port(), [odd.url], [cluster["decode"].url],
+                         tmp_path / "proxy_odd.log")
+    with running(odd, proxy):
+        t0 = time.monotonic()
+        resp = _complete(proxy.url, cluster["model"], PROMPTS[3])
+        took = time.monotonic() - t0
+        failed = resp.status_code != 200 or any(
+            c.get("finish_reason") not in ("length", "stop") for c in resp.json()["choices"])
+        print(f"\nmismatched Prefill, policy fail: HTTP {resp.status_code} after {took:.2f} s: "
+              f"{resp.text[:160]}")
+        assert failed, f"tokens from a mismatched Prefill: {resp.text}"
+        assert took < 10.0, f"the refusal took {took:.1f} s"
+        assert "block_size" in odd.log.read_text(errors="replace"), odd.tail(40)
 
 
 def test_dead_prefill_fails_the_waiting_request_then_serving_resumes(cluster):
