@@ -6,7 +6,6 @@ or a Prefill that sends no map, transfer as before."""
 from __future__ import annotations
 
 import time
-from typing import Any
 
 import pytest
 from fakes.logs import RecordingLogger
@@ -14,7 +13,6 @@ from fakes.net import wait_until
 from fakes.rig import (
     PLAIN,
     WAIT,
-    Rig,
     Transfer,
     assert_transfer_landed,
     internal,
@@ -33,15 +31,6 @@ SECRET = b"0123456789abcdef-secret"
 META_ACK_S = 60.0  # a refusal must never wait for this
 FAST_S = 5.0
 T1 = Transfer("req-c1", (1, 3), (1, 3), (4, 9), (2, 7))
-
-
-@pytest.fixture
-def rig() -> Any:
-    r = Rig()
-    try:
-        yield r
-    finally:
-        r.close()
 
 
 def test_a_block_size_mismatch_is_refused_at_the_handshake(rig) -> None:

@@ -75,15 +75,6 @@ pytestmark = pytest.mark.integration
 CODEC = PLAIN
 
 
-@pytest.fixture
-def rig() -> Any:
-    r = Rig()
-    try:
-        yield r
-    finally:
-        r.close()
-
-
 
 # ====================================================================== wire helpers
 

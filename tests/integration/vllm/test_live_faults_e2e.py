@@ -219,6 +219,30 @@ async def _when_in_flight(proxy: Server, key: str, n: int, deadline_s: float = 3
             await asyncio.sleep(0.01)
 
 
+def _load_and_kill(c: dict[str, Any], prompts: list[list[int]], concurrency: int,
+                   victim: Server, key: str, n: int, timeout: float = 300.0
+                   ) -> list[dict[str, Any]]:
+    """Run ``prompts`` through the proxy and SIGKILL ``victim`` once the proxy's
+    healthcheck shows ``n`` in ``key`` (so the kill meets requests in flight)."""
+    async def main() -> list[dict[str, Any]]:
+        load = asyncio.create_task(_load(c["proxy"].url, c["model"], prompts, concurrency,
+                                         timeout))
+        await _when_in_flight(c["proxy"], key, n)
+        victim.kill()
+        return await load
+
+    return asyncio.run(main())
+
+
+def _restart_and_check(c: dict[str, Any], engine: Server, prompt: list[int]) -> None:
+    """Start a killed engine again; a request through the proxy gets the reference."""
+    engine.start()
+    engine.wait_ready("/health", time.monotonic() + STARTUP_S)
+    got = _tokens(httpx.post(c["proxy"].url + "/v1/completions",
+                             json=_body(c["model"], prompt), timeout=120))
+    assert got == _reference(c, prompt), _logs(c)
+
+
 def _count(server: Server, text: str) -> int:
     return server.log.read_text(errors="replace").count(text)
 
@@ -291,13 +315,8 @@ def test_a_dead_prefill_costs_no_request_its_deadline(cluster) -> None:
     before = {"failover": _count(c["proxy"], "prefill dispatch failed"),
               "peer_lost": _count(c["decode"], "prefill peer lost")}
 
-    async def with_kill() -> list[dict[str, Any]]:
-        load = asyncio.create_task(_load(c["proxy"].url, c["model"], prompts, 6))
-        await _when_in_flight(c["proxy"], "prefill_in_flight", 3)  # some are on A
-        c["prefill_a"].kill()
-        return await load
-
-    results = asyncio.run(with_kill())
+    # Killed with 3 Prefill dispatches in flight: round robin put some on A.
+    results = _load_and_kill(c, prompts, 6, c["prefill_a"], "prefill_in_flight", 3)
     hit = {"failover": _count(c["proxy"], "prefill dispatch failed") - before["failover"],
            "peer_lost": _count(c["decode"], "prefill peer lost") - before["peer_lost"]}
     label = "Prefill A killed with 3 dispatches in flight, 32 requests at concurrency 6"
@@ -328,13 +347,7 @@ def test_a_dead_prefill_costs_no_request_its_deadline(cluster) -> None:
         c["decode"].url, "vllm:rd2h_requests_failed_by_cause_total", **cause)
         >= failed_before + len(alone))
 
-    prefill = c["prefill_a"]
-    prefill.start()
-    prefill.wait_ready("/health", time.monotonic() + STARTUP_S)
-    again = _prompt(150, 9)
-    got = _tokens(httpx.post(c["proxy"].url + "/v1/completions",
-                             json=_body(c["model"], again), timeout=120))
-    assert got == _reference(c, again), _logs(c)
+    _restart_and_check(c, c["prefill_a"], _prompt(150, 9))
 
 
 # ------------------------------------------------------------------------------ (b)
@@ -346,14 +359,8 @@ def test_a_dead_decode_gives_clean_errors_and_prefill_returns_to_idle(cluster) -
     idle = {"prefill_a": _metrics(prefill.url, *IDLE)}
     prompts = [_prompt(150 + 5 * i, 900 + i) for i in range(24)]
 
-    async def with_kill() -> list[dict[str, Any]]:
-        load = asyncio.create_task(_load(c["proxy"].url, c["model"], prompts, 6, timeout=60))
-        await _when_in_flight(c["proxy"], "pending", 4)
-        decode.kill()
-        return await load
-
     t0 = time.monotonic()
-    results = asyncio.run(with_kill())
+    results = _load_and_kill(c, prompts, 6, decode, "pending", 4, timeout=60)
     errors = sorted({r["status"] for r in results if r["status"] != 200}, key=str)
     print(f"\n(b) {_figures('Decode killed with 4 requests in flight, 24 requests', results)}"
           f"; error statuses {errors}")
@@ -367,12 +374,7 @@ def test_a_dead_decode_gives_clean_errors_and_prefill_returns_to_idle(cluster) -
     print(f"(b) Prefill idle {time.monotonic() - t0:.1f} s after the kill "
           f"({took:.1f} s after the last client answer)")
 
-    decode.start()
-    decode.wait_ready("/health", time.monotonic() + STARTUP_S)
-    again = _prompt(140, 11)
-    got = _tokens(httpx.post(c["proxy"].url + "/v1/completions",
-                             json=_body(c["model"], again), timeout=120))
-    assert got == _reference(c, again), _logs(c)
+    _restart_and_check(c, decode, _prompt(140, 11))
 
 
 # ------------------------------------------------------------------------------ (d)
