@@ -271,12 +271,10 @@ def build_prefill_worker(
     for addr, size in regions:
         transport.register_memory(addr, size)
     by_idx = {layer_index(name): lay for name, lay in layouts.items()}
-    d = options.deadlines
-    worker = container.prefill_worker(
+    worker = container.prefill_worker(  # reuse waits: the sender's gate budget
         sender=container.prefill_sender(p_session=transport.session_id, layers=by_idx,
                                         compat=facts.compat),
-        layer_names={i: lay.layer_name for i, lay in by_idx.items()},
-        reuse_timeout_s=d.layer_ack_s + d.meta_ack_s, transport=transport,
+        layer_names={i: lay.layer_name for i, lay in by_idx.items()}, transport=transport,
     )
     worker.start()
     return worker

@@ -80,7 +80,7 @@ def _prefill_rank(cfg: DemoConfig, p_rank: int, base_port: int, alloc: Allocatio
         raise ConnectionError(f"decode endpoint handshake failed: {failed}")
     out.put(("ready", f"prefill {p_rank}", None))
     # A layer's gate resolves (acknowledged, failed or expired) within this budget.
-    gate_s = deadlines.device_event_s + deadlines.meta_ack_s + deadlines.layer_ack_s + 1.0
+    gate_s = sender.timeouts.gate_budget_s
     compute_s = cfg.layer_compute_ms / 1e3
 
     def wait_gate(layer: int, errors: dict[str, None]) -> None:

@@ -55,10 +55,10 @@ def prefill_rank_via_provider(cfg: DemoConfig, p_rank: int, base_port: int,
                 r, layer, c, idx, shapes.bytes_per_block(c)
             )
 
-    # A layer's gate resolves (acknowledged, failed or expired) within this budget.
-    gate_s = deadlines.device_event_s + deadlines.meta_ack_s + deadlines.layer_ack_s + 1.0
     sender = container.prefill_sender(p_session=transport.session_id, layers=layouts,
                                       compat=demo_compat(cfg))
+    # A layer's gate resolves (acknowledged, failed or expired) within this budget.
+    gate_s = sender.timeouts.gate_budget_s
     worker = container.prefill_worker(
         sender=sender, layer_names={i: layer_name(i) for i in range(cfg.layers)},
         buffer_reuse=cfg.shared_buffers > 0, reuse_timeout_s=gate_s,

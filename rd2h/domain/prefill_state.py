@@ -7,6 +7,9 @@ from dataclasses import dataclass, field
 
 from rd2h.domain.protocol import ReadReadyBatch
 
+# How late the sender's loop may notice a deadline (it ticks between polls and sends).
+GATE_SLACK_S = 5.0
+
 
 @dataclass(frozen=True)
 class PrefillTimeouts:
@@ -24,6 +27,14 @@ class PrefillTimeouts:
         deadlines: its device event, then a handshake, then a frame that waits in the
         outbox up to its reply deadline and, once it goes, a full reply deadline."""
         return self.device_event_s + self.meta_ack_s + 2 * self.layer_ack_s
+
+    @property
+    def gate_budget_s(self) -> float:
+        """The one bound on how long a layer's storage may stay in use after it was
+        announced: every entry ends within ``longest_entry_s``, and the driver fails
+        one within ``GATE_SLACK_S`` of its deadline. The buffer-reuse wait, the
+        preemption settle and the demo's gates all wait this long, never less."""
+        return self.longest_entry_s + GATE_SLACK_S
 
 
 @dataclass(eq=False)

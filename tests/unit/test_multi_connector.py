@@ -33,6 +33,7 @@ from vllm.v1.request import Request
 
 from rd2h.adapters.vllm.multi import MultiConnectorConfigError, Rd2hMultiConnector
 from rd2h.adapters.vllm.stats import Rd2hConnectorStats
+from rd2h.domain.prefill_state import PrefillTimeouts
 
 WORKER, SCHEDULER = KVConnectorRole.WORKER, KVConnectorRole.SCHEDULER
 LAYER = "model.layers.3.self_attn"
@@ -283,6 +284,10 @@ class RecordingSender:
 
     def take_outcomes(self) -> tuple[list[Any], dict[Any, Any]]:
         return [], {}
+
+    @property
+    def timeouts(self) -> PrefillTimeouts:
+        return PrefillTimeouts()
 
     def counters(self) -> dict[str, int]:
         return {}

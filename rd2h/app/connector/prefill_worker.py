@@ -21,7 +21,6 @@ from rd2h.ports.runtime import NO_TIMELINE, Clock, DeviceEvents, Logger, Timelin
 from rd2h.ports.transfer import TransferEngine
 
 Ticket = tuple[int, str]  # (announcement ticket, Decode endpoint)
-_SETTLE_SLACK_S = 5.0  # the sender loop's own delay in failing an entry at its deadline
 
 
 @dataclass
@@ -48,7 +47,7 @@ class PrefillWorker(ConnectorRole):
         clock: Clock,
         log: Logger,
         buffer_reuse: bool = False,
-        reuse_timeout_s: float = 60.0,
+        reuse_timeout_s: float | None = None,
         settle_timeout_s: float | None = None,
         stop_timeout_s: float = 5.0,
         transport: TransferEngine | None = None,
@@ -142,7 +141,7 @@ class PrefillWorker(ConnectorRole):
 
     def wait_for_layer_reuse(self, layer_idx: int) -> None:
         """Block until layer ``layer_idx``'s buffer may be written again (spec 11)."""
-        self._sender.wait_for_layer_send(layer_idx, self._reuse_timeout)
+        self._sender.wait_for_layer_send(layer_idx, self.reuse_timeout_s)
 
     def before_layer(self, layer_name: str) -> None:
         """``wait_for_layer_load`` on Prefill: with shared buffers, the reuse gate."""
@@ -237,12 +236,20 @@ class PrefillWorker(ConnectorRole):
                        failed=failed)
 
     @property
+    def reuse_timeout_s(self) -> float:
+        """How long ``wait_for_layer_reuse`` waits: the sender's gate budget (a slow but
+        healthy Decode answering inside the session's deadlines never makes it raise)."""
+        if self._reuse_timeout is not None:
+            return self._reuse_timeout
+        return self._sender.timeouts.gate_budget_s
+
+    @property
     def settle_timeout_s(self) -> float:
         """Every announcement ends (answered or failed) within the sender's own deadlines;
-        this bound only catches a sender that stopped keeping them."""
+        this bound (the gate budget) only catches a sender that stopped keeping them."""
         if self._settle_timeout_s is not None:
             return self._settle_timeout_s
-        return self._sender.timeouts.longest_entry_s + _SETTLE_SLACK_S
+        return self._sender.timeouts.gate_budget_s
 
     def _open_tickets(self, rids: Iterable[str]) -> dict[str, int]:
         with self._lock:
