@@ -16,8 +16,9 @@ SESSIONS = ("rd2h.domain.prefill_session", "rd2h.domain.decode_session")
 
 @pytest.fixture(scope="module")
 def graph() -> grimp.ImportGraph:
+    # Imports under TYPE_CHECKING count: a cycle there is still a cycle of the design.
     return grimp.build_graph("rd2h", include_external_packages=True,
-                             exclude_type_checking_imports=True)
+                             exclude_type_checking_imports=False)
 
 
 def _cycles(graph: grimp.ImportGraph) -> list[list[str]]:

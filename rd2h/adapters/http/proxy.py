@@ -50,11 +50,12 @@ from rd2h.adapters.http.proxy_config import (
     METASERVER_PATH,
     ProxyConfig,
 )
+from rd2h.adapters.http.proxy_errors import error_body
 from rd2h.adapters.http.proxy_metrics import HealthCounters, ProxyMetrics
 from rd2h.adapters.http.proxy_models import MODELS_PATH, fetch_models
 from rd2h.adapters.http.proxy_outcomes import DispatchFailures, WatchError
 from rd2h.adapters.http.proxy_prefill import PrefillLeg
-from rd2h.adapters.http.proxy_relay import DecodeCall, DecodeRelay, error_body
+from rd2h.adapters.http.proxy_relay import DecodeCall, DecodeRelay
 from rd2h.adapters.http.proxy_upstream import (
     CONNECT,
     FAILOVER,

@@ -22,8 +22,8 @@ import httpx
 from fastapi.responses import JSONResponse
 from starlette.responses import Response
 
+from rd2h.adapters.http.proxy_errors import error_body
 from rd2h.adapters.http.proxy_metrics import ProxyMetrics, status_reason
-from rd2h.adapters.http.proxy_relay import error_body
 from rd2h.adapters.http.proxy_upstream import STALE, Upstream, UpstreamError
 from rd2h.ports.runtime import Logger
 

@@ -5,23 +5,18 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import anyio
 import httpx
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from rd2h.adapters.http.proxy_metrics import status_reason
-from rd2h.adapters.http.proxy_upstream import UpstreamError, describe
+from rd2h.adapters.http.proxy_errors import error_body
+from rd2h.adapters.http.proxy_metrics import HealthCounters, ProxyMetrics, status_reason
+from rd2h.adapters.http.proxy_upstream import Upstream, UpstreamError, describe
 from rd2h.domain.rendezvous import Endpoint, PendingRequest
-
-if TYPE_CHECKING:
-    from rd2h.adapters.http.proxy import RendezvousProxy
-
-
-def error_body(status: int, message: str) -> dict[str, Any]:
-    return {"error": {"message": message, "type": "rd2h_proxy", "code": status}}
+from rd2h.ports.runtime import Logger, Timeline
 
 
 @dataclass
@@ -44,6 +39,20 @@ class DecodeCall:
         return self.decode + self.endpoint.path
 
 
+class RelayHost(Protocol):
+    """What a relay needs of the proxy (``RendezvousProxy`` is one)."""
+
+    log: Logger
+    timeline: Timeline
+    counters: HealthCounters
+    metrics: ProxyMetrics
+    upstream: Upstream
+
+    async def open_decode(self, call: DecodeCall) -> httpx.Response: ...
+
+    def finish(self, call: DecodeCall) -> None: ...
+
+
 class DecodeRelay(Response):
     """Relays Decode's answer to the client, then forgets the pending request.
 
@@ -52,7 +61,7 @@ class DecodeRelay(Response):
     before that.
     """
 
-    def __init__(self, proxy: RendezvousProxy, call: DecodeCall) -> None:
+    def __init__(self, proxy: RelayHost, call: DecodeCall) -> None:
         super().__init__(status_code=200)
         self._proxy = proxy
         self._call = call
