@@ -37,7 +37,7 @@ from rd2h.domain.protocol import ReadReadyBatch
 from rd2h.domain.request_book import StepOutcome
 from rd2h.ports.codec import WireCodec
 from rd2h.ports.control import ControlServer
-from rd2h.ports.runtime import NO_TIMELINE, Clock, Logger, Timeline, TpGroupExchange
+from rd2h.ports.runtime import NO_TIMELINE, Clock, HopName, Logger, Timeline, TpGroupExchange
 from rd2h.ports.transfer import TransferEngine
 
 
@@ -294,7 +294,7 @@ class DecodeReceiver(LoopThread):
         for out in outs if self._timeline is not NO_TIMELINE else ():
             if isinstance(out, LayerDone):
                 for ext in out.completed:
-                    self._timeline.stamp(ext, "decode.kv_complete")
+                    self._timeline.stamp(ext, HopName.DECODE_KV_COMPLETE)
         if report_decode(outs, self.stats, self._log):
             self._progress.set()
             if self._on_progress is not None:

@@ -123,20 +123,20 @@ def report_decode(outs: Iterable[d.Output], stats: DecodeStats, log: Logger) -> 
 
 
 def _rejected(out: d.Rejected, stats: DecodeStats, log: Logger) -> None:
-    if out.kind == "unknown":
+    if out.kind == d.RejectKind.UNKNOWN:
         log.warning("ignoring unknown message type", tag=out.detail)
-    elif out.kind == "unauthenticated":
+    elif out.kind == d.RejectKind.UNAUTHENTICATED:
         stats.auth_refused += 1
         stats.refused_unauthenticated += out.layer_idx is None  # an MF_META
         log.error("refusing unauthenticated control message", layer=out.layer_idx,
                   error=out.detail)
-    elif out.kind == "capped":
+    elif out.kind == d.RejectKind.CAPPED:
         stats.refused_capped += 1
         log.info("refusing control message", reason=out.detail)
-    elif out.kind == "incompatible":
+    elif out.kind == d.RejectKind.INCOMPATIBLE:
         stats.refused_incompatible += 1
         log.error("refusing MF_META from an incompatible prefill build", error=out.detail)
-    elif out.kind == "malformed":
+    elif out.kind == d.RejectKind.MALFORMED:
         stats.malformed += 1
         what = "dropping malformed message" if out.layer_idx is None else "malformed ready message"
         log.warning(what, layer=out.layer_idx, error=out.detail)

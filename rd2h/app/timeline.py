@@ -22,48 +22,50 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from rd2h.ports.runtime import HopName
+
 
 @dataclass(frozen=True)
 class Hop:
-    name: str
+    name: HopName
     owner: str
     what: str  # what the interval ending at this hop is made of
 
 
 PATH: tuple[Hop, ...] = (
-    Hop("proxy.received", "proxy", "client request read and named"),
-    Hop("decode.matched", "vLLM", "Decode API server, tokeniser, engine-core queue, "
+    Hop(HopName.PROXY_RECEIVED, "proxy", "client request read and named"),
+    Hop(HopName.DECODE_MATCHED, "vLLM", "Decode API server, tokeniser, engine-core queue, "
         "scheduler asks the connector"),
-    Hop("decode.allocated", "vLLM", "Decode scheduler allocates the request's blocks"),
-    Hop("decode.worker_admitted", "vLLM", "scheduler output to the Decode worker (IPC); "
+    Hop(HopName.DECODE_ALLOCATED, "vLLM", "Decode scheduler allocates the request's blocks"),
+    Hop(HopName.DECODE_WORKER_ADMITTED, "vLLM", "scheduler output to the Decode worker (IPC); "
         "rd2h admits the destinations"),
-    Hop("decode.admitted_all", "vLLM", "worker output back to the Decode scheduler with "
+    Hop(HopName.DECODE_ADMITTED_ALL, "vLLM", "worker output back to the Decode scheduler with "
         "every rank's admission"),
-    Hop("proxy.post", "rd2h", "metaserver POST from the Decode scheduler to the proxy"),
-    Hop("proxy.prefill_sent", "proxy", "the proxy dispatches the Prefill request"),
-    Hop("prefill.tracked", "vLLM", "Prefill API server, tokeniser, engine-core queue, "
+    Hop(HopName.PROXY_POST, "rd2h", "metaserver POST from the Decode scheduler to the proxy"),
+    Hop(HopName.PROXY_PREFILL_SENT, "proxy", "the proxy dispatches the Prefill request"),
+    Hop(HopName.PREFILL_TRACKED, "vLLM", "Prefill API server, tokeniser, engine-core queue, "
         "scheduler allocates"),
-    Hop("prefill.first_layer", "vLLM", "scheduler output to the Prefill worker, forward "
+    Hop(HopName.PREFILL_FIRST_LAYER, "vLLM", "scheduler output to the Prefill worker, forward "
         "up to layer 0 written"),
-    Hop("prefill.announced_all", "model", "the rest of the Prefill forward (every layer "
+    Hop(HopName.PREFILL_ANNOUNCED_ALL, "model", "the rest of the Prefill forward (every layer "
         "announced as written)"),
-    Hop("decode.kv_complete", "rd2h", "the last announcement, Decode's read of it and the "
+    Hop(HopName.DECODE_KV_COMPLETE, "rd2h", "the last announcement, Decode's read of it and the "
         "request's completion on Decode"),
-    Hop("decode.reported", "rd2h", "the Decode worker reports it to vLLM (next "
+    Hop(HopName.DECODE_REPORTED, "rd2h", "the Decode worker reports it to vLLM (next "
         "get_finished, TP exchange)"),
-    Hop("decode.kv_ready", "vLLM", "worker output to the Decode scheduler "
+    Hop(HopName.DECODE_KV_READY, "vLLM", "worker output to the Decode scheduler "
         "(finished_recving)"),
-    Hop("decode.scheduled", "vLLM", "the Decode engine's next step schedules the request"),
-    Hop("proxy.first_byte", "vLLM", "Decode computes the last prompt token, samples, "
+    Hop(HopName.DECODE_SCHEDULED, "vLLM", "the Decode engine's next step schedules the request"),
+    Hop(HopName.PROXY_FIRST_BYTE, "vLLM", "Decode computes the last prompt token, samples, "
         "detokenises and streams the first token"),
-    Hop("proxy.done", "vLLM", "the rest of the output"),
+    Hop(HopName.PROXY_DONE, "vLLM", "the rest of the output"),
 )
 # Stamped too, off the path: failures and the ends of the Prefill leg.
 SIDE_HOPS: tuple[Hop, ...] = (
-    Hop("proxy.decode_headers", "vLLM", "Decode answered the response headers"),
-    Hop("prefill.released", "rd2h", "Prefill: every announcement answered, blocks freed"),
-    Hop("proxy.prefill_answered", "vLLM", "Prefill's HTTP answer reached the proxy"),
-    Hop("decode.failed", "rd2h", "Decode failed the request's KV"),
+    Hop(HopName.PROXY_DECODE_HEADERS, "vLLM", "Decode answered the response headers"),
+    Hop(HopName.PREFILL_RELEASED, "rd2h", "Prefill: every announcement answered, blocks freed"),
+    Hop(HopName.PROXY_PREFILL_ANSWERED, "vLLM", "Prefill's HTTP answer reached the proxy"),
+    Hop(HopName.DECODE_FAILED, "rd2h", "Decode failed the request's KV"),
 )
 KNOWN_HOPS = frozenset(h.name for h in PATH + SIDE_HOPS)
 _KEY = re.compile(r"[0-9a-f]{32}")
@@ -98,7 +100,7 @@ def select(requests: Mapping[str, Mapping[str, float]], since: float | None = No
     """The requests that started (first stamp) within ``[since, until]``."""
     out = {}
     for key, hops in requests.items():
-        start = hops.get("proxy.received", min(hops.values(), default=math.inf))
+        start = hops.get(HopName.PROXY_RECEIVED, min(hops.values(), default=math.inf))
         if (since is None or start >= since) and (until is None or start <= until):
             out[key] = hops
     return out
@@ -166,8 +168,8 @@ def breakdown(requests: Mapping[str, Mapping[str, float]],
             hop.name, after, hop.owner, hop.what, len(deltas),
             percentile(deltas, 50), percentile(deltas, 99),
             sum(deltas) / len(deltas) if deltas else math.nan, percentile(offsets, 50)))
-    complete = sum(1 for s in requests.values() if "proxy.first_byte" in s)
-    failed = sum(1 for s in requests.values() if "decode.failed" in s)
+    complete = sum(1 for s in requests.values() if HopName.PROXY_FIRST_BYTE in s)
+    failed = sum(1 for s in requests.values() if HopName.DECODE_FAILED in s)
     return Breakdown(len(requests), complete, failed, tuple(figures))
 
 

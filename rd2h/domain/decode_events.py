@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable
 from dataclasses import dataclass
+from enum import StrEnum
 
 from rd2h.domain.compat import MetaRefused
 from rd2h.domain.planning import ReadPlan
@@ -96,13 +97,23 @@ class Capped:
     limit: int
 
 
+class RejectKind(StrEnum):
+    """Why a frame could not be used."""
+
+    UNKNOWN = "unknown"  # a message type rd2h does not know
+    UNEXPECTED = "unexpected"  # a known type Decode never receives (e.g. READ_DONE)
+    UNAUTHENTICATED = "unauthenticated"  # its signature did not verify
+    MALFORMED = "malformed"  # it did not decode (a READ_FAILED went back if it named a layer)
+    CAPPED = "capped"  # MF_META from a new connection while the peer cap is full
+    INCOMPATIBLE = "incompatible"  # MF_META refused by its compat map
+
+
 @dataclass(frozen=True)
 class Rejected:
-    """A frame that could not be used: ``kind`` is ``unknown``, ``unauthenticated``,
-    ``malformed``, ``capped`` or ``incompatible`` (an MF_META refused by its compat map);
-    a READ_FAILED went back when it named its layer."""
+    """A frame that could not be used (``kind``); a READ_FAILED went back when it named
+    its layer."""
 
-    kind: str
+    kind: RejectKind
     detail: str
     layer_idx: int | None = None
 

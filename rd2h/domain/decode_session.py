@@ -32,6 +32,7 @@ from rd2h.domain.decode_events import (
     PeerLost,
     Read,
     Rejected,
+    RejectKind,
     Reply,
     SendAck,
     SendRefusal,
@@ -113,21 +114,21 @@ class DecodeSession:
             if (known := self._peers.get(peer)) is not None:
                 known.proven = True  # no longer evictable by a newcomer (``_meta``)
             return self._ready(peer, message, now) + self._cap_hits()
-        return [Rejected("unexpected", type(message).__name__)]
+        return [Rejected(RejectKind.UNEXPECTED, type(message).__name__)]
 
     def reject(self, peer: Peer, error: ProtocolError) -> list[Output]:
         """A frame that did not decode. Refused before anything in it is used: no
         metadata stored, no read, no request failed; a READ_FAILED when it names a layer."""
         if isinstance(error, UnknownMessageType):
-            return [Rejected("unknown", clip(repr(error.tag), 80))]
+            return [Rejected(RejectKind.UNKNOWN, clip(repr(error.tag), 80))]
         detail = clip(error.detail)
         if isinstance(error, AuthenticationError):
-            out: list[Output] = [Rejected("unauthenticated", detail, error.layer_idx)]
+            out: list[Output] = [Rejected(RejectKind.UNAUTHENTICATED, detail, error.layer_idx)]
             if error.layer_idx is not None:
                 out.append(Reply(peer, ReadFailed(error.layer_idx,
                                                   f"authentication failed: {detail}")))
             return out
-        out = [Rejected("malformed", detail, error.layer_idx)]
+        out = [Rejected(RejectKind.MALFORMED, detail, error.layer_idx)]
         if error.layer_idx is not None:
             out.append(Reply(peer, ReadFailed(error.layer_idx, f"malformed message: {detail}")))
         return out
@@ -224,7 +225,8 @@ class DecodeSession:
             self._peers.pop(peer, None)
             self._memo.forget(peer)
             why = clip(f"prefill {meta.p_session}: {refused.describe()}")
-            return [Rejected("incompatible", why), SendRefusal(peer, refused), Forget(peer)]
+            return [Rejected(RejectKind.INCOMPATIBLE, why), SendRefusal(peer, refused),
+                    Forget(peer)]
         known, out = self._peers.get(peer), list[Output]()
         # Full: the oldest peer that announced nothing since its MF_META (a replayed one
         # cannot: that needs the secret) yields its slot; it holds no other state.
@@ -234,7 +236,7 @@ class DecodeSession:
             out.append(Forget(idle))
         if known is None and len(self._peers) >= self.max_peers:
             # Not acknowledged: that Prefill's handshake deadline reports it.
-            out = [Rejected("capped", f"MF_META from a new connection while "
+            out = [Rejected(RejectKind.CAPPED, f"MF_META from a new connection while "
                             f"{self.max_peers} peers are known"), Forget(peer)]
             if not self._peers_capped:
                 self._peers_capped = True

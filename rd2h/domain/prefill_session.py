@@ -8,11 +8,9 @@ sender thread in ``rd2h.app.prefill``) owns the sockets, the codec, the device
 events and the clock; this module owns every rule and every deadline.
 
 Unit of work: one *entry* per (announcement, Decode endpoint). An entry always
-sits in exactly one phase, each bounded by exactly one deadline:
-
-``event``      waiting for the layer's device event        (``device_event_s``)
-``handshake``  waiting for the endpoint's MF_META ``ACK``   (``meta_ack_s``)
-``sent``       READ_READY_BATCH sent, waiting for the reply (``layer_ack_s``)
+sits in exactly one ``Phase``, each bounded by exactly one deadline: ``EVENT`` (the
+layer's device event, ``device_event_s``), ``HANDSHAKE`` (the endpoint's MF_META
+``ACK``, ``meta_ack_s``), ``SENT`` (READ_READY_BATCH out, its reply, ``layer_ack_s``).
 
 An entry ends answered (READ_DONE) or failed (READ_FAILED, a deadline, a lost
 connection, a refused handshake, the session stopped); either way its gate counts
@@ -39,7 +37,15 @@ from rd2h.domain.prefill_events import (
     SendBatch,
     SendMeta,
 )
-from rd2h.domain.prefill_state import Announcement, Entry, Link, Links, PrefillTimeouts
+from rd2h.domain.prefill_state import (
+    Announcement,
+    Entry,
+    Link,
+    Links,
+    LinkState,
+    Phase,
+    PrefillTimeouts,
+)
 from rd2h.domain.protocol import ReadDone, ReadFailed, ReadReadyBatch
 
 __all__ = ["PrefillSession", "PrefillTimeouts"]
@@ -94,13 +100,13 @@ class PrefillSession:
         deadline = now + self.timeouts.device_event_s
         for ep, batch in batches.items():
             ann.entries[ep] = Entry(aid, layer_idx, ep, dataclasses.replace(batch, seq=aid),
-                                    "event", deadline)
+                                    Phase.EVENT, deadline)
         self._announcements[aid] = ann
         return aid
 
     def awaiting_event(self, aid: int) -> bool:
         ann = self._announcements.get(aid)
-        return ann is not None and any(e.phase == "event" for e in ann.entries.values())
+        return ann is not None and any(e.phase == Phase.EVENT for e in ann.entries.values())
 
     def event_done(self, aid: int, now: float) -> list[Output]:
         """The layer's KV is on the device: announce it to every endpoint still pending."""
@@ -108,7 +114,7 @@ class PrefillSession:
         ann = self._announcements.get(aid)
         if ann is None:
             return out
-        for entry in [e for e in ann.entries.values() if e.phase == "event"]:
+        for entry in [e for e in ann.entries.values() if e.phase == Phase.EVENT]:
             out += self._dispatch(entry, now)
         return out
 
@@ -120,20 +126,20 @@ class PrefillSession:
                 out.append(HandshakeDone(ep, self._dead))
                 continue
             link = self._links.at(ep, now)
-            if link.state == "ready":
+            if link.state == LinkState.READY:
                 out.append(HandshakeDone(ep, None))
-            elif link.state == "backoff" or link.gone:
+            elif link.state == LinkState.BACKOFF or link.gone:
                 out.append(HandshakeDone(ep, link.reason or link.gone))
-            elif link.state == "down":
+            elif link.state == LinkState.DOWN:
                 out += self._start_handshake(ep, link, now)
         return out
 
     def ack_received(self, endpoint: str, now: float) -> list[Output]:
         """Decode acknowledged MF_META; an ACK outside a handshake is stray."""
         link = self._links.get(endpoint)
-        if link is None or link.state != "handshaking":
+        if link is None or link.state != LinkState.HANDSHAKING:
             return []
-        link.state = "ready"
+        link.state = LinkState.READY
         out: list[Output] = [HandshakeDone(endpoint, None)]
         waiting, link.waiting = link.waiting, []
         for entry in waiting:
@@ -143,19 +149,16 @@ class PrefillSession:
     def ack_refused(self, endpoint: str, detail: str, now: float,
                     notify: bool = False) -> list[Output]:
         """An ACK that failed authentication, or Decode refused MF_META: fail at once.
-        ``notify`` (Decode refused an incompatible build): keep the connection and send
-        what waits, and what comes until the backoff ends, as notices Decode will not read
-        but fail the requests of (instead of their KV deadline)."""
+        ``notify`` (an incompatible build): see ``Link.notify``."""
         link = self._links.get(endpoint)
-        if link is None or link.state != "handshaking":
+        if link is None or link.state != LinkState.HANDSHAKING:
             return []
         return self._handshake_failed(endpoint, link, f"decode endpoint {endpoint} refused: "
                                       f"{detail}", now, notify=notify)
 
     def reply(self, endpoint: str, message: ReadDone | ReadFailed, now: float) -> list[Output]:
-        """READ_DONE or READ_FAILED: the answer to the announcement whose id it echoes
-        (a peer that echoes none: the oldest entry of its layer). A reply to nothing
-        waiting (late, after its entry failed, or stray) changes nothing."""
+        """READ_DONE or READ_FAILED: the answer to the announcement whose id it echoes (or
+        the oldest of its layer); a reply to nothing waiting (late, stray) changes nothing."""
         link = self._links.get(endpoint)
         if link is None:
             return []
@@ -171,17 +174,17 @@ class PrefillSession:
         if (isinstance(message, ReadDone) and message.skipped and ann and ann.ticket is not None
                 and (gone := tuple(set(message.skipped) & set(entry.batch.named_ext_ids)))):
             self._skipped[(ann.ticket, endpoint)] = gone
-        if error is not None and link.state == "ready":
+        if error is not None and link.state == LinkState.READY:
             # Decode may have restarted behind the same endpoint (ZMQ reconnects silently
             # and a new ROUTER has no MF_META of ours): handshake again before the next.
-            link.state = "down"
+            link.state = LinkState.DOWN
         return self._end(entry, error, latency=now - entry.sent_at)
 
     def sent(self, endpoint: str, aid: int, now: float) -> None:
         """A ``SendBatch`` went out: its reply deadline runs from now."""
         ann = self._announcements.get(aid)
         entry = None if ann is None else ann.entries.get(endpoint)
-        if entry is not None and entry.phase == "sent":
+        if entry is not None and entry.phase == Phase.SENT:
             entry.sent_at = now
             entry.deadline = now + self.timeouts.layer_ack_s
 
@@ -190,25 +193,24 @@ class PrefillSession:
         if link is None:
             return []
         if isinstance(action, SendMeta):
-            if link.state != "handshaking":
+            if link.state != LinkState.HANDSHAKING:
                 return []
             return self._handshake_failed(action.endpoint, link, reason, now)
         ann = self._announcements.get(action.announcement)
         entry = None if ann is None else ann.entries.get(action.endpoint)
-        if entry is None or entry.phase != "sent":
+        if entry is None or entry.phase != Phase.SENT:
             return []
         return self._end(entry, reason)
 
     def connection_lost(self, endpoint: str, now: float) -> list[Output]:
-        """The transport saw the connection close: no reply on it will come, and Decode
-        fails the requests this rank was contributing to, so nothing still queued for
-        the endpoint is worth sending either. Until ``connection_restored``, sends to it
-        fail at once (a handshake would only wait for ``meta_ack_s``)."""
+        """The connection closed: no reply on it will come, and Decode fails the requests
+        this rank was contributing to, so nothing still queued for it is worth sending.
+        Until ``connection_restored``, sends fail at once (no ``meta_ack_s`` wait)."""
         link = self._links.get(endpoint)
         if link is not None:
             link.gone = (f"decode endpoint {endpoint} disconnected and has not reconnected "
                          f"(process gone, connection reset or heartbeat timeout)")
-        if link is not None and link.state == "handshaking":
+        if link is not None and link.state == LinkState.HANDSHAKING:
             return self._handshake_failed(
                 endpoint, link,
                 f"decode endpoint {endpoint} disconnected during the MF_META handshake "
@@ -229,11 +231,11 @@ class PrefillSession:
         t = self.timeouts
         for ann in list(self._announcements.values()):
             for entry in [e for e in ann.entries.values()
-                          if e.phase == "event" and e.deadline <= now]:
+                          if e.phase == Phase.EVENT and e.deadline <= now]:
                 out += self._end(entry, f"device event not complete within "
                                  f"{t.device_event_s:g} s")
         for ep, link in list(self._links.items()):
-            if link.state == "handshaking" and link.deadline <= now:
+            if link.state == LinkState.HANDSHAKING and link.deadline <= now:
                 out += self._handshake_failed(
                     ep, link,
                     f"no MF_META acknowledgement from {ep} within {t.meta_ack_s:g} s (decode "
@@ -262,11 +264,7 @@ class PrefillSession:
                 out += self._end(entry, f"{reason} (layer {entry.layer_idx} awaited {who})")
         for layer_idx in self._gates.pending_layers:  # cannot happen; never leave one shut
             self._gates.fail_layer(layer_idx, reason)
-        for ep, link in self._links.items():
-            if link.state == "handshaking":
-                out.append(HandshakeDone(ep, reason))
-            link.state = "down"
-        return out
+        return out + [HandshakeDone(ep, reason) for ep in self._links.stop()]
 
     # ------------------------------------------------------------ queries
     def gate(self, layer_idx: int) -> GateState:
@@ -289,8 +287,8 @@ class PrefillSession:
     def next_deadline(self) -> float | None:
         """When ``tick`` next has something to fail (None: nothing is waiting)."""
         times = [e.deadline for a in self._announcements.values() for e in a.entries.values()
-                 if e.phase != "handshake"]
-        times += [link.deadline for link in self._links.values() if link.state == "handshaking"]
+                 if e.phase != Phase.HANDSHAKE]
+        times += self._links.handshake_deadlines()
         return min(times, default=None)
 
     @property
@@ -318,25 +316,26 @@ class PrefillSession:
     # ------------------------------------------------------------ rules
     def _dispatch(self, entry: Entry, now: float) -> list[Output]:
         link = self._links.at(entry.endpoint, now)
-        if link.state == "backoff":
+        if link.state == LinkState.BACKOFF:
             notice = [SendBatch(entry.endpoint, entry.batch, entry.aid)] if link.notify else []
             return notice + self._end(entry, link.reason)
-        if link.gone and link.state != "ready":
+        if link.gone and link.state != LinkState.READY:
             return self._end(entry, link.gone)
-        if link.state == "ready":
+        if link.state == LinkState.READY:
             return self._send(entry, link, now)
-        entry.phase = "handshake"
+        entry.phase = Phase.HANDSHAKE
         entry.deadline = now + self.timeouts.meta_ack_s
         link.waiting.append(entry)
-        return self._start_handshake(entry.endpoint, link, now) if link.state == "down" else []
+        down = link.state == LinkState.DOWN
+        return self._start_handshake(entry.endpoint, link, now) if down else []
 
     def _start_handshake(self, endpoint: str, link: Link, now: float) -> list[Output]:
-        link.state = "handshaking"
+        link.state = LinkState.HANDSHAKING
         link.deadline = now + self.timeouts.meta_ack_s
         return [Connect(endpoint), SendMeta(endpoint)]
 
     def _send(self, entry: Entry, link: Link, now: float) -> list[Output]:
-        entry.phase = "sent"
+        entry.phase = Phase.SENT
         entry.sent_at = link.last_used = now
         entry.deadline = now + self.timeouts.layer_ack_s
         link.inflight.append(entry)
@@ -346,7 +345,7 @@ class PrefillSession:
                           now: float, *, notify: bool = False) -> list[Output]:
         """Drop the connection (with ``notify``: keep it, see ``ack_refused``); sends to
         it fail at once for ``reconnect_after_s``."""
-        link.state, link.reason, link.notify = "backoff", reason, notify
+        link.state, link.reason, link.notify = LinkState.BACKOFF, reason, notify
         link.deadline = now + self.timeouts.reconnect_after_s
         out: list[Output] = [HandshakeDone(endpoint, reason)]
         if not notify:
@@ -364,8 +363,8 @@ class PrefillSession:
         entries = [e for ann in self._announcements.values() for e in ann.entries.values()
                    if e.endpoint == endpoint]
         link = self._links.get(endpoint)
-        if link is not None and link.state != "backoff":
-            link.state = "down"
+        if link is not None and link.state != LinkState.BACKOFF:
+            link.state = LinkState.DOWN
         out: list[Output] = [Disconnect(endpoint)] if close else []
         for entry in entries:
             out += self._end(entry, reason)
@@ -381,9 +380,9 @@ class PrefillSession:
         del ann.entries[entry.endpoint]
         link = self._links.get(entry.endpoint)
         if link is not None:
-            if entry.phase == "handshake" and entry in link.waiting:
+            if entry.phase == Phase.HANDSHAKE and entry in link.waiting:
                 link.waiting.remove(entry)
-            elif entry.phase == "sent" and entry in link.inflight:
+            elif entry.phase == Phase.SENT and entry in link.inflight:
                 link.inflight.remove(entry)
         if error is not None and entry.endpoint not in error:
             error = f"decode endpoint {entry.endpoint}: {error}"  # the caller learns who

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable
 from dataclasses import dataclass, field
+from enum import StrEnum
 
 from rd2h.domain.protocol import ReadReadyBatch
 
@@ -37,13 +38,30 @@ class PrefillTimeouts:
         return self.longest_entry_s + GATE_SLACK_S
 
 
+class Phase(StrEnum):
+    """Where an announcement entry waits (each under exactly one deadline)."""
+
+    EVENT = "event"  # the layer's device event (device_event_s)
+    HANDSHAKE = "handshake"  # the endpoint's MF_META ACK (meta_ack_s)
+    SENT = "sent"  # the READ_READY_BATCH's reply (layer_ack_s)
+
+
+class LinkState(StrEnum):
+    """A Decode endpoint's connection, as ``Link`` documents."""
+
+    DOWN = "down"
+    HANDSHAKING = "handshaking"
+    READY = "ready"
+    BACKOFF = "backoff"
+
+
 @dataclass(eq=False)
 class Entry:
     aid: int
     layer_idx: int
     endpoint: str
     batch: ReadReadyBatch
-    phase: str  # "event" | "handshake" | "sent"
+    phase: Phase
     deadline: float
     sent_at: float = 0.0
 
@@ -67,7 +85,7 @@ class Link:
     ``notify``: Decode refused our MF_META (incompatible builds); announcements still go
     out, unread there, so that Decode fails the requests they name at once."""
 
-    state: str = "down"
+    state: LinkState = LinkState.DOWN
     deadline: float = 0.0
     reason: str = ""
     waiting: list[Entry] = field(default_factory=list)
@@ -85,16 +103,26 @@ class Links(dict[str, Link]):
         link = self.get(endpoint)
         if link is None:
             link = self[endpoint] = Link(last_used=now)
-        if link.state == "backoff" and now >= link.deadline:
-            link.state, link.reason, link.notify = "down", "", False
+        if link.state == LinkState.BACKOFF and now >= link.deadline:
+            link.state, link.reason, link.notify = LinkState.DOWN, "", False
         return link
+
+    def handshake_deadlines(self) -> list[float]:
+        return [link.deadline for link in self.values() if link.state == LinkState.HANDSHAKING]
+
+    def stop(self) -> list[str]:
+        """Every link down; returns the endpoints whose handshake was under way."""
+        handshaking = [ep for ep, link in self.items() if link.state == LinkState.HANDSHAKING]
+        for link in self.values():
+            link.state = LinkState.DOWN
+        return handshaking
 
     def close_idle(self, now: float, idle_s: float) -> list[str]:
         """Forget links with nothing in flight for ``idle_s`` (Decode instances come and
         go; their connections must not pile up); returns their endpoints."""
         idle = [ep for ep, link in self.items()
-                if (link.state in ("ready", "down") or now >= link.deadline)
-                and not (link.waiting or link.inflight or link.state == "handshaking")
+                if (link.state in (LinkState.READY, LinkState.DOWN) or now >= link.deadline)
+                and not (link.waiting or link.inflight or link.state == LinkState.HANDSHAKING)
                 and now - link.last_used >= idle_s]
         for ep in idle:
             del self[ep]

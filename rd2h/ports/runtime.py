@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from enum import StrEnum
 from typing import Any, Protocol
 
 
@@ -52,17 +53,43 @@ class Logger(Protocol):
     def error(self, event: str, **kw: Any) -> Any: ...
 
 
+class HopName(StrEnum):
+    """Every hop a request's timeline stamps (``rd2h.app.timeline`` orders and owns
+    them); one name per point on the serving path, defined here once."""
+
+    PROXY_RECEIVED = "proxy.received"
+    DECODE_MATCHED = "decode.matched"
+    DECODE_ALLOCATED = "decode.allocated"
+    DECODE_WORKER_ADMITTED = "decode.worker_admitted"
+    DECODE_ADMITTED_ALL = "decode.admitted_all"
+    PROXY_POST = "proxy.post"
+    PROXY_PREFILL_SENT = "proxy.prefill_sent"
+    PREFILL_TRACKED = "prefill.tracked"
+    PREFILL_FIRST_LAYER = "prefill.first_layer"
+    PREFILL_ANNOUNCED_ALL = "prefill.announced_all"
+    DECODE_KV_COMPLETE = "decode.kv_complete"
+    DECODE_REPORTED = "decode.reported"
+    DECODE_KV_READY = "decode.kv_ready"
+    DECODE_SCHEDULED = "decode.scheduled"
+    PROXY_FIRST_BYTE = "proxy.first_byte"
+    PROXY_DONE = "proxy.done"
+    PROXY_DECODE_HEADERS = "proxy.decode_headers"
+    PREFILL_RELEASED = "prefill.released"
+    PROXY_PREFILL_ANSWERED = "proxy.prefill_answered"
+    DECODE_FAILED = "decode.failed"
+
+
 class Timeline(Protocol):
     """Per-request hop stamps (``rd2h timeline`` merges them across processes)."""
 
-    def stamp(self, request_id: str, hop: str) -> None:
+    def stamp(self, request_id: str, hop: HopName) -> None:
         """Record that ``request_id`` passed ``hop`` now."""
 
 
 class NoTimeline:
     """The timeline when none is configured: stamps nothing."""
 
-    def stamp(self, request_id: str, hop: str) -> None:
+    def stamp(self, request_id: str, hop: HopName) -> None:
         return None
 
 

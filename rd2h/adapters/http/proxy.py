@@ -74,7 +74,7 @@ from rd2h.domain.rendezvous import (
     count_prompts,
     decode_body,
 )
-from rd2h.ports.runtime import Logger, Timeline
+from rd2h.ports.runtime import HopName, Logger, Timeline
 
 __all__ = ["ProxyConfig", "RendezvousProxy", "create_app"]
 
@@ -143,7 +143,7 @@ class RendezvousProxy:
         if "kv_transfer_params" in body:
             self.log.warning("client kv_transfer_params replaced by the proxy's")
         rid = uuid.uuid4().hex
-        self.timeline.stamp(rid, "proxy.received")
+        self.timeline.stamp(rid, HopName.PROXY_RECEIVED)
         entry = self.table.open(rid, endpoint, body, expected, time.monotonic())
         self.counters.requests += 1
         headers = {"X-Request-Id": rid, **_forwarded(request)}
@@ -172,7 +172,7 @@ class RendezvousProxy:
                 continue
             self.metrics.decode_response_start.labels(call.endpoint.path).observe(
                 time.monotonic() - call.started)
-            self.timeline.stamp(call.rid, "proxy.decode_headers")
+            self.timeline.stamp(call.rid, HopName.PROXY_DECODE_HEADERS)
             return response
 
     def _resend_decode(self, call: DecodeCall, exc: UpstreamError) -> bool:
@@ -194,7 +194,7 @@ class RendezvousProxy:
         self.table.close(old)
         self._headers.pop(old, None)
         call.rid = uuid.uuid4().hex
-        self.timeline.stamp(call.rid, "proxy.received")
+        self.timeline.stamp(call.rid, HopName.PROXY_RECEIVED)
         call.entry = self.table.open(call.rid, call.endpoint, call.body, call.entry.expected,
                                      time.monotonic())
         call.headers["X-Request-Id"] = call.rid
@@ -214,7 +214,7 @@ class RendezvousProxy:
     def finish(self, call: DecodeCall) -> None:
         """Forget a request once Decode's answer has ended (any way it ends)."""
         self._headers.pop(call.rid, None)
-        self.timeline.stamp(call.rid, "proxy.done")
+        self.timeline.stamp(call.rid, HopName.PROXY_DONE)
         entry = self.table.close(call.rid)
         path = call.endpoint.path
         self.metrics.in_flight.labels(path).dec()
@@ -274,7 +274,7 @@ class RendezvousProxy:
         entry = outcome.request
         self.metrics.posts.labels(outcome.status.value).inc()
         if outcome.status is PostStatus.DISPATCH:
-            self.timeline.stamp(entry.rid, "proxy.post")
+            self.timeline.stamp(entry.rid, HopName.PROXY_POST)
             self.metrics.decode_admission.observe(received - entry.created)
             headers = self._headers.get(entry.rid, {"X-Request-Id": entry.rid})
             self._spawn(self.prefill.dispatch(entry, headers, received))

@@ -14,7 +14,7 @@ from rd2h.adapters.http.proxy_metrics import HealthCounters, ProxyMetrics, statu
 from rd2h.adapters.http.proxy_outcomes import DispatchFailures
 from rd2h.adapters.http.proxy_upstream import FAILOVER, STALE, AttemptTrace, Upstream, UpstreamError
 from rd2h.domain.rendezvous import PendingRequest, prefill_body
-from rd2h.ports.runtime import Logger, Timeline
+from rd2h.ports.runtime import HopName, Logger, Timeline
 
 
 class PrefillLeg:
@@ -42,7 +42,7 @@ class PrefillLeg:
         the last metaserver post arrived (monotonic).
         """
         started = time.monotonic()
-        self._timeline.stamp(entry.rid, "proxy.prefill_sent")
+        self._timeline.stamp(entry.rid, HopName.PROXY_PREFILL_SENT)
         self._counters.prefill_dispatched += 1
         body = prefill_body(entry.body, entry.endpoint, entry.prefill_params())
         urls = self._config.prefill
@@ -91,7 +91,7 @@ class PrefillLeg:
             else:
                 if not r.is_error:
                     self._counters.prefill_ok += 1
-                    self._timeline.stamp(entry.rid, "proxy.prefill_answered")
+                    self._timeline.stamp(entry.rid, HopName.PROXY_PREFILL_ANSWERED)
                     # The write time where the transport reports it, else the answer's.
                     sent = trace.sent_at or time.monotonic()
                     self._metrics.prefill_dispatch.observe(sent - posted)

@@ -16,7 +16,7 @@ from rd2h.adapters.http.proxy_errors import error_body
 from rd2h.adapters.http.proxy_metrics import HealthCounters, ProxyMetrics, status_reason
 from rd2h.adapters.http.proxy_upstream import Upstream, UpstreamError, describe
 from rd2h.domain.rendezvous import Endpoint, PendingRequest
-from rd2h.ports.runtime import Logger, Timeline
+from rd2h.ports.runtime import HopName, Logger, Timeline
 
 
 @dataclass
@@ -126,7 +126,7 @@ class DecodeRelay(Response):
             async for chunk in response.aiter_bytes():
                 if first and chunk:
                     first = False
-                    proxy.timeline.stamp(call.rid, "proxy.first_byte")
+                    proxy.timeline.stamp(call.rid, HopName.PROXY_FIRST_BYTE)
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
         except httpx.TransportError as exc:
             broken = True

@@ -12,7 +12,7 @@ from rd2h.app.connector.plans import DecodeLoad, StepPlan
 from rd2h.app.connector.roles import BlockIds, ConnectorRole, RequestFacts, ScheduledRequest
 from rd2h.domain.chunks import external_request_id
 from rd2h.ports.metaserver import MetaserverPoster
-from rd2h.ports.runtime import NO_TIMELINE, Logger, Timeline
+from rd2h.ports.runtime import NO_TIMELINE, HopName, Logger, Timeline
 
 
 @dataclass
@@ -79,7 +79,7 @@ class DecodeScheduler(ConnectorRole):
         if self._received:
             for r in scheduled:
                 if self._received.pop(r.request_id, False):
-                    self._timeline.stamp(r.request_id, "decode.scheduled")
+                    self._timeline.stamp(r.request_id, HopName.DECODE_SCHEDULED)
         loads = self.build()
         failed = self.dispatch_failures()
         return StepPlan(loads=loads, failed_loads=failed, idle=not loads and not failed and not any(
@@ -89,7 +89,7 @@ class DecodeScheduler(ConnectorRole):
                                 finished_recving: Iterable[str] = ()) -> None:
         self.on_admitted(admitted)
         for request_id in finished_recving:
-            self._timeline.stamp(request_id, "decode.kv_ready")
+            self._timeline.stamp(request_id, HopName.DECODE_KV_READY)
             if self._timeline is not NO_TIMELINE:
                 self._received[request_id] = True  # its first step is stamped too
 
@@ -108,7 +108,7 @@ class DecodeScheduler(ConnectorRole):
         count = max(0, prompt_len - num_computed)
         if count:
             self._remote[request_id] = num_computed
-            self._timeline.stamp(request_id, "decode.matched")
+            self._timeline.stamp(request_id, HopName.DECODE_MATCHED)
         return count, count > 0
 
     def after_alloc(
@@ -132,7 +132,7 @@ class DecodeScheduler(ConnectorRole):
         main = tuple(int(b) for b in block_ids[main_group])
         indexer = tuple(int(b) for b in block_ids[indexer_group])
         self._loads.append(DecodeLoad(request_id, main, indexer))
-        self._timeline.stamp(request_id, "decode.allocated")
+        self._timeline.stamp(request_id, HopName.DECODE_ALLOCATED)
         ext = external_request_id(request_id)
         url = None if params.get("do_virtual") else params.get("metaserver")
         if url is not None and not isinstance(url, str):
@@ -167,7 +167,7 @@ class DecodeScheduler(ConnectorRole):
             if w.admitted < self._tp:
                 continue
             w.posted = True
-            self._timeline.stamp(request_id, "decode.admitted_all")
+            self._timeline.stamp(request_id, HopName.DECODE_ADMITTED_ALL)
             if w.url is None:
                 continue
             try:

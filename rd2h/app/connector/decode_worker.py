@@ -10,7 +10,7 @@ from typing import Any
 from rd2h.app.connector.plans import DecodeLoad, StepPlan
 from rd2h.app.connector.roles import ConnectorRole, TransferResults
 from rd2h.app.decode import DecodeReceiver, DecodeStats
-from rd2h.ports.runtime import NO_TIMELINE, Logger, Timeline, TpGroupExchange
+from rd2h.ports.runtime import NO_TIMELINE, HopName, Logger, Timeline, TpGroupExchange
 
 
 @dataclass(frozen=True)
@@ -96,7 +96,7 @@ class DecodeWorker(ConnectorRole):
         for load in loads:
             self._receiver.admit(load.internal_id, load.main_block_ids, load.indexer_block_ids)
             self._admitted.append(load.internal_id)
-            self._timeline.stamp(load.internal_id, "decode.worker_admitted")
+            self._timeline.stamp(load.internal_id, HopName.DECODE_WORKER_ADMITTED)
 
     def wait_when_idle(self) -> bool:
         """A step that computes nothing: wait up to ``idle_wait_s`` for a request to
@@ -116,8 +116,8 @@ class DecodeWorker(ConnectorRole):
     def get_finished(self, finished_by_vllm: Iterable[str]) -> DecodeResults:
         outcome = self._receiver.step(self._exchange, finished_by_vllm, self._exchange_timeout)
         for rid in outcome.finished:
-            self._timeline.stamp(rid, "decode.failed" if rid in outcome.failed
-                                 else "decode.reported")
+            self._timeline.stamp(rid, HopName.DECODE_FAILED if rid in outcome.failed
+                                 else HopName.DECODE_REPORTED)
         for rid in outcome.failed:
             self._log.warning("request failed to receive its KV", request=rid,
                               reason=outcome.reasons.get(rid, "?"))

@@ -21,7 +21,7 @@ from rd2h.app.connector.roles import BlockIds, ConnectorRole, RequestFacts, Sche
 from rd2h.domain.chunks import chunk_block_range, external_request_id
 from rd2h.domain.errors import ChunkError, Rd2hError
 from rd2h.domain.topology import MAX_PORT, check_topology
-from rd2h.ports.runtime import NO_TIMELINE, Logger, Timeline
+from rd2h.ports.runtime import NO_TIMELINE, HopName, Logger, Timeline
 
 
 class TransferParamsError(Rd2hError, ValueError):
@@ -157,7 +157,7 @@ class PrefillScheduler(ConnectorRole):
                             error=str(exc))
             return False
         self._tracked[request_id] = _Tracked(ext, decode, total_tokens, cached)
-        self._timeline.stamp(request_id, "prefill.tracked")
+        self._timeline.stamp(request_id, HopName.PREFILL_TRACKED)
         return True
 
     def schedule(

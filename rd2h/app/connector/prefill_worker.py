@@ -17,7 +17,7 @@ from rd2h.domain.chunks import layer_index
 from rd2h.domain.errors import CompletionError, LayerSendError
 from rd2h.domain.protocol import ReadRequest
 from rd2h.domain.topology import compute_mapping, remote_port, tcp_endpoint
-from rd2h.ports.runtime import NO_TIMELINE, Clock, DeviceEvents, Logger, Timeline
+from rd2h.ports.runtime import NO_TIMELINE, Clock, DeviceEvents, HopName, Logger, Timeline
 from rd2h.ports.transfer import TransferEngine
 
 Ticket = tuple[int, str]  # (announcement ticket, Decode endpoint)
@@ -186,12 +186,12 @@ class PrefillWorker(ConnectorRole):
                     r = self._requests[rid]
                     if not r.announced:
                         r.announced = True
-                        self._timeline.stamp(rid, "prefill.first_layer")
+                        self._timeline.stamp(rid, HopName.PREFILL_FIRST_LAYER)
             if idx == self._last_layer:
                 for s in self._sends:
                     if s.final:
                         self._requests[s.internal_id].final_sent = True
-                        self._timeline.stamp(s.internal_id, "prefill.announced_all")
+                        self._timeline.stamp(s.internal_id, HopName.PREFILL_ANNOUNCED_ALL)
         try:
             self._sender.submit(idx, self._events.record(), targets, ticket=ticket)
         except LayerSendError as exc:
@@ -294,7 +294,7 @@ class PrefillWorker(ConnectorRole):
                 if r.finished and not r.open_tickets:
                     done.add(rid)
                     del self._requests[rid]
-                    self._timeline.stamp(rid, "prefill.released")
+                    self._timeline.stamp(rid, HopName.PREFILL_RELEASED)
         return done
 
     def _resolve(self, ticket: Ticket, error: str | None) -> None:
