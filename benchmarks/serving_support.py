@@ -258,7 +258,7 @@ def rd2h_kv(role: str, kv_port: int, options: dict | None = None) -> dict:
     """rd2h's connector over cma (``role``: kv_producer / kv_consumer); ``options``: more
     ``kv_connector_extra_config`` keys."""
     return {"kv_connector": "SfaRemoteD2HConnector",
-            "kv_connector_module_path": "rd2h.adapters.vllm.connector",
+            "kv_connector_module_path": "rd2h.entry.connector",
             "kv_role": role, "kv_port": kv_port,
             "kv_connector_extra_config": {"transport": "cma", "log_level": "INFO",
                                           **(options or {})}}

@@ -13,7 +13,7 @@ machine never imports an Ascend library. Tests override providers
 from __future__ import annotations
 
 import importlib.util
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from dependency_injector import containers, providers
@@ -29,43 +29,41 @@ from rd2h.adapters.zmq import (
 from rd2h.app.clock import MonotonicClock
 from rd2h.app.connector.decode_scheduler import DecodeScheduler
 from rd2h.app.connector.decode_worker import DecodeWorker
-from rd2h.app.connector.facts import EngineFacts
 from rd2h.app.connector.prefill_scheduler import PrefillScheduler
 from rd2h.app.connector.prefill_worker import PrefillWorker
-from rd2h.app.connector.roles import ConnectorRole
 from rd2h.app.decode import DecodeReceiver
 from rd2h.app.prefill import PrefillSender
-from rd2h.app.settings import Rd2hOptions, Rd2hSettings
-from rd2h.domain.chunks import discover_cache_groups, layer_index
+from rd2h.app.settings import Rd2hSettings
 from rd2h.domain.errors import Rd2hError
-from rd2h.domain.layout import SourceLayout
 from rd2h.domain.topology import plan_ports
-from rd2h.ports.destinations import DecodeDestinations
-from rd2h.ports.runtime import TpGroupExchange
+from rd2h.ports.codec import WireCodec
+from rd2h.ports.metaserver import MetaserverPoster
+from rd2h.ports.runtime import DeviceEvents, Logger, Timeline, TpGroupExchange
+from rd2h.ports.transfer import TransferEngine
 
 # ====================================================================== providers
 
 
-def _cma(threads: int) -> Any:
+def _cma(threads: int) -> TransferEngine:
     from rd2h.adapters.cma import CmaTransferEngine
 
     return CmaTransferEngine(threads=threads)
 
 
-def _inproc() -> Any:
+def _inproc() -> TransferEngine:
     from rd2h.adapters.inproc import InprocTransferEngine
 
     return InprocTransferEngine()
 
 
-def _mooncake(host: str, protocol: str, device: str, env: dict[str, str]) -> Any:
+def _mooncake(host: str, protocol: str, device: str, env: dict[str, str]) -> TransferEngine:
     from rd2h.adapters.mooncake import MooncakeTransferEngine
 
     return MooncakeTransferEngine(host=host, protocol=protocol, device_name=device, env=env)
 
 
 def _memfabric(host: str, role: str, store_url: str, transfer_type: str, device_id: int | None,
-               local_rank: int, nic: str, library: Any) -> Any:
+               local_rank: int, nic: str, library: Any) -> TransferEngine:
     from rd2h.adapters.memfabric import MemFabricConfig, MemFabricTransferEngine
 
     config = MemFabricConfig(
@@ -77,7 +75,7 @@ def _memfabric(host: str, role: str, store_url: str, transfer_type: str, device_
 
 
 def _codec(max_frame_bytes: int, max_objects: int, auth_secret: Any = None,
-           max_connections: int = 1024) -> Any:
+           max_connections: int = 1024) -> WireCodec:
     """The wire codec; signing when a shared secret is configured."""
     codec = MsgpackCodec(max_frame_bytes=max_frame_bytes, max_objects=max_objects)
     if auth_secret is None:
@@ -86,31 +84,31 @@ def _codec(max_frame_bytes: int, max_objects: int, auth_secret: Any = None,
                               max_connections=max_connections)
 
 
-def _server_keys(secret: Any, allowed: Sequence[str]) -> Any:
+def _server_keys(secret: Any, allowed: Sequence[str]) -> CurveServerKeys | None:
     """Decode's CURVE keys, or None (plain ZeroMQ)."""
     if secret is None:
         return None
     return CurveServerKeys(secret.get_secret_value(), tuple(allowed))
 
 
-def _client_keys(secret: Any, server_key: str | None) -> Any:
+def _client_keys(secret: Any, server_key: str | None) -> CurveClientKeys | None:
     """Prefill's CURVE keys, or None (plain ZeroMQ)."""
     if secret is None or server_key is None:
         return None
     return CurveClientKeys(secret.get_secret_value(), server_key)
 
 
-def _logger(role: str, rank: int, level: str) -> Any:
+def logger_for(role: str, rank: int, level: str) -> Logger:
     configure_logging(level)
     return make_logger(role, rank)
 
 
-def _timeline(directory: str | None) -> Any:
+def timeline_at(directory: str | None) -> Timeline:
     from rd2h.adapters.logging.timeline import timeline
     return timeline(directory)
 
 
-def _device_events(kind: str) -> Any:
+def _device_events(kind: str) -> DeviceEvents:
     from rd2h.adapters.torch.events import CpuDeviceEvents, NpuDeviceEvents
 
     if kind == "auto":
@@ -122,7 +120,8 @@ def _rank_port(kv_port: int, global_dp_rank: int, tp_size: int, tp_rank: int) ->
     return plan_ports(kv_port, global_dp_rank, tp_size).rank_port(tp_rank)
 
 
-def _metaserver(timeout_s: float, retries: int, retry_s: float, log: Any) -> Any:
+def _metaserver(timeout_s: float, retries: int, retry_s: float, log: Logger
+                ) -> MetaserverPoster:
     from rd2h.adapters.http import metaserver
 
     return metaserver.MetaserverClient(timeout_s=timeout_s, retries=retries,
@@ -130,7 +129,7 @@ def _metaserver(timeout_s: float, retries: int, retry_s: float, log: Any) -> Any
 
 
 def _exchange(rank: int, world_size: int, timeout_s: float, group: Any = None,
-              init_method: str | None = None) -> Any:
+              init_method: str | None = None) -> TpGroupExchange:
     """The Decode TP group's all-gather: gloo over an existing group (vLLM's TP CPU
     group) or a new one (``init_method``); a group of one needs no collective."""
     from rd2h.adapters.torch.exchange import InMemoryExchangeGroup, TorchDistExchange
@@ -154,10 +153,10 @@ class Container(containers.DeclarativeContainer):
     # A plain codec with the same limits, for wrappers that only look at frames (a
     # signing codec would count a second look as a replay).
     peek_codec = providers.Singleton(_codec, config.max_frame_bytes, limits.max_frame_objects)
-    logger = providers.Factory(_logger, role=config.role, rank=config.tp_rank,
+    logger = providers.Factory(logger_for, role=config.role, rank=config.tp_rank,
                                level=config.log_level)
     device_events = providers.Singleton(_device_events, config.device_events)
-    timeline = providers.Singleton(_timeline, config.timeline_dir)
+    timeline = providers.Singleton(timeline_at, config.timeline_dir)
 
     # None: import memfabric_hybrid when the engine is built; tests override with a fake.
     memfabric_library = providers.Object(None)
@@ -223,6 +222,16 @@ class Container(containers.DeclarativeContainer):
         clock=clock, log=logger, buffer_reuse=config.buffer_reuse,
         stop_timeout_s=deadlines.stop_s, timeline=timeline,
     )
+    decode_scheduler = providers.Factory(
+        DecodeScheduler, metaserver=metaserver, host=config.host, tp_size=config.tp_size,
+        log=logger, stop_timeout_s=deadlines.stop_s, timeline=timeline,
+    )
+    decode_worker = providers.Factory(
+        DecodeWorker, receiver=decode_receiver, log=logger,
+        exchange_timeout_s=deadlines.tp_exchange_s, stop_timeout_s=deadlines.stop_s,
+        timeline=timeline, idle_wait_s=providers.Callable(lambda ms: ms / 1e3,
+                                                          config.idle_wait_ms),
+    )
 
 
 def build_container(settings: Rd2hSettings) -> Container:
@@ -231,143 +240,23 @@ def build_container(settings: Rd2hSettings) -> Container:
     return container
 
 
-# ====================================================================== the vLLM connector
-
-
-def build_scheduler_role(options: Rd2hOptions, facts: EngineFacts) -> ConnectorRole:
-    settings = facts.settings(options)  # validates ports up front
-    groups = discover_cache_groups(facts.group_layer_names)
+def bootstrap(settings: Rd2hSettings, **overrides: Any) -> Container:
+    """The container for ``settings`` with providers replaced by objects (cosmicpython's
+    bootstrap): ``bootstrap(s, clock=ManualClock(), transport=engine, control_clients=
+    net.clients)``; a callable given for a ``*_factory`` style provider (``control_server``,
+    ``control_clients``) is called for each instance. Unknown names raise ``ValueError``."""
     container = build_container(settings)
-    if facts.side == "prefill":
-        return container.prefill_scheduler(
-            block_size=facts.block_size, main_group=groups.main, indexer_group=groups.indexer,
-            log=container.logger(role="prefill-scheduler"),
-        )
-    log = container.logger(role="decode-scheduler")
-    return DecodeScheduler(
-        metaserver=container.metaserver(log=log), host=options.host,
-        base_port=settings.base_port, tp_size=facts.tp_size,
-        engine_id=options.engine_id or facts.engine_id, log=log, main_group=groups.main,
-        indexer_group=groups.indexer, stop_timeout_s=options.deadlines.stop_s,
-        timeline=container.timeline(),
-    )
+    for name, value in overrides.items():
+        provider = getattr(container, name, None)
+        if not isinstance(provider, providers.Provider):
+            raise ValueError(f"the container has no provider {name!r}")
+        if name in _MADE_PER_USE and callable(value):
+            provider.override(providers.Callable(value))
+        else:
+            provider.override(providers.Object(value))
+    return container
 
 
-def build_prefill_worker(
-    options: Rd2hOptions,
-    facts: EngineFacts,
-    layouts: Mapping[str, SourceLayout],
-    regions: Sequence[tuple[int, int]],
-    *,
-    memfabric_library: Any = None,
-) -> PrefillWorker:
-    """Register the source caches with the transport and start the sender."""
-    if not layouts:
-        raise Rd2hError("no KV cache layers to expose")
-    container = build_container(facts.settings(options))
-    if memfabric_library is not None:
-        container.memfabric_library.override(memfabric_library)
-    transport = container.transport()
-    for addr, size in regions:
-        transport.register_memory(addr, size)
-    by_idx = {layer_index(name): lay for name, lay in layouts.items()}
-    worker = container.prefill_worker(  # reuse waits: the sender's gate budget
-        sender=container.prefill_sender(p_session=transport.session_id, layers=by_idx,
-                                        compat=facts.compat),
-        layer_names={i: lay.layer_name for i, lay in by_idx.items()}, transport=transport,
-    )
-    worker.start()
-    return worker
+# Providers whose override is a factory (a new object each time it is used).
+_MADE_PER_USE = frozenset({"control_server", "control_clients"})
 
-
-def build_decode_worker(
-    options: Rd2hOptions,
-    facts: EngineFacts,
-    destinations: DecodeDestinations,
-    *,
-    tp_group: Any = None,
-    exchange: TpGroupExchange | None = None,
-    memfabric_library: Any = None,
-) -> DecodeWorker:
-    """Register destinations, bind this rank's control socket and start receiving.
-
-    Every destination region (for the Ascend pool: the host addresses the transfer engine
-    sees) is registered with the transport before the receiver can be told to read.
-    ``tp_group``: the Decode TP ranks' CPU process group (vLLM's), when there are several;
-    ``exchange``: an all-gather to use instead (tests: threads standing in for ranks)."""
-    wanted = "shared_pool" if options.main_shared else "rank_local"
-    if destinations.main_sharing != wanted:
-        raise Rd2hError(
-            f"destinations hold main KV as {destinations.main_sharing!r} but the "
-            f"connector is configured for {wanted!r}"
-        )
-    container = build_container(facts.settings(options))
-    if memfabric_library is not None:
-        container.memfabric_library.override(memfabric_library)
-    transport = container.transport()
-    for addr, size in destinations.regions():
-        transport.register_memory(addr, size)
-    worker = DecodeWorker(
-        receiver=container.decode_receiver(destinations=destinations.layouts(),
-                                           compat=facts.compat),
-        exchange=exchange or container.tp_exchange(group=tp_group if facts.tp_size > 1 else None),
-        log=container.logger(), exchange_timeout_s=options.deadlines.tp_exchange_s,
-        stop_timeout_s=options.deadlines.stop_s,
-        report_invalid_blocks=len(facts.group_layer_names) <= 1,
-        timeline=container.timeline(), idle_wait_s=options.idle_wait_ms / 1e3,
-    )
-    worker.start()
-    return worker
-
-
-# ====================================================================== the harness's host
-
-
-def allow_reads_by(pid: int) -> bool:
-    """Let process ``pid`` read this process's memory (cma under Yama ptrace scope 1)."""
-    from rd2h.adapters.cma.ptrace import allow_reads_by as allow
-
-    return allow(pid)
-
-
-def start_memfabric_store(store_url: str) -> None:
-    """Run a MemFabric config store in this process."""
-    from rd2h.adapters.memfabric import start_config_store
-
-    start_config_store(store_url)
-
-
-def network_namespaces() -> Any:
-    """Network namespaces for two-host runs on one machine (``create_host_pair``,
-    ``delete_host_pair``, ``enter``, ``NetnsUnavailable``)."""
-    from rd2h.adapters import netns
-
-    return netns
-
-
-def proxy_config(**fields: Any) -> Any:
-    """The validated ``rd2h proxy`` configuration (``ValueError`` names a bad field)."""
-    from rd2h.adapters.http.proxy import ProxyConfig
-
-    return ProxyConfig(**fields)
-
-
-def serve_proxy(config: Any, host: str, port: int, log_level: str,
-                timeline_dir: str | None = None) -> None:
-    """Run ``rd2h proxy`` until interrupted (stamps: ``timeline_dir`` or the env's)."""
-    from rd2h.adapters.http.proxy import create_app
-    from rd2h.adapters.http.server import serve
-
-    log = _logger("proxy", 0, log_level)
-    log.info("proxy starting", listen=f"{host}:{port}", prefill=config.prefill,
-             decode=config.decode, metaserver=config.metaserver_url)
-    serve(create_app(config, log=log, timeline=_timeline(timeline_dir)), host, port,
-          log_level=log_level,
-          keep_alive_s=config.client_keepalive_s)
-
-
-def curve_keypair() -> tuple[str, str]:
-    """A new ZeroMQ CURVE key pair ``(public, secret)`` as Z85 text (``rd2h keys``)."""
-    from rd2h.adapters.zmq import generate_keypair
-
-    return generate_keypair()

@@ -126,7 +126,7 @@ def default_public_url(host: str, port: int) -> str:
 
 
 def _run_proxy(args: argparse.Namespace) -> int:
-    from rd2h.app.container import proxy_config, serve_proxy
+    from rd2h.app.gateways import proxy_config, serve_proxy
 
     public_url = args.public_url or default_public_url(args.host, args.port)
     try:

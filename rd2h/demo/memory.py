@@ -9,7 +9,8 @@ from typing import Any
 
 import numpy as np
 
-from rd2h.app.container import build_container, network_namespaces
+from rd2h.app.container import build_container
+from rd2h.app.gateways import network_namespaces
 from rd2h.app.settings import Rd2hSettings
 from rd2h.demo.config import DemoConfig, layer_name
 from rd2h.demo.faults import KILLED_EXIT_CODE

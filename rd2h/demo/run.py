@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from rd2h.app.container import network_namespaces
+from rd2h.app.gateways import network_namespaces
 from rd2h.demo.config import SENTINEL, DemoConfig, internal_id, main_pool_bytes, round_order
 from rd2h.demo.decode_rank import decode_main
 from rd2h.demo.faults import KILLED_EXIT_CODE, may_die

@@ -139,7 +139,7 @@ def store_main(conn: Connection, spec: EndpointSpec) -> None:
     """Process: run a MemFabric config store at ``spec.store_url`` until told to exit."""
     redirect_output(spec.log_path)
     try:
-        from rd2h.app.container import start_memfabric_store
+        from rd2h.app.gateways import start_memfabric_store
 
         start_memfabric_store(spec.store_url)
     except Exception as exc:
@@ -161,7 +161,7 @@ def prefill_main(conn: Connection, spec: EndpointSpec) -> None:
         buf = pattern(spec.size, spec.seed)
         engine.register_memory(buf.ctypes.data, buf.nbytes)
         if spec.transport == "cma":
-            from rd2h.app.container import allow_reads_by
+            from rd2h.app.gateways import allow_reads_by
 
             allow_reads_by(os.getppid())  # the Decode endpoint is our sibling
         conn.send(("ready", engine.session_id, buf.ctypes.data))

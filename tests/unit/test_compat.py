@@ -9,7 +9,6 @@ import msgpack
 import pytest
 
 from rd2h.adapters.msgpack import AuthenticatedCodec, MsgpackCodec
-from rd2h.adapters.vllm import translate
 from rd2h.app.settings import Rd2hOptions
 from rd2h.domain.compat import (
     INCOMPATIBLE,
@@ -25,6 +24,7 @@ from rd2h.domain.compat import (
 )
 from rd2h.domain.errors import AuthenticationError, ProtocolError
 from rd2h.domain.protocol import ACK, MF_META, LayerMetadata, MfMeta, ReadDone, fields_of
+from rd2h.entry import translate
 
 SECRET = b"0123456789abcdef-secret"
 PLAIN = MsgpackCodec()

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from rd2h.app.container import EngineFacts
+from rd2h.app.connector.facts import EngineFacts
 from rd2h.app.settings import ConnectorConfigError, Rd2hOptions
 
 STORE = "tcp://10.0.0.5:7000"

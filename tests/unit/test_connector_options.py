@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from rd2h.app.container import EngineFacts, build_container
+from rd2h.app.connector.facts import EngineFacts
+from rd2h.app.container import build_container
 from rd2h.app.settings import ConnectorConfigError, Deadlines, Rd2hOptions, Rd2hSettings
 from rd2h.domain.errors import Rd2hError
 

@@ -304,7 +304,7 @@ def _rd2h_with_sink(accept: bool) -> tuple[Any, Any, RecordingSender]:
     from rd2h.app.connector.prefill_worker import PrefillWorker
 
     rd2h = {"kv_connector": "SfaRemoteD2HConnector",
-            "kv_connector_module_path": "rd2h.adapters.vllm.connector",
+            "kv_connector_module_path": "rd2h.entry.connector",
             "kv_role": "kv_producer", "kv_connector_extra_config": {"buffer_reuse": True}}
     multi = build(WORKER, sub("RecordingSink", name="sink", accept_waiter=accept), rd2h)
     provider = multi.providers[0]

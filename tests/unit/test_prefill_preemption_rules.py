@@ -115,13 +115,13 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
 from vllm.v1.request import Request  # noqa: E402
 
 import rd2h.adapters.http.metaserver as metaserver_module  # noqa: E402
-from rd2h.adapters.vllm.connector import SfaRemoteD2HConnector  # noqa: E402
+from rd2h.entry.connector import SfaRemoteD2HConnector  # noqa: E402
 
 
 def _config(kv_role: str) -> VllmConfig:
     return VllmConfig(kv_transfer_config=KVTransferConfig(
         kv_connector="SfaRemoteD2HConnector",
-        kv_connector_module_path="rd2h.adapters.vllm.connector",
+        kv_connector_module_path="rd2h.entry.connector",
         kv_role=kv_role, kv_port=41000, engine_id=f"engine-{kv_role}"))
 
 

@@ -22,7 +22,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorProm
 from vllm.v1.metrics.stats import SchedulerStats
 from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
 
-from rd2h.adapters.vllm.connector import SfaRemoteD2HConnector
 from rd2h.adapters.vllm.prom import COUNTERS, PREFIX, READ_LATENCY, Rd2hPromMetrics
 from rd2h.adapters.vllm.stats import (
     MAX_LATENCY_SAMPLES,
@@ -30,11 +29,12 @@ from rd2h.adapters.vllm.stats import (
     READ_LATENCY_BUCKETS_MS,
     Rd2hConnectorStats,
 )
+from rd2h.entry.connector import SfaRemoteD2HConnector
 
 LABELNAMES = ["model_name", "engine"]
 ENGINES = {0: ["tiny", "0"], 1: ["tiny", "1"]}
 RD2H = {"kv_connector": "SfaRemoteD2HConnector",
-        "kv_connector_module_path": "rd2h.adapters.vllm.connector",
+        "kv_connector_module_path": "rd2h.entry.connector",
         "kv_role": "kv_consumer"}
 PLAIN = {"kv_connector": "RecordingPlain", "kv_connector_module_path": "fakes.vllm_connectors",
          "kv_role": "kv_both"}

@@ -819,10 +819,10 @@ def test_cli_help_explains_the_endpoints_and_keepalive(capsys) -> None:
 
 
 def test_cli_keepalive_flags_reach_the_config(monkeypatch) -> None:
-    import rd2h.app.container as container
+    import rd2h.app.gateways as gateways
 
     seen: dict[str, Any] = {}
-    monkeypatch.setattr(container, "serve_proxy",
+    monkeypatch.setattr(gateways, "serve_proxy",
                         lambda config, host, port, level, timeline_dir: seen.update(
                             config=config, timeline_dir=timeline_dir))
     assert main(["proxy", "--prefill", "http://p:1", "--decode", "http://d:2",

@@ -46,16 +46,16 @@ from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.request import Request
 
 import rd2h.adapters.http.metaserver as metaserver_module
-from rd2h.adapters.vllm.connector import (
+from rd2h.adapters.vllm.stats import Rd2hConnectorStats, delta
+from rd2h.app import assembly
+from rd2h.app.connector.plans import DecodeEndpoint, DecodeLoad, PrefillSend
+from rd2h.app.settings import ConnectorConfigError
+from rd2h.domain.errors import LayerSendError
+from rd2h.entry.connector import (
     Rd2hConnectorMetadata,
     Rd2hWorkerMeta,
     SfaRemoteD2HConnector,
 )
-from rd2h.adapters.vllm.stats import Rd2hConnectorStats, delta
-from rd2h.app import container as composition
-from rd2h.app.connector.plans import DecodeEndpoint, DecodeLoad, PrefillSend
-from rd2h.app.settings import ConnectorConfigError
-from rd2h.domain.errors import LayerSendError
 
 SUFFIX_D, SUFFIX_P = "-d0000001", "-p0000001"  # vLLM's 9-character engine suffixes
 BS, NB, LAYERS = 4, 16, 3
@@ -72,7 +72,7 @@ def vllm_config(kv_role: str, extra: dict[str, Any] | None = None, *, tp: int = 
                 pp: int = 1) -> VllmConfig:
     ktc = KVTransferConfig(
         kv_connector="SfaRemoteD2HConnector",
-        kv_connector_module_path="rd2h.adapters.vllm.connector",
+        kv_connector_module_path="rd2h.entry.connector",
         kv_role=kv_role, kv_port=KV_PORT, engine_id=f"engine-{kv_role}",
         kv_connector_extra_config=extra or {},
     )
@@ -339,20 +339,17 @@ def tp_group(tmp_path_factory):
 
 
 @pytest.fixture
-def memory_control(monkeypatch):
-    """The composition root builds everything real except the control sockets."""
+def memory_control():
+    """The roles are built with everything real except the control sockets."""
     net = MemoryNetwork()
-    real = composition.build_container
 
-    def build(settings):
-        container = real(settings)
+    def memory_sockets(container, settings) -> None:
         endpoint = f"tcp://{settings.host}:{settings.rank_port}"
         container.control_server.override(providers.Callable(net.server, endpoint))
         container.control_clients.override(providers.Callable(net.clients))
-        return container
 
-    monkeypatch.setattr(composition, "build_container", build)
-    return net
+    with assembly.customizing(memory_sockets):
+        yield net
 
 
 def _caches(fill: bool) -> dict[str, torch.Tensor]:

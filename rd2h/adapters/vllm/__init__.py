@@ -1,7 +1,5 @@
-"""rd2h as a vLLM KV connector.
-
-Use with ``--kv-transfer-config '{"kv_connector": "SfaRemoteD2HConnector",
-"kv_connector_module_path": "rd2h.adapters.vllm.connector", ...}'``. This package
-is the only place in rd2h that imports vLLM; import ``rd2h.adapters.vllm.connector``
-only where vLLM is installed.
+"""vLLM's side of rd2h: cache layouts and destinations from vLLM's tensors
+(``caches.py``), the stats payload and Prometheus series (``stats.py``, ``prom.py``) and
+the sibling-connector host (``multi.py``). The connector vLLM instantiates is the entry
+layer's ``rd2h.entry.connector``. Import these only where vLLM is installed.
 """

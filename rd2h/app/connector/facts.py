@@ -1,5 +1,5 @@
 """What vLLM tells the connector about its engine and rank, in plain values
-(``rd2h.adapters.vllm.translate`` reads them from vLLM's objects)."""
+(``rd2h.entry.translate`` reads them from vLLM's objects)."""
 
 from __future__ import annotations
 

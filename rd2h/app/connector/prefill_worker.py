@@ -7,7 +7,6 @@ from __future__ import annotations
 import itertools
 import threading
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
 from typing import Any
 
 from rd2h.app.connector.plans import PrefillSend, StepPlan
@@ -15,24 +14,16 @@ from rd2h.app.connector.roles import ConnectorRole, TransferResults
 from rd2h.app.prefill import LayerTarget, PrefillSender
 from rd2h.domain.chunks import layer_index
 from rd2h.domain.errors import CompletionError, LayerSendError
+from rd2h.domain.prefill_book import (
+    BookEvent,
+    PrefillRequestBook,
+    RequestFailed,
+    RequestWithheld,
+)
 from rd2h.domain.protocol import ReadRequest
 from rd2h.domain.topology import compute_mapping, remote_port, tcp_endpoint
 from rd2h.ports.runtime import NO_TIMELINE, Clock, DeviceEvents, HopName, Logger, Timeline
 from rd2h.ports.transfer import TransferEngine
-
-Ticket = tuple[int, str]  # (announcement ticket, Decode endpoint)
-
-
-@dataclass
-class _Request:
-    open_tickets: set[Ticket]
-    final_sent: bool = False
-    finished: bool = False
-    error: str | None = None
-    withheld: bool = False  # a later send was not announced because of ``error``
-    announced: bool = False  # a layer of it was announced (timeline)
-    ext: str = ""  # the id announcements carry (Decode's replies name it)
-    blocks: int = 0  # main blocks of it announced so far (the held-blocks gauge)
 
 
 class PrefillWorker(ConnectorRole):
@@ -72,14 +63,11 @@ class PrefillWorker(ConnectorRole):
         self._sends: tuple[PrefillSend, ...] = ()
         self._dispatched: set[int] = set()
         self._ticket_ids = itertools.count()
-        # Per (layer announcement, endpoint): a slow Decode instance holds back only
-        # the requests it reads, not those of other instances in the same layer.
-        self._ticket_reqs: dict[Ticket, tuple[str, ...]] = {}
-        self._requests: dict[str, _Request] = {}
+        # The request state (tickets per layer announcement and endpoint, errors,
+        # releases): sans IO, driven under the lock.
+        self._book = PrefillRequestBook()
         self._lock = threading.Lock()
         self.layers_announced = 0
-        self.requests_failed = 0
-        self.requests_skipped = 0  # Decode no longer knew them (aborted there)
         self.requests_settled = 0
 
     # -- the connector role's hooks
@@ -108,8 +96,16 @@ class PrefillWorker(ConnectorRole):
     def held(self) -> dict[str, int]:
         """Requests (and their main blocks) this rank still holds for Decode."""
         with self._lock:
-            return {"held_requests": len(self._requests),
-                    "held_blocks": sum(r.blocks for r in self._requests.values())}
+            return self._book.held()
+
+    @property
+    def requests_failed(self) -> int:
+        return self._book.requests_failed
+
+    @property
+    def requests_skipped(self) -> int:
+        """Requests Decode no longer knew (aborted there)."""
+        return self._book.requests_skipped
 
     @property
     def sender(self) -> PrefillSender:
@@ -125,18 +121,12 @@ class PrefillWorker(ConnectorRole):
         failed it, or never read the failed part and must not complete it without that
         (it fails at its own deadline instead)."""
         self._collect_resolved()
-        kept = []
+        sends = tuple(sends)
         with self._lock:
-            for s in sends:
-                r = self._requests.setdefault(s.internal_id, _Request(set()))
-                if r.error is None:
-                    kept.append(s)
-                    r.blocks = max(r.blocks, s.main_start + len(s.main_block_ids))
-                elif not r.withheld:
-                    r.withheld = True
-                    self._log.warning("not announcing more of a request with a failed "
-                                      "announcement", request=s.internal_id, error=r.error)
-        self._sends = tuple(kept)
+            verdict = self._book.start_step(
+                (s.internal_id, s.main_start + len(s.main_block_ids)) for s in sends)
+        self._log_events(verdict.withheld)
+        self._sends = tuple(s for s in sends if s.internal_id in verdict.kept)
         self._dispatched.clear()
 
     def wait_for_layer_reuse(self, layer_idx: int) -> None:
@@ -157,8 +147,7 @@ class PrefillWorker(ConnectorRole):
         if not self._sends:
             return False
         targets = []
-        names: dict[str, list[str]] = {}
-        exts: dict[str, str] = {}
+        names: dict[str, list[tuple[str, str]]] = {}
         for s in self._sends:
             m = compute_mapping(self._p_tp, s.decode.tp_size, self._p_rank)
             endpoint = tcp_endpoint(s.decode.host, remote_port(s.decode.base_port, m.d_rank))
@@ -170,33 +159,24 @@ class PrefillWorker(ConnectorRole):
             if req is None and not done:
                 continue
             targets.append(LayerTarget(endpoint, req, done, m.member, m.ratio, s.ext_id))
-            names.setdefault(endpoint, []).append(s.internal_id)
-            exts[s.internal_id] = s.ext_id
+            names.setdefault(endpoint, []).append((s.internal_id, s.ext_id))
         if not targets:
             return False
         ticket = next(self._ticket_ids)
+        final = [s.internal_id for s in self._sends if s.final] if idx == self._last_layer else []
         with self._lock:
-            for endpoint, rids in names.items():
-                self._ticket_reqs[(ticket, endpoint)] = tuple(dict.fromkeys(rids))
-                for rid in rids:
-                    self._requests[rid].open_tickets.add((ticket, endpoint))
-                    self._requests[rid].ext = exts[rid]
-            for rids in names.values() if self._timeline is not NO_TIMELINE else ():
-                for rid in rids:
-                    r = self._requests[rid]
-                    if not r.announced:
-                        r.announced = True
-                        self._timeline.stamp(rid, HopName.PREFILL_FIRST_LAYER)
-            if idx == self._last_layer:
-                for s in self._sends:
-                    if s.final:
-                        self._requests[s.internal_id].final_sent = True
-                        self._timeline.stamp(s.internal_id, HopName.PREFILL_ANNOUNCED_ALL)
+            news = self._book.announce(ticket, names, final)
+            for rid in news.first:
+                self._timeline.stamp(rid, HopName.PREFILL_FIRST_LAYER)
+            for rid in news.final:
+                self._timeline.stamp(rid, HopName.PREFILL_ANNOUNCED_ALL)
         try:
             self._sender.submit(idx, self._events.record(), targets, ticket=ticket)
         except LayerSendError as exc:
-            for endpoint in names:
-                self._resolve((ticket, endpoint), str(exc))
+            with self._lock:
+                failed = [e for endpoint in names
+                          for e in self._book.resolve((ticket, endpoint), str(exc))]
+            self._log_events(failed)
             raise
         self.layers_announced += 1
         return True
@@ -227,8 +207,7 @@ class PrefillWorker(ConnectorRole):
             self._collect_resolved()
             still = self._open_tickets(rids)
         with self._lock:
-            failed = {rid: r.error for rid in rids
-                      if (r := self._requests.get(rid)) is not None and r.error is not None}
+            failed = self._book.errors(rids)
         self.requests_settled += len(rids)
         self._log.info("preempted requests settled before their blocks are reused",
                        requests=list(rids), open_announcements=sum(waited_on.values()),
@@ -253,66 +232,39 @@ class PrefillWorker(ConnectorRole):
 
     def _open_tickets(self, rids: Iterable[str]) -> dict[str, int]:
         with self._lock:
-            return {rid: len(r.open_tickets) for rid in rids
-                    if (r := self._requests.get(rid)) is not None and r.open_tickets}
+            return self._book.open_tickets(rids)
 
     # -- completion
     def _collect_resolved(self) -> None:
         resolved, skipped = self._sender.take_outcomes()
-        for ticket, endpoint, error in resolved:  # in the order the answers came
-            key: Ticket = (ticket, endpoint)  # type: ignore[assignment]
-            if key in skipped:
-                self._skip(key, skipped.pop(key))
-            self._resolve(key, error)
-
-    def _skip(self, ticket: Ticket, exts: tuple[str, ...]) -> None:
-        """Decode answered this announcement without reading these requests: it no
-        longer knows them (the client went away, Decode aborted them). No more of them
-        is announced; their blocks are released once vLLM finished them here."""
-        gone = set(exts)
-        with self._lock:
-            for rid in self._ticket_reqs.get(ticket, ()):
-                r = self._requests.get(rid)
-                if r is None or r.ext not in gone or r.error is not None:
-                    continue
-                r.error = (f"decode endpoint {ticket[1]} no longer reads the request "
-                           f"(aborted, or failed there)")
-                self.requests_skipped += 1
-                self._log.info("decode skipped an aborted request; no more of it is "
-                               "announced", request=rid, endpoint=ticket[1])
+        with self._lock:  # in the order the answers came
+            events = self._book.record_answers(resolved, skipped)  # type: ignore[arg-type]
+        self._log_events(events)
 
     def get_finished(self, finished_req_ids: Iterable[str]) -> set[str]:
         """Requests vLLM finished whose announcements have all been answered."""
         self._collect_resolved()
-        done = set()
         with self._lock:
-            for rid in finished_req_ids:
-                r = self._requests.get(rid)
-                if r is not None:
-                    r.finished = True
-            for rid, r in list(self._requests.items()):
-                if r.finished and not r.open_tickets:
-                    done.add(rid)
-                    del self._requests[rid]
-                    self._timeline.stamp(rid, HopName.PREFILL_RELEASED)
-        return done
+            done = self._book.release(finished_req_ids)
+            for rid in done:
+                self._timeline.stamp(rid, HopName.PREFILL_RELEASED)
+        return set(done)
 
-    def _resolve(self, ticket: Ticket, error: str | None) -> None:
-        with self._lock:
-            for rid in self._ticket_reqs.pop(ticket, ()):
-                r = self._requests.get(rid)
-                if r is None:
-                    continue
-                r.open_tickets.discard(ticket)
-                if error is not None and r.error is None:
-                    r.error = error
-                    self.requests_failed += 1
-                    self._log.warning("decode did not read a request's layer",
-                                      request=rid, error=error)
+    def _log_events(self, events: Iterable[BookEvent | RequestWithheld]) -> None:
+        for e in events:
+            if isinstance(e, RequestFailed):
+                self._log.warning("decode did not read a request's layer",
+                                  request=e.request, error=e.error)
+            elif isinstance(e, RequestWithheld):
+                self._log.warning("not announcing more of a request with a failed "
+                                  "announcement", request=e.request, error=e.error)
+            else:
+                self._log.info("decode skipped an aborted request; no more of it is "
+                               "announced", request=e.request, endpoint=e.endpoint)
 
     def counters(self) -> dict[str, int]:
         with self._lock:
-            out = {"requests": len(self._requests), "tickets": len(self._ticket_reqs)}
+            out = self._book.counters()
         out.update(self._sender.counters())
         return out
 

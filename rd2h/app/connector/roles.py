@@ -1,8 +1,8 @@
 """What vLLM asks a KV connector, in plain values: one role object per role.
 
-The vLLM adapter (``rd2h.adapters.vllm.connector``) holds exactly one
+The vLLM adapter (``rd2h.entry.connector``) holds exactly one
 ``ConnectorRole`` and forwards every hook to it after translating vLLM's objects
-into the plain values below (``rd2h.adapters.vllm.translate``). The defaults
+into the plain values below (``rd2h.entry.translate``). The defaults
 are what a role with nothing to do answers, so the adapter never asks which
 role it has. The four real roles (``DecodeScheduler``, ``PrefillScheduler``,
 ``DecodeWorker``, ``PrefillWorker``) override the hooks they serve.

@@ -92,7 +92,7 @@ class Server:
 
 def rd2h_kv(role: str, kv_port: int, extra: dict | None = None, *,
             connector: str = "SfaRemoteD2HConnector",
-            module: str = "rd2h.adapters.vllm.connector") -> dict:
+            module: str = "rd2h.entry.connector") -> dict:
     """A ``--kv-transfer-config`` for rd2h's connector (``role``: kv_producer/kv_consumer)."""
     return {"kv_connector": connector, "kv_connector_module_path": module,
             "kv_role": role, "kv_port": kv_port, "kv_connector_extra_config": extra or {}}

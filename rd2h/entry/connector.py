@@ -3,7 +3,7 @@
 It holds exactly one role object (``rd2h.app.connector.roles.ConnectorRole``): the
 Decode or Prefill scheduler on the scheduler, a worker once the caches are
 registered, a role with nothing to do before that. Every hook translates vLLM's
-objects into plain values (``rd2h.adapters.vllm.translate``) and forwards them.
+objects into plain values (``rd2h.entry.translate``) and forwards them.
 vLLM instantiates this class itself, so it is the one adapter that reaches the
 composition root (``rd2h.app.container``).
 """
@@ -22,13 +22,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
-from rd2h.adapters.vllm import translate
 from rd2h.adapters.vllm.caches import VllmCacheDestinations, source_layouts
 from rd2h.adapters.vllm.stats import Rd2hConnectorStats, delta
+from rd2h.app.assembly import build_decode_worker, build_prefill_worker, build_scheduler_role
 from rd2h.app.connector.plans import StepPlan
 from rd2h.app.connector.roles import ConnectorRole
-from rd2h.app.container import build_decode_worker, build_prefill_worker, build_scheduler_role
 from rd2h.app.settings import ConnectorConfigError
+from rd2h.entry import translate
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from rd2h.app.connector.facts import EngineFacts
 from rd2h.app.connector.roles import BlockIds, RequestFacts, ScheduledRequest
-from rd2h.app.container import EngineFacts
 from rd2h.app.settings import ConnectorConfigError, Rd2hOptions
 from rd2h.domain.compat import Compat, compat_of
 
