@@ -70,6 +70,18 @@ def validate_batch(
     return local, remote, lens
 
 
+def as_region(addr: object, size: object) -> tuple[int, int]:
+    """``(addr, size)`` as ints, refused with ``TransferError`` unless they name a
+    non-empty region at a positive address whose end fits in int64."""
+    try:
+        a, s = int(addr), int(size)  # type: ignore[call-overload]
+    except (TypeError, ValueError):
+        raise TransferError(f"cannot register region at {addr!r} of size {size!r}") from None
+    if a <= 0 or s <= 0 or a > _INT64_MAX - s:
+        raise TransferError(f"cannot register region at address {a} of size {s}")
+    return a, s
+
+
 class RegionTable:
     """A thread-safe set of registered ``[addr, addr + size)`` regions.
 
@@ -90,9 +102,7 @@ class RegionTable:
 
     def add(self, addr: int, size: int) -> bool:
         """Record a region; returns False when exactly this region was already there."""
-        addr, size = int(addr), int(size)
-        if addr <= 0 or size <= 0 or addr > _INT64_MAX - size:
-            raise TransferError(f"cannot register region at address {addr} of size {size}")
+        addr, size = as_region(addr, size)
         with self._lock:
             if (addr, size) in self._regions:
                 return False

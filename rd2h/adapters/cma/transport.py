@@ -25,7 +25,7 @@ from concurrent.futures import ThreadPoolExecutor, wait
 
 import numpy as np
 
-from rd2h.adapters.regions import RegionTable, validate_batch
+from rd2h.adapters.transport_base import BaseTransferEngine
 from rd2h.domain.errors import TransferError
 
 IOV_MAX = 1024
@@ -129,7 +129,7 @@ def _split_by_bytes(lens: np.ndarray, parts: int) -> list[tuple[int, int]]:
     return list(itertools.pairwise(bounds.tolist()))
 
 
-class CmaTransferEngine:
+class CmaTransferEngine(BaseTransferEngine):
     """Transfer engine reading other processes on this host via ``process_vm_readv``.
 
     ``session_id`` is ``"<hostname>:<pid>"``. ``register_memory`` records local
@@ -139,8 +139,11 @@ class CmaTransferEngine:
 
     ``threads > 1`` splits a batch of at least ``parallel_min_bytes`` into that
     many contiguous byte-balanced parts read concurrently (ctypes releases the
-    GIL during the syscall); any part failing fails the batch.
+    GIL during the syscall); any part failing fails the batch. A failure may
+    leave a partial copy.
     """
+
+    engine_name = "cma"
 
     def __init__(
         self, threads: int = 1, parallel_min_bytes: int = DEFAULT_PARALLEL_MIN_BYTES
@@ -148,28 +151,22 @@ class CmaTransferEngine:
         if threads < 1:
             raise ValueError(f"threads must be >= 1, got {threads}")
         self._readv = _load_process_vm_readv()
+        super().__init__()
         self._host = socket.gethostname()
         self._session_id = f"{self._host}:{os.getpid()}"
-        self._regions = RegionTable()
         self._threads = threads
         self._parallel_min_bytes = parallel_min_bytes
         self._pool = (
             ThreadPoolExecutor(threads, thread_name_prefix="rd2h-cma") if threads > 1 else None
         )
-        self._closed = False
 
     @property
     def session_id(self) -> str:
         """``"<hostname>:<pid>"`` of this process."""
         return self._session_id
 
-    def register_memory(self, addr: int, size: int) -> None:
-        """Record ``[addr, addr + size)`` as a read destination (and what peers may read)."""
-        if self._closed:
-            raise TransferError("cma engine is closed")
-        self._regions.add(addr, size)
-
-    def _parse_session(self, session: str) -> int:
+    def _peer(self, session: str) -> int:
+        """The peer's pid: ``session`` must be ``"<this host>:<pid>"``."""
         host, sep, pid_text = session.rpartition(":")
         if not sep or not host or not pid_text.isdigit() or int(pid_text) <= 0:
             raise TransferError(f"malformed cma session {session!r}; expected '<host>:<pid>'")
@@ -180,23 +177,8 @@ class CmaTransferEngine:
             )
         return int(pid_text)
 
-    def batch_read(
-        self,
-        session: str,
-        local_addrs: np.ndarray,
-        remote_addrs: np.ndarray,
-        lengths: np.ndarray,
-    ) -> None:
-        """Copy ``lengths[i]`` bytes from ``remote_addrs[i]`` in process ``session`` to
-        ``local_addrs[i]`` here, for all i. A failure may leave a partial copy."""
-        if self._closed:
-            raise TransferError("cma engine is closed")
-        local, remote, lens = validate_batch(local_addrs, remote_addrs, lengths)
-        pid = self._parse_session(session)
+    def _read(self, pid: int, local: np.ndarray, remote: np.ndarray, lens: np.ndarray) -> None:
         n = lens.size
-        if n == 0:
-            return
-        self._regions.require_inside(local, lens, "local")
         local_iov = np.empty((n, 2), np.int64)
         local_iov[:, 0] = local
         local_iov[:, 1] = lens
@@ -214,7 +196,7 @@ class CmaTransferEngine:
                 for a, b in parts
             ]
         except RuntimeError as exc:  # the pool was shut down by a concurrent close()
-            raise TransferError(f"cma engine closed during batch_read ({exc})") from exc
+            raise TransferError(f"the engine was closed during batch_read ({exc})") from exc
         wait(futures)
         errors = [f.exception() for f in futures if f.exception() is not None]
         if errors:
@@ -225,11 +207,8 @@ class CmaTransferEngine:
                 f"{len(errors)} of {len(parts)} parts failed; first: {first}"
             ) from first
 
-    def close(self) -> None:
-        """Forget the regions and stop the thread pool. Idempotent."""
-        if self._closed:
-            return
-        self._closed = True
-        self._regions.clear()
+    def _close(self) -> list[str]:
+        """Stop the thread pool (the regions are already forgotten)."""
         if self._pool is not None:
             self._pool.shutdown(wait=True)
+        return []

@@ -14,7 +14,7 @@ import weakref
 
 import numpy as np
 
-from rd2h.adapters.regions import RegionTable, validate_batch
+from rd2h.adapters.transport_base import BaseTransferEngine
 from rd2h.domain.errors import TransferError
 
 _registry_lock = threading.Lock()
@@ -26,7 +26,7 @@ def _lookup(session: str) -> InprocTransferEngine | None:
         return _registry.get(session)
 
 
-class InprocTransferEngine:
+class InprocTransferEngine(BaseTransferEngine):
     """Transfer engine whose peers are other engines in this process.
 
     Each engine gets a session id ``inproc:<uuid4 hex>`` in a process-wide
@@ -36,10 +36,11 @@ class InprocTransferEngine:
     The memory itself belongs to the callers; it must outlive the read.
     """
 
+    engine_name = "inproc"
+
     def __init__(self) -> None:
+        super().__init__()
         self._session_id = f"inproc:{uuid.uuid4().hex}"
-        self._regions = RegionTable()
-        self._closed = False
         with _registry_lock:
             _registry[self._session_id] = self
 
@@ -48,41 +49,24 @@ class InprocTransferEngine:
         """How peers name this engine in ``batch_read``."""
         return self._session_id
 
-    def register_memory(self, addr: int, size: int) -> None:
-        """Expose ``[addr, addr + size)`` to peers and as a read destination."""
-        if self._closed:
-            raise TransferError(f"inproc engine {self._session_id} is closed")
-        self._regions.add(addr, size)
-
-    def batch_read(
-        self,
-        session: str,
-        local_addrs: np.ndarray,
-        remote_addrs: np.ndarray,
-        lengths: np.ndarray,
-    ) -> None:
-        """Copy ``lengths[i]`` bytes from ``remote_addrs[i]`` of peer ``session`` to
-        ``local_addrs[i]`` here, for all i; nothing is copied unless all are valid."""
-        if self._closed:
-            raise TransferError(f"inproc engine {self._session_id} is closed")
-        local, remote, lens = validate_batch(local_addrs, remote_addrs, lengths)
+    def _peer(self, session: str) -> InprocTransferEngine:
         peer = _lookup(session)
-        if peer is None or peer._closed:
-            raise TransferError(f"no inproc engine with session {session!r} (unknown or closed)")
-        if lens.size == 0:
-            return
-        peer._regions.require_inside(remote, lens, f"remote (peer {session})")
-        self._regions.require_inside(local, lens, "local")
+        if peer is None or peer.closed:
+            raise TransferError("no inproc engine has this session (unknown or closed)")
+        return peer
+
+    def _read(
+        self, peer: InprocTransferEngine, local: np.ndarray, remote: np.ndarray, lens: np.ndarray
+    ) -> None:
+        """Memmoves, once every remote range lies inside one of the peer's regions."""
+        peer._book.regions.require_inside(remote, lens, "remote")
         memmove = ctypes.memmove
         for dst, src, n in zip(local.tolist(), remote.tolist(), lens.tolist()):
             memmove(dst, src, n)
 
-    def close(self) -> None:
-        """Unregister the session and forget the regions. Idempotent."""
-        if self._closed:
-            return
-        self._closed = True
+    def _close(self) -> list[str]:
+        """Leave the process-wide registry (the regions are already forgotten)."""
         with _registry_lock:
             if _registry.get(self._session_id) is self:
                 del _registry[self._session_id]
-        self._regions.clear()
+        return []

@@ -28,7 +28,7 @@ import numpy as np
 
 from rd2h.adapters.memfabric.config import MemFabricConfig, parse_host_port, parse_store_url
 from rd2h.adapters.memfabric.library import MemFabricLibrary, call_checked, load_library
-from rd2h.adapters.regions import RegionTable, validate_batch
+from rd2h.adapters.transport_base import BaseTransferEngine, Registrations
 from rd2h.domain.errors import TransferError, TransportBindingError
 
 _INIT_HINT = (
@@ -49,11 +49,8 @@ class _Bound:
         self.config = config
         self.engine = engine
         self.session_id = session
-        self.lock = threading.Lock()
-        self.regions = RegionTable()  # read destinations: every range we may write
-        self.library_regions: dict[int, int] = {}  # disjoint, as registered in the library
+        self.registrations = Registrations()  # shared by every handle
         self.handles = 1
-        self.closed = False
 
 
 # Per library (the real module, or a test's fake): the configuration the process is bound
@@ -125,7 +122,7 @@ def _acquire(library: Any, config: MemFabricConfig) -> _Bound:
                 + "); use one MemFabric configuration per process"
             )
         live = _live.get(library)
-        if live is not None and not live.closed:
+        if live is not None and not live.registrations.closed:
             live.handles += 1
             return live
         bound = _start(library, config)
@@ -134,17 +131,7 @@ def _acquire(library: Any, config: MemFabricConfig) -> _Bound:
         return bound
 
 
-def _as_region(addr: object, size: object) -> tuple[int, int]:
-    try:
-        a, s = int(addr), int(size)  # type: ignore[call-overload]
-    except (TypeError, ValueError):
-        raise TransferError(f"cannot register region at {addr!r} of size {size!r}") from None
-    if a <= 0 or s <= 0 or a + s > 2**63 - 1:
-        raise TransferError(f"cannot register region at address {a} of size {s}")
-    return a, s
-
-
-class MemFabricTransferEngine:
+class MemFabricTransferEngine(BaseTransferEngine):
     """Transfer engine on ``memfabric_hybrid.TransferEngine``.
 
     The library keeps one engine per process, bound to one role, one device and one host:
@@ -157,14 +144,22 @@ class MemFabricTransferEngine:
     ``library`` is the ``memfabric_hybrid`` module (imported here when omitted) or any
     object with the same surface. Every non-zero return becomes ``TransportLibraryError``
     with the library's own explanation. ``session_id`` is ``"<host>:<rpc port>"``.
+
+    Regions: the library registers by base address, so it sees each region once and
+    disjoint; a region inside a registered one is only recorded. A batch is checked as a
+    whole (local ranges too) before the library is called, which checks the remote
+    ranges; a failed read may leave a partial copy.
     """
+
+    engine_name = "MemFabric"
+    registers_by_base = True
 
     def __init__(self, config: MemFabricConfig, library: MemFabricLibrary | None = None) -> None:
         if not isinstance(config, MemFabricConfig):
             raise TypeError(f"config must be a MemFabricConfig, got {type(config).__name__}")
         self._library = library if library is not None else load_library()
         self._bound = _acquire(self._library, config)
-        self._closed = False
+        super().__init__(self._bound.registrations)
 
     @property
     def session_id(self) -> str:
@@ -175,145 +170,73 @@ class MemFabricTransferEngine:
     def config(self) -> MemFabricConfig:
         return self._bound.config
 
-    def _check_open(self) -> None:
-        if self._closed or self._bound.closed:
-            raise TransferError(f"MemFabric engine {self._bound.session_id} is closed")
-
-    def register_memory(self, addr: int, size: int) -> None:
-        """Expose ``[addr, addr + size)`` to peers and as a read destination.
-
-        The same region again, or a region inside a registered one, is only recorded (the
-        library sees each region once). A region partly overlapping or enclosing a
-        registered one is refused: the library registers by base address.
-        """
-        self.register_regions([addr], [size])
-
     def register_regions(self, addrs: list[int], sizes: list[int]) -> None:
         """Register several regions with one ``batch_register_memory`` call.
 
         Unequal list lengths, bad regions and overlaps are refused before the library is
         called; regions already registered (or inside one) are skipped.
         """
-        addrs, sizes = list(addrs), list(sizes)
-        if len(addrs) != len(sizes):
-            raise TransferError(
-                f"register_regions: {len(addrs)} addresses but {len(sizes)} sizes"
-            )
-        # Enclosing regions first, so a region inside another of the same call is skipped.
-        regions = sorted(
-            (_as_region(a, s) for a, s in zip(addrs, sizes)), key=lambda r: (r[0], -r[1])
-        )
-        bound = self._bound
-        with bound.lock:
-            self._check_open()
-            fresh: dict[int, int] = {}
-            inside: list[tuple[int, int]] = []
-            for addr, size in regions:
-                if (
-                    _containing(bound.library_regions, addr, size) is not None
-                    or _containing(fresh, addr, size) is not None
-                ):
-                    inside.append((addr, size))
-                    continue
-                _refuse_overlap(bound.library_regions, addr, size, "already registered")
-                _refuse_overlap(fresh, addr, size, "in the same call")
-                fresh[addr] = size
-            if len(fresh) == 1:
-                [(addr, size)] = fresh.items()
-                call_checked(
-                    bound.library, "register_memory", bound.engine.register_memory, addr, size,
-                    detail=f"([{addr:#x}, +{size}))",
+        with self._named():
+            addrs, sizes = list(addrs), list(sizes)
+            if len(addrs) != len(sizes):
+                raise TransferError(
+                    f"register_regions: {len(addrs)} addresses but {len(sizes)} sizes"
                 )
-            elif fresh:
-                call_checked(
-                    bound.library, "batch_register_memory", bound.engine.batch_register_memory,
-                    list(fresh), list(fresh.values()), detail=f"({len(fresh)} regions)",
-                )
-            for addr, size in fresh.items():
-                bound.library_regions[addr] = size
-                bound.regions.add(addr, size)
-            for addr, size in inside:
-                bound.regions.add(addr, size)
-
-    def batch_read(
-        self,
-        session: str,
-        local_addrs: np.ndarray,
-        remote_addrs: np.ndarray,
-        lengths: np.ndarray,
-    ) -> None:
-        """Copy ``lengths[i]`` bytes from ``remote_addrs[i]`` of peer ``session`` to
-        ``local_addrs[i]`` here, for all i, in one ``batch_transfer_sync_read``.
-
-        The batch is checked as a whole (shapes, lengths, local ranges inside registered
-        memory) before the library is called; remote ranges are checked by the library.
-        A failed read may leave a partial copy.
-        """
-        self._check_open()
-        local, remote, lens = validate_batch(local_addrs, remote_addrs, lengths)
-        try:
-            parse_host_port(session, "MemFabric session")
-        except ValueError as exc:
-            raise TransferError(str(exc)) from None
-        n = lens.size
-        if n == 0:
-            return
-        bound = self._bound
-        bound.regions.require_inside(local, lens, "local")
-        call_checked(
-            bound.library, "batch_transfer_sync_read", bound.engine.batch_transfer_sync_read,
-            session, local.tolist(), remote.tolist(), lens.tolist(),
-            detail=f"from {session} ({n} descriptors, {int(lens.sum())} bytes)",
-            hint=_READ_HINT,
-        )
+            self._add_regions(zip(addrs, sizes))
 
     def close(self) -> None:
         """Release this handle. The last one unregisters every region and tears the
         library engine down (``destroy``, ``unInitialize``). Idempotent."""
-        if self._closed:
-            return
-        self._closed = True
+        with _registry_lock:  # no other handle may be acquired on a closing engine
+            super().close()
+
+    # --- BaseTransferEngine's hooks ----------------------------------------------------
+
+    def _register(self, regions: list[tuple[int, int]]) -> None:
         bound = self._bound
-        with _registry_lock, bound.lock:
-            bound.handles -= 1
-            if bound.handles > 0 or bound.closed:
-                return
-            bound.closed = True
-            failed = []
-            for addr in list(bound.library_regions):
-                try:
-                    rc = bound.engine.unregister_memory(addr)
-                except Exception as exc:
-                    rc = repr(exc)
-                if rc != 0:
-                    failed.append(f"unregister_memory({addr:#x}) -> {rc}")
-            bound.library_regions.clear()
-            bound.regions.clear()
-            failed += _teardown(bound.library, bound.engine)
-            if _live.get(bound.library) is bound:
-                del _live[bound.library]
-        if failed:
-            raise TransferError(f"MemFabric close: {'; '.join(failed)}")
-
-
-def _containing(regions: dict[int, int], addr: int, size: int) -> int | None:
-    """The base of a region in ``regions`` that contains ``[addr, addr + size)``."""
-    end = addr + size
-    for start, length in regions.items():
-        if start <= addr and end <= start + length:
-            return start
-    return None
-
-
-def _refuse_overlap(regions: dict[int, int], addr: int, size: int, what: str) -> None:
-    end = addr + size
-    for start, length in regions.items():
-        if addr < start + length and start < end and (start, length) != (addr, size):
-            raise TransferError(
-                f"region [{addr:#x}, +{size}) overlaps the region [{start:#x}, +{length}) "
-                f"{what}; MemFabric registers by base address: register the enclosing "
-                "region once"
+        if len(regions) == 1:
+            [(addr, size)] = regions
+            call_checked(
+                bound.library, "register_memory", bound.engine.register_memory, addr, size,
+                detail=f"([{addr:#x}, +{size}))",
             )
+        else:
+            call_checked(
+                bound.library, "batch_register_memory", bound.engine.batch_register_memory,
+                [a for a, _ in regions], [s for _, s in regions],
+                detail=f"({len(regions)} regions)",
+            )
+
+    def _peer(self, session: str) -> str:
+        try:
+            parse_host_port(session, "MemFabric session")
+        except ValueError as exc:
+            raise TransferError(str(exc)) from None
+        return session
+
+    def _read(self, session: str, local: np.ndarray, remote: np.ndarray, lens: np.ndarray) -> None:
+        """One ``batch_transfer_sync_read`` (the library checks the remote ranges)."""
+        bound = self._bound
+        call_checked(
+            bound.library, "batch_transfer_sync_read", bound.engine.batch_transfer_sync_read,
+            session, local.tolist(), remote.tolist(), lens.tolist(),
+            detail=f"from {session} ({lens.size} descriptors, {int(lens.sum())} bytes)",
+            hint=_READ_HINT,
+        )
+
+    def _unregister(self, addr: int) -> object:
+        return self._bound.engine.unregister_memory(addr)
+
+    def _last_handle(self) -> bool:
+        self._bound.handles -= 1
+        return self._bound.handles == 0
+
+    def _close(self) -> list[str]:
+        bound = self._bound
+        failed = _teardown(bound.library, bound.engine)
+        if _live.get(bound.library) is bound:
+            del _live[bound.library]
+        return failed
 
 
 def start_config_store(store_url: str, library: MemFabricLibrary | None = None) -> None:

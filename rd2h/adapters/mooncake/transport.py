@@ -39,8 +39,8 @@ from typing import Any
 
 import numpy as np
 
-from rd2h.adapters.regions import RegionTable, validate_batch
-from rd2h.domain.errors import TransferError
+from rd2h.adapters.transport_base import BaseTransferEngine
+from rd2h.domain.errors import TransferError, TransportLibraryError
 
 PROTOCOLS = frozenset({"tcp", "rdma"})
 
@@ -176,31 +176,34 @@ def _start_engine(config: _Config) -> Any:
     return engine
 
 
-def _parse_session(session: str) -> None:
-    host, sep, port = session.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise TransferError(f"malformed Mooncake session {session!r}; expected '<host>:<port>'")
-
-
-class MooncakeTransferEngine:
+class MooncakeTransferEngine(BaseTransferEngine):
     """Transfer engine on the Mooncake transfer engine library.
 
     ``session_id`` is ``"<host>:<rpc port>"``. ``register_memory`` exposes a region to peers
     (and records it as a read destination: every descriptor's local range must lie inside a
-    registered region). Remote ranges are checked by the peer, which refuses reads outside
-    the memory it registered.
+    registered region). Registrations must be disjoint: a region inside a registered one is
+    only recorded, one partly overlapping (or enclosing) it is refused. Remote ranges are
+    checked by the peer, which refuses reads outside the memory it registered.
 
     One instance may be open per process at a time (the library's engine and its ``MC_*``
     settings are process-wide). The first instance fixes the configuration: a later one,
     after ``close()``, must use the same ``host``, ``protocol``, ``device_name``,
-    ``metadata_server`` and ``env``, and reuses the same library engine and ports.
+    ``metadata_server`` and ``env``, and reuses the same library engine and ports. Closing
+    unregisters the memory; the library's engine (and its listening ports) stays up for
+    reuse by the next instance, and with nothing registered peers can read nothing from it.
 
     ``env`` is written to ``os.environ`` before the library's engine starts, e.g.
     ``{"MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER": "65535",
     "MC_TCP_MAX_PENDING_ADMISSIONS_PER_PEER": "65535"}`` to allow ``max_batch`` up to
     65535. ``max_batch`` is the most descriptors handed to the library in one call; with
     TCP it may not exceed the per-peer queue length. ``MC_LOG_LEVEL`` defaults to WARNING.
+
+    A failed read may leave a partial copy: chunks before the failing one are complete, the
+    failing chunk may be partly copied (and written for a moment after the error).
     """
+
+    engine_name = "Mooncake"
+    registers_by_base = True
 
     def __init__(
         self,
@@ -220,82 +223,51 @@ class MooncakeTransferEngine:
         except Exception as exc:
             _release_engine()
             raise TransferError(f"Mooncake get_rpc_port failed: {exc!r}") from exc
+        super().__init__()
         self._session_id = f"{host}:{port}"
         self._max_batch = max_batch
-        self._lock = threading.Lock()
-        self._regions = RegionTable()
-        self._library_regions: dict[int, int] = {}  # disjoint regions registered in the library
         self._peer_locks: dict[str, threading.Lock] = {}
-        self._closed = False
 
     @property
     def session_id(self) -> str:
         """``"<host>:<rpc port>"``: how peers name this engine."""
         return self._session_id
 
-    def register_memory(self, addr: int, size: int) -> None:
-        """Expose ``[addr, addr + size)`` to peers and as a read destination.
+    # --- BaseTransferEngine's hooks ----------------------------------------------------
 
-        The same region again, or a region inside a registered one, is only recorded. A
-        region partly overlapping (or enclosing) a registered one is refused: the library
-        needs disjoint registrations.
-        """
-        addr, size = int(addr), int(size)
-        if addr <= 0 or size <= 0:
-            raise TransferError(f"cannot register region at address {addr} of size {size}")
-        with self._lock:
-            if self._closed:
-                raise TransferError(f"mooncake engine {self._session_id} is closed")
-            end = addr + size
-            for start, length in self._library_regions.items():
-                if start <= addr and end <= start + length:
-                    self._regions.add(addr, size)
-                    return
-                if addr < start + length and start < end:
-                    raise TransferError(
-                        f"region [{addr:#x}, +{size}) partly overlaps the registered region "
-                        f"[{start:#x}, +{length}); Mooncake needs disjoint registrations: "
-                        "register the enclosing region once"
-                    )
+    def _register(self, regions: list[tuple[int, int]]) -> None:
+        for addr, size in regions:  # one region: register_memory passes one at a time
             try:
                 rc = self._engine.register_memory(addr, size)
             except Exception as exc:
                 raise TransferError(f"Mooncake register_memory raised {exc!r}") from exc
             if rc != 0:
-                raise TransferError(f"Mooncake register_memory([{addr:#x}, +{size})) returned {rc}")
-            self._library_regions[addr] = size
-            self._regions.add(addr, size)
+                raise TransportLibraryError(
+                    f"Mooncake register_memory([{addr:#x}, +{size})) returned {rc}",
+                    operation="register_memory", rc=rc,
+                )
 
-    def batch_read(
-        self,
-        session: str,
-        local_addrs: np.ndarray,
-        remote_addrs: np.ndarray,
-        lengths: np.ndarray,
-    ) -> None:
-        """Copy ``lengths[i]`` bytes from ``remote_addrs[i]`` of peer ``session`` to
-        ``local_addrs[i]`` here, for all i, in chunks of at most ``max_batch``.
+    def _peer(self, session: str) -> str:
+        host, sep, port = session.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise TransferError(
+                f"malformed Mooncake session {session!r}; expected '<host>:<port>'"
+            )
+        return session
 
-        A failure may leave a partial copy: chunks before the failing one are complete, the
-        failing chunk may be partly copied (and written for a moment after the error).
-        """
-        if self._closed:
-            raise TransferError(f"mooncake engine {self._session_id} is closed")
-        local, remote, lens = validate_batch(local_addrs, remote_addrs, lengths)
-        _parse_session(session)
+    def _read(self, session: str, local: np.ndarray, remote: np.ndarray, lens: np.ndarray) -> None:
+        """In chunks of at most ``max_batch`` descriptors, one after the other; reads to
+        one peer from this engine are serialised."""
         n = lens.size
-        if n == 0:
-            return
-        self._regions.require_inside(local, lens, "local")
         local_list, remote_list, len_list = local.tolist(), remote.tolist(), lens.tolist()
         engine, step = self._engine, self._max_batch
         with self._peer_lock(session):
             for start in range(0, n, step):
                 stop = min(start + step, n)
-                if self._closed:
+                if self.closed:
                     raise TransferError(
-                        f"mooncake engine {self._session_id} closed during batch_read "
-                        f"(descriptors [0, {start}) of {n} were copied)"
+                        f"the engine was closed during batch_read (descriptors [0, {start}) "
+                        f"of {n} were copied)"
                     )
                 try:
                     rc = engine.batch_transfer_sync_read(
@@ -306,43 +278,28 @@ class MooncakeTransferEngine:
                     )
                 except Exception as exc:
                     raise TransferError(
-                        f"Mooncake batch_transfer_sync_read from {session} raised {exc!r}"
+                        f"Mooncake batch_transfer_sync_read raised {exc!r}"
                     ) from exc
                 if rc != 0:
-                    raise TransferError(
-                        f"Mooncake read from {session} failed (rc {rc}) in descriptors "
+                    raise TransportLibraryError(
+                        f"Mooncake batch_transfer_sync_read returned {rc} for descriptors "
                         f"[{start}, {stop}) of {n} ({int(lens[start:stop].sum())} bytes): the "
                         "peer is gone or unreachable, or a remote range lies outside the "
-                        "memory it registered (the library's log on stderr says which)"
+                        "memory it registered (the library's log on stderr says which)",
+                        operation="batch_transfer_sync_read", rc=rc,
                     )
 
     def _peer_lock(self, session: str) -> threading.Lock:
-        with self._lock:
+        with self._book.lock:
             lock = self._peer_locks.get(session)
             if lock is None:
                 lock = self._peer_locks[session] = threading.Lock()
             return lock
 
-    def close(self) -> None:
-        """Unregister this engine's memory and free the process slot. Idempotent.
+    def _unregister(self, addr: int) -> object:
+        return self._engine.unregister_memory(addr)
 
-        The library's engine (and its listening ports) stays up for reuse by the next
-        instance in this process; with nothing registered, peers can read nothing from it.
-        """
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            failed = []
-            for addr in self._library_regions:
-                try:
-                    rc = self._engine.unregister_memory(addr)
-                except Exception as exc:
-                    rc = repr(exc)
-                if rc != 0:
-                    failed.append(f"{addr:#x} ({rc})")
-            self._library_regions.clear()
-            self._regions.clear()
+    def _close(self) -> list[str]:
+        """Free the process slot; the library's engine stays up for the next instance."""
         _release_engine()
-        if failed:
-            raise TransferError(f"Mooncake unregister_memory failed for {', '.join(failed)}")
+        return []
