@@ -6,7 +6,9 @@ one batched read (outside the lock, so the engine side can admit and step
 meanwhile). Every rule lives in the session (``rd2h.domain.decode_session``).
 Per READ_READY_BATCH exactly one READ_DONE or READ_FAILED goes back, also when
 this rank owns none of the blocks; a malformed or hostile message never stops
-the loop.
+the loop. The loop has no poll interval: it sleeps until the session's next deadline
+(it expires late requests itself, worker steps or not) or the next input: a message, a
+lost connection, ``stop``, or an admission or step that made something due sooner.
 """
 
 from __future__ import annotations
@@ -40,6 +42,9 @@ from rd2h.ports.control import ControlServer
 from rd2h.ports.runtime import NO_TIMELINE, Clock, HopName, Logger, Timeline, TpGroupExchange
 from rd2h.ports.transfer import TransferEngine
 
+_RETRY_S = 0.05  # after a failed receive (a zmq error), wait this long before the next
+_IDLE_WAIT_S = 3600.0  # nothing due: only input wakes the loop (this bounds one wait)
+
 
 class DecodeReceiver(LoopThread):
     """One Decode TP rank's receive loop and request book.
@@ -65,7 +70,6 @@ class DecodeReceiver(LoopThread):
         clock: Clock,
         log: Logger,
         request_timeout_s: float = 120.0,
-        poll_interval_s: float = 0.05,
         on_read: Callable[[str, ReadPlan], None] | None = None,
         on_progress: Callable[[], None] | None = None,
         main_shared: bool = True,
@@ -84,7 +88,6 @@ class DecodeReceiver(LoopThread):
         self._transfer = transfer
         self._clock = clock
         self._log = log
-        self._poll = poll_interval_s
         self._on_read = on_read
         self._on_progress = on_progress
         self._session = DecodeSession(destinations=destinations, d_rank=d_rank, d_tp=d_tp,
@@ -97,6 +100,7 @@ class DecodeReceiver(LoopThread):
         self._lock = threading.Lock()
         self._progress = threading.Event()
         self._server: ControlServer | None = None
+        self._sleep_until = 0.0  # when the loop's wait ends (under the lock; ``_wait_s``)
         self.stats = DecodeStats()
 
     @property
@@ -121,6 +125,10 @@ class DecodeReceiver(LoopThread):
         self._log.info("decode receiver listening", endpoint=self._server.endpoint)
         return self._server.endpoint
 
+    def _interrupt(self) -> None:
+        if self._server is not None:
+            self._server.wake()
+
     def stop(self, timeout: float | None = None) -> bool:
         ended = super().stop(timeout)
         if ended and self._server is not None:
@@ -131,8 +139,10 @@ class DecodeReceiver(LoopThread):
     def admit(self, internal_id: str, main_block_ids: Iterable[int],
               indexer_block_ids: Iterable[int]) -> str:
         with self._lock:
-            return self._session.admit(internal_id, main_block_ids, indexer_block_ids,
-                                       self._clock.now())
+            ext = self._session.admit(internal_id, main_block_ids, indexer_block_ids,
+                                      self._clock.now())
+            self._due_sooner()
+            return ext
 
     def step(
         self, exchange: TpGroupExchange, finished_by_vllm: Iterable[str] = (),
@@ -144,12 +154,14 @@ class DecodeReceiver(LoopThread):
             report = self._session.local_report()
         reports = exchange.all_gather(report, timeout)
         with self._lock:
-            return self._session.finish_step(reports, finished_by_vllm, self._clock.now())
+            out = self._session.finish_step(reports, finished_by_vllm, self._clock.now())
+            self._due_sooner()  # state learned from the other ranks expires too
+            return out
 
     def expire(self) -> list[str]:
         """Fail admitted requests past the request deadline and drop stale state of
-        requests never admitted here; ``step`` does this first. Callable between steps
-        (e.g. when the TP group is gone); returns the requests that just failed."""
+        requests never admitted here; the loop does this at each deadline, ``step``
+        first. Callable any time; returns the requests that just failed."""
         with self._lock:
             outs = self._session.tick(self._clock.now())
         self._report(outs)
@@ -196,13 +208,13 @@ class DecodeReceiver(LoopThread):
         assert self._server is not None
         while not self._stop.is_set():
             try:
-                item = self._server.recv(self._poll)
+                item = self._server.recv(self._wait_s())
                 self._apply_losses()
             except Exception as exc:  # socket closed under us or a zmq error
                 if self._stop.is_set():
                     break
                 self._log.error("control socket receive failed", error=repr(exc))
-                self._stop.wait(self._poll)
+                self._stop.wait(_RETRY_S)
                 continue
             if item is None:
                 continue
@@ -213,6 +225,27 @@ class DecodeReceiver(LoopThread):
                 self.stats.malformed += 1
                 self._log.error("message handling failed", error=repr(exc))
             self.stats.handle_seconds += self._clock.now() - t0
+
+    def _wait_s(self) -> float:
+        """Expire what is due, then wait until the session's next deadline (none:
+        ``_IDLE_WAIT_S``); ``_due_sooner`` wakes the wait when that moves earlier."""
+        with self._lock:
+            due = self._session.next_deadline()
+        if due is not None and due <= self._clock.now():
+            self.expire()
+        with self._lock:
+            now, due = self._clock.now(), self._session.next_deadline()
+            wait = _IDLE_WAIT_S if due is None else max(0.0, due - now)
+            self._sleep_until = now + wait if due is None else due
+        return wait
+
+    def _due_sooner(self) -> None:
+        """Under the lock, after the engine side changed the session: wake the loop if
+        something is now due before its wait ends (once; it then waits for that)."""
+        due = self._session.next_deadline()
+        if due is not None and due < self._sleep_until and self._server is not None:
+            self._sleep_until = due
+            self._server.wake()
 
     def _apply_losses(self) -> None:
         """Connection losses the control server saw since the last look."""

@@ -37,6 +37,11 @@ class LoopThread:
     def _interrupt(self) -> None:
         """Wake the loop from a blocking wait (``stop`` calls it)."""
 
+    def wake(self) -> None:
+        """Make the loop look at the time now: it sleeps until its next deadline or
+        input, so a clock that jumps (a test's manual clock) needs this."""
+        self._interrupt()
+
     def stop(self, timeout: float | None = None) -> bool:
         """Stop the loop; True if it ended within ``timeout`` (default: the configured
         stop deadline)."""

@@ -8,6 +8,8 @@ and performs what the session asks (connect, send MF_META or a
 READ_READY_BATCH, disconnect). Every rule and deadline lives in the session
 (``rd2h.domain.prefill_session``). Sends never block the loop: a frame that
 cannot go yet waits in an outbox until it goes or its deadline ends the entry.
+The loop has no poll interval: it sleeps until the session's next deadline or the next
+input (a reply, a lost connection; ``submit`` and ``prepare`` wake it): see ``_wait_s``.
 If the thread ends for any reason, every pending layer fails and its gates
 open, so the compute path raises instead of deadlocking.
 """
@@ -25,13 +27,7 @@ from rd2h.domain.announce import LayerTarget, group_batches
 from rd2h.domain.compat import Compat
 from rd2h.domain.errors import LayerSendError, ProtocolError
 from rd2h.domain.layout import SourceLayout
-from rd2h.domain.prefill_events import (
-    Connect,
-    Disconnect,
-    Output,
-    SendBatch,
-    SendMeta,
-)
+from rd2h.domain.prefill_events import Connect, Disconnect, Output, SendBatch, SendMeta
 from rd2h.domain.prefill_session import PrefillSession, PrefillTimeouts
 from rd2h.domain.protocol import MfMeta, ReadDone, ReadFailed
 from rd2h.ports.codec import WireCodec
@@ -41,6 +37,8 @@ from rd2h.ports.runtime import Clock, DeviceEvent, Logger
 __all__ = ["LayerTarget", "PrefillSender", "SenderStats", "group_batches"]
 
 _OUTBOX_RETRY_S = 0.002  # how soon a frame that could not go yet is tried again
+_EVENT_WAIT_S = 0.02  # the longest a pending device event holds the loop (no signal)
+_IDLE_WAIT_S = 3600.0  # nothing due: only input wakes the loop (this bounds one wait)
 
 
 @dataclass
@@ -68,7 +66,6 @@ class PrefillSender(LoopThread):
         event_timeout_s: float = 30.0,
         reconnect_after_s: float = 5.0,
         idle_link_s: float = 300.0,
-        poll_interval_s: float = 0.02,
         start_timeout_s: float = 10.0,
         stop_timeout_s: float = 5.0,
         compat: Compat | None = None,  # MF_META's compat map (the codec adds ``auth``)
@@ -78,7 +75,6 @@ class PrefillSender(LoopThread):
         self._codec = codec
         self._clock = clock
         self._log = log
-        self._poll = poll_interval_s
         self._session = PrefillSession(layers, PrefillTimeouts(
             meta_ack_s=meta_ack_timeout_s, layer_ack_s=layer_ack_timeout_s,
             device_event_s=event_timeout_s, reconnect_after_s=reconnect_after_s,
@@ -224,13 +220,10 @@ class PrefillSender(LoopThread):
         reason = "prefill sender stopped"
         try:
             while not self._stop.is_set():
-                with self._cond:
-                    busy = bool(self._events or self._jobs)
-                wait = 0.0 if busy else (_OUTBOX_RETRY_S if self._outbox else self._poll)
-                self._feed(self._clients.poll(wait))
+                self._feed(self._clients.poll(self._wait_s()))
                 self._flush()
                 self._start_jobs()
-                self._take_events(wait_s=0.0 if self._outbox else self._poll)
+                self._take_events(_OUTBOX_RETRY_S if self._outbox else _EVENT_WAIT_S)
         except BaseException as exc:
             reason = f"prefill sender crashed: {exc!r}"
             self._log.error("prefill sender crashed", error=repr(exc))
@@ -252,6 +245,16 @@ class PrefillSender(LoopThread):
                 self._log.warning("failed pending layers on sender exit", layers=list(failed))
             self._outbox.clear()
             self._clients.close()
+
+    def _wait_s(self) -> float:
+        """Until the session's next deadline (none: ``_IDLE_WAIT_S``); 0 with work queued;
+        ``_OUTBOX_RETRY_S`` at most with a frame in the outbox (nothing signals it can go)."""
+        with self._cond:
+            if self._jobs or self._events:
+                return 0.0
+            due = self._session.next_deadline()
+        wait = _IDLE_WAIT_S if due is None else max(0.0, due - self._clock.now())
+        return min(wait, _OUTBOX_RETRY_S) if self._outbox else wait
 
     def _feed(self, frames: list[tuple[str, bytes]]) -> None:
         """Replies first, then lost connections (a reply that arrived before its
@@ -309,7 +312,7 @@ class PrefillSender(LoopThread):
         self._execute(outs)
 
     def _take_events(self, wait_s: float) -> None:
-        """Announce every layer whose device event completed, in submission order."""
+        """Announce every layer whose device event is done, in order (wait ``wait_s`` at most)."""
         while not self._stop.is_set():
             with self._cond:
                 if not self._events:

@@ -243,6 +243,9 @@ class _ServerDecorator:
     def disconnected(self) -> list[bytes]:
         return self._inner.disconnected()
 
+    def wake(self) -> None:
+        self._inner.wake()
+
     def close(self) -> None:
         self._inner.close()
 

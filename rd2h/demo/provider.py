@@ -2,21 +2,22 @@
 connector, through its buffer-reuse provider interface (spec 11), instead of calling
 ``PrefillSender.submit`` / ``wait_for_layer_send`` directly.
 
-Per chunk (one engine step) the connector's scheduler role (``PrefillScheduler``) turns
-each request's progress into this step's sends, and the worker role
-(``PrefillWorker``) gets them in ``start_step``. Per layer, the rank plays a forward
-pass under a multi-connector with a layer-wise offload sink:
+Every request is tracked through ``update_state_after_alloc``. Per chunk (one engine
+step) the connector's scheduler role (``PrefillScheduler``) turns each request's progress
+into this step's plan (``build_connector_meta``), and the worker role (``PrefillWorker``)
+gets it in ``bind_connector_metadata``. Per layer, the rank plays a forward pass under a
+multi-connector with a layer-wise offload sink:
 
 1. ``wait_for_layer_reuse(layer)``: the waiter a sink calls before it overwrites a
    shared physical buffer (with ``--shared-buffers``);
 2. the KV write (the scatter into the buffer);
-3. ``layer_written(name)``: Ascend's ``on_kv_cache_written`` early dispatch, which
+3. ``save_kv_layer(name)`` as Ascend's ``on_kv_cache_written`` early dispatch, which
    announces the layer;
-4. ``layer_written(name)`` again: ``save_kv_layer``, which must skip the layer already
+4. ``save_kv_layer(name)`` again as vLLM's own hook, which must skip the layer already
    dispatched this step (a second announcement is an error).
 
-At the end, ``get_finished`` must release every request (all announcements answered),
-which is what lets vLLM free a finished request's blocks.
+At the end, ``get_transfer_results`` must release every request (all announcements
+answered), which is what lets vLLM free a finished request's blocks.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from rd2h.app.connector.roles import RequestFacts, ScheduledRequest
 from rd2h.demo.config import DemoConfig, chunk_bounds, demo_compat, internal_id, layer_name
 from rd2h.demo.faults import prefill_kill_layer
 from rd2h.demo.memory import killed, prefill_memory, prefill_report
@@ -67,8 +69,11 @@ def prefill_rank_via_provider(cfg: DemoConfig, p_rank: int, base_port: int,
                                             indexer_group=1)
     params = {"do_remote_decode": True, "remote_host": cfg.host, "remote_port": base_port,
               "remote_tp_size": cfg.decode_tp, "remote_engine_id": ENGINE_ID}
-    for rid in request_of:
-        if not scheduler.track(rid, cfg.prompt_tokens, params):
+    for n, rid in enumerate(request_of, 1):
+        scheduler.update_state_after_alloc(RequestFacts(
+            rid, prompt_len=cfg.prompt_tokens, num_prompt_tokens=cfg.prompt_tokens,
+            num_computed_tokens=0, params=params), (), 0)
+        if scheduler.counters()["tracked"] < n:
             raise RuntimeError(f"the Prefill scheduler refused request {rid}")
     if not cfg.shared_buffers:  # every (layer, block) is written once: before timing
         for layer in range(cfg.layers):
@@ -100,15 +105,15 @@ def prefill_rank_via_provider(cfg: DemoConfig, p_rank: int, base_port: int,
     early = 0
     ready_at = 0.0
     for chunk, upto in enumerate(chunk_bounds(cfg)):
-        sends = []
+        scheduled = []
         for rid, r in request_of.items():
             ids = [int(b) for b in p_ids[r]]
-            s = scheduler.schedule(rid, [ids, ids] if chunk == 0 else None, computed,
-                                   upto - computed, replace_blocks=chunk == 0)
-            if s is not None:
-                sends.append(s)
+            scheduled.append(ScheduledRequest(rid, [ids, ids] if chunk == 0 else None,
+                                              computed, upto - computed, chunk == 0))
+        plan = scheduler.build_connector_meta(scheduled)
+        sends = plan.sends
         computed = upto
-        worker.start_step(sends)
+        worker.bind_connector_metadata(plan)
         for layer in range(cfg.layers):
             if chunk == 0 and layer == kill_layer:
                 for earlier in range(layer):  # die once Decode acknowledged these
@@ -124,8 +129,12 @@ def prefill_rank_via_provider(cfg: DemoConfig, p_rank: int, base_port: int,
                 time.sleep(cfg.layer_compute_ms / 1e3)  # the device computes this layer
             if upto == cfg.prompt_tokens and layer == cfg.layers - 1:
                 ready_at = time.monotonic()  # the last layer of the prompt is ready
-            early += worker.layer_written(name)  # on_kv_cache_written
-            if worker.layer_written(name):  # save_kv_layer
+            before = worker.layers_announced
+            worker.save_kv_layer(name)  # on_kv_cache_written
+            early += worker.layers_announced - before
+            before = worker.layers_announced
+            worker.save_kv_layer(name)  # vLLM's save_kv_layer
+            if worker.layers_announced > before:
                 raise RuntimeError(f"save_kv_layer announced {name} a second time this step")
     for layer in range(cfg.layers):
         reuse(layer)
@@ -133,7 +142,8 @@ def prefill_rank_via_provider(cfg: DemoConfig, p_rank: int, base_port: int,
     released: set[str] = set()
     end = container.clock().now() + gate_s
     while len(released) < len(request_of) and container.clock().now() < end:
-        released |= worker.get_finished(request_of)  # vLLM finished every request
+        # vLLM finished every request
+        released |= worker.get_transfer_results(request_of).finished_sending
         if len(released) < len(request_of):
             time.sleep(0.01)
     # counters: the worker's requests and tickets left, with the sender's

@@ -178,6 +178,11 @@ class DecodeSession:
         late = self._book.expire(now, self.request_timeout_s)
         return [Expired(tuple(late), self.request_timeout_s)] if late else []
 
+    def next_deadline(self) -> float | None:
+        """When ``tick`` next has something to do: an admitted request reaches
+        ``request_timeout_s``, or an orphan goes stale (None: nothing is held)."""
+        return self._book.next_deadline(self.request_timeout_s)
+
     # ------------------------------------------------------------ engine inputs
     def admit(self, internal_id: str, main_block_ids: Iterable[int],
               indexer_block_ids: Iterable[int], now: float) -> str:

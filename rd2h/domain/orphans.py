@@ -80,10 +80,14 @@ class OrphanLedger:
         """Ids first seen ``timeout`` or more before ``now`` (oldest first)."""
         out = []
         for ext, since in self._since.items():  # insertion order = age order
-            if now - since < timeout:
+            if since + timeout > now:
                 break
             out.append(ext)
         return out
+
+    def oldest(self) -> float | None:
+        """When the oldest id held was first seen (None: none held)."""
+        return next(iter(self._since.values()), None)
 
     def take_hits(self) -> list[CapHit]:
         out, self._hits = self._hits, []

@@ -285,10 +285,10 @@ class PrefillSession:
         return bool(self._resolved)
 
     def next_deadline(self) -> float | None:
-        """When ``tick`` next has something to fail (None: nothing is waiting)."""
+        """When ``tick`` next acts: an entry, a handshake, an idle link (None: never)."""
         times = [e.deadline for a in self._announcements.values() for e in a.entries.values()
                  if e.phase != Phase.HANDSHAKE]
-        times += self._links.handshake_deadlines()
+        times += self._links.deadlines(self.timeouts.idle_link_s)
         return min(times, default=None)
 
     @property

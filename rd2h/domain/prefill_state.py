@@ -107,8 +107,18 @@ class Links(dict[str, Link]):
             link.state, link.reason, link.notify = LinkState.DOWN, "", False
         return link
 
-    def handshake_deadlines(self) -> list[float]:
-        return [link.deadline for link in self.values() if link.state == LinkState.HANDSHAKING]
+    def deadlines(self, idle_s: float) -> list[float]:
+        """When each link changes on its own: a handshake's deadline, or when
+        ``close_idle`` forgets a link with nothing waiting (a backoff ends first)."""
+        out = []
+        for link in self.values():
+            if link.state == LinkState.HANDSHAKING:
+                out.append(link.deadline)
+            elif not (link.waiting or link.inflight):
+                idle_at = link.last_used + idle_s
+                backoff = link.state == LinkState.BACKOFF
+                out.append(max(idle_at, link.deadline) if backoff else idle_at)
+        return out
 
     def stop(self) -> list[str]:
         """Every link down; returns the endpoints whose handshake was under way."""
@@ -123,7 +133,7 @@ class Links(dict[str, Link]):
         idle = [ep for ep, link in self.items()
                 if (link.state in (LinkState.READY, LinkState.DOWN) or now >= link.deadline)
                 and not (link.waiting or link.inflight or link.state == LinkState.HANDSHAKING)
-                and now - link.last_used >= idle_s]
+                and link.last_used + idle_s <= now]  # the time ``deadlines`` names
         for ep in idle:
             del self[ep]
         return idle

@@ -97,6 +97,7 @@ class DecodeRequestBook:
         ext = external_request_id(internal_id)
         self._seen(now)
         self.orphans.discard(ext)
+        self._admitted.pop(ext, None)  # kept in admission order (``next_deadline``)
         self._admitted[ext] = _Admitted(
             internal_id, Destination(tuple(main_block_ids), tuple(indexer_block_ids)), now
         )
@@ -199,7 +200,7 @@ class DecodeRequestBook:
         late = [
             ext
             for ext, entry in self._admitted.items()
-            if ext not in self._terminal and now - entry.admitted_at >= timeout
+            if ext not in self._terminal and entry.admitted_at + timeout <= now
         ]
         self.record_failed(late, f"no KV arrived within {timeout:g} s of admission")
         # State for ids never admitted here (e.g. a message for a request Decode already
@@ -207,6 +208,15 @@ class DecodeRequestBook:
         for ext in self.orphans.stale(now, timeout):
             self._forget(ext)
         return late
+
+    def next_deadline(self, timeout: float) -> float | None:
+        """When ``expire(now, timeout)`` next has something to do (None: nothing held).
+        Admissions come in time order (one monotonic clock), so the first admitted
+        request not yet terminal is the one due first; so is the oldest orphan."""
+        first = next((e.admitted_at for ext, e in self._admitted.items()
+                      if ext not in self._terminal), None)
+        times = [t for t in (first, self.orphans.oldest()) if t is not None]
+        return min(times) + timeout if times else None
 
     # -- step
     def local_report(self) -> RankReport:

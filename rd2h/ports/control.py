@@ -30,6 +30,10 @@ class ControlServer(Protocol):
         call. ``recv`` returns early (None) when one is seen, so the loop reacts at once."""
         ...
 
+    def wake(self) -> None:
+        """Make a concurrent or the next ``recv`` return None at once (thread-safe)."""
+        ...
+
     def close(self) -> None: ...
 
 

@@ -13,7 +13,8 @@ suite (``tests/integration/test_control_contract.py``):
   (``disconnected()``), reported after the replies that arrived before it; a client
   that disconnects is a loss for the server; after a loss the next send connects
   again (a new identity), like a DEALER reconnecting;
-* ``wake`` interrupts a ``poll`` from any thread; every wait takes a timeout.
+* ``wake`` interrupts a ``poll`` (clients) or a ``recv`` (server) from any thread;
+  every wait takes a timeout.
 """
 
 from __future__ import annotations
@@ -81,6 +82,7 @@ class MemoryServer:
         self._conns: dict[bytes, _Conn] = {}
         self._lost: list[bytes] = []
         self._closed = False
+        self._woken = False
 
     @property
     def endpoint(self) -> str:
@@ -90,8 +92,9 @@ class MemoryServer:
         deadline = time.monotonic() + max(0.0, timeout)
         while True:
             with self._net._lock:
-                if self._lost:
-                    return None  # let the caller handle the loss at once
+                woken, self._woken = self._woken, False
+                if self._lost or woken:
+                    return None  # let the caller handle the loss (or look at the time)
             try:
                 item = self._inbox.get(timeout=max(0.0, deadline - time.monotonic()))
             except queue.Empty:
@@ -113,6 +116,11 @@ class MemoryServer:
         with self._net._lock:
             lost, self._lost = list(dict.fromkeys(self._lost)), []
             return lost
+
+    def wake(self) -> None:
+        with self._net._lock:
+            self._woken = True
+        self._inbox.put(None)
 
     def close(self) -> None:
         with self._net._lock:

@@ -205,7 +205,7 @@ def start_sender(
         log=log or RecordingLogger(role="prefill"),
         meta_ack_timeout_s=timeouts.get("meta_ack_timeout_s", WAIT),
         layer_ack_timeout_s=timeouts.get("layer_ack_timeout_s", WAIT),
-        event_timeout_s=timeouts.get("event_timeout_s", WAIT), poll_interval_s=0.005,
+        event_timeout_s=timeouts.get("event_timeout_s", WAIT),
         compat=compat,
     )
     sender.start()
@@ -229,7 +229,7 @@ def start_decode(
                 HOST, port, max_frame_bytes=max_frame_bytes),
             codec=codec, transfer=engine, destinations=dests, d_rank=d_rank, d_tp=d_tp,
             clock=MonotonicClock(), log=log, request_timeout_s=request_timeout_s,
-            poll_interval_s=0.01, **receiver_kw,
+            **receiver_kw,
         )
         try:
             endpoint = receiver.start()

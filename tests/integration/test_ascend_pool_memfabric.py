@@ -37,7 +37,7 @@ from rd2h.adapters.memfabric import start_config_store
 from rd2h.adapters.torch.exchange import InMemoryExchangeGroup
 from rd2h.app.assembly import build_decode_worker, build_prefill_worker
 from rd2h.app.connector.facts import EngineFacts
-from rd2h.app.connector.plans import DecodeEndpoint, DecodeLoad, PrefillSend
+from rd2h.app.connector.plans import DecodeEndpoint, DecodeLoad, PrefillSend, StepPlan
 from rd2h.app.settings import Rd2hOptions
 from rd2h.domain.chunks import external_request_id
 from rd2h.domain.layout import SourceLayout, TensorComponent
@@ -177,7 +177,7 @@ def test_two_decode_ranks_pull_into_the_shared_pool_over_memfabric(rig: dict[str
         assert init.args[2:4] == ("Decode", d)  # role, device (the rank's local rank)
 
     for w in decoders:
-        w.start_step([DecodeLoad(RID, D_MAIN, D_IDX)])
+        w.bind_connector_metadata(StepPlan(loads=(DecodeLoad(RID, D_MAIN, D_IDX),)))
     layouts, regions, keep = prefill_caches()
     prefills = []
     for p in range(2):
@@ -185,11 +185,12 @@ def test_two_decode_ranks_pull_into_the_shared_pool_over_memfabric(rig: dict[str
                                  layouts, regions, memfabric_library=net.process())
         rig["workers"].append(w)
         prefills.append(w)
-        w.start_step([PrefillSend(RID, external_request_id(RID),
-                                  DecodeEndpoint("127.0.0.1", kv_port, 2, "engine-d"),
-                                  P_IDS, P_IDS, 0, 0, final=True)])
-        for name in NAMES:
-            assert w.layer_written(name)  # on_kv_cache_written: one announcement per layer
+        w.bind_connector_metadata(StepPlan(sends=(PrefillSend(
+            RID, external_request_id(RID), DecodeEndpoint("127.0.0.1", kv_port, 2, "engine-d"),
+            P_IDS, P_IDS, 0, 0, final=True),)))
+        for n, name in enumerate(NAMES, 1):
+            w.save_kv_layer(name)  # as on_kv_cache_written: one announcement per layer
+            assert w.layers_announced == n
 
     results: dict[int, Any] = {}
 
@@ -198,8 +199,8 @@ def test_two_decode_ranks_pull_into_the_shared_pool_over_memfabric(rig: dict[str
         failed: frozenset[str] = frozenset()
         end = time.monotonic() + DEADLINE_S
         while RID not in finished and time.monotonic() < end:
-            res = decoders[d].get_finished(())
-            finished, failed = finished | res.finished, failed | res.failed
+            res = decoders[d].get_transfer_results(())
+            finished, failed = finished | res.finished_recving, failed | res.failed_recving
             time.sleep(0.02)
         results[d] = (finished, failed, decoders[d].stats)
 
@@ -215,7 +216,8 @@ def test_two_decode_ranks_pull_into_the_shared_pool_over_memfabric(rig: dict[str
     end = time.monotonic() + DEADLINE_S
     pending = set(range(2))
     while pending and time.monotonic() < end:  # every announcement answered on Prefill
-        pending = {p for p in pending if RID not in prefills[p].get_finished([RID])}
+        pending = {p for p in pending
+                   if RID not in prefills[p].get_transfer_results([RID]).finished_sending}
         time.sleep(0.02)
     assert not pending and all(p.requests_failed == 0 for p in prefills)
 

@@ -163,6 +163,18 @@ def test_wake_interrupts_a_poll(net: Any) -> None:
     timer.join()
 
 
+def test_wake_interrupts_a_recv_and_a_later_one_still_receives(net: Any) -> None:
+    server, clients, _ = connected(net)
+    timer = threading.Timer(0.1, server.wake)
+    timer.start()
+    t0 = time.monotonic()
+    assert server.recv(WAIT) is None
+    assert time.monotonic() - t0 < WAIT / 2
+    timer.join()
+    clients.send(server.endpoint, b"after", timeout=WAIT)
+    assert recv(server)[1] == b"after"
+
+
 def test_a_reply_to_an_unknown_identity_is_not_delivered(net: Any) -> None:
     server, clients, _ = connected(net)
     assert server.send(b"nobody-by-this-name", b"x") is False

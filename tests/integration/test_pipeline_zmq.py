@@ -609,7 +609,6 @@ def test_sender_handshakes_again_after_decode_restarts_on_its_endpoint(rig: Rig)
             d_tp=1,
             clock=MonotonicClock(),
             log=RecordingLogger(),
-            poll_interval_s=0.01,
         )
         try:
             receiver.start()

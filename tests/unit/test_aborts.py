@@ -151,7 +151,7 @@ def test_prefill_stops_announcing_a_request_decode_aborted_and_releases_it() -> 
     from rd2h.adapters.msgpack import MsgpackCodec
     from rd2h.adapters.torch.exchange import InMemoryExchangeGroup
     from rd2h.app.connector.decode_worker import DecodeWorker
-    from rd2h.app.connector.plans import DecodeEndpoint, DecodeLoad, PrefillSend
+    from rd2h.app.connector.plans import DecodeEndpoint, DecodeLoad, PrefillSend, StepPlan
     from rd2h.app.connector.prefill_worker import PrefillWorker
     from rd2h.app.decode import DecodeReceiver
     from rd2h.app.prefill import PrefillSender
@@ -179,15 +179,14 @@ def test_prefill_stops_announcing_a_request_decode_aborted_and_releases_it() -> 
         destinations={n: DestinationLayout(n, (DestTensor(d_bufs[i].ctypes.data, BPB, NB),))
                       for i, n in layers.items()},
         d_rank=0, d_tp=1, clock=clock, log=RecordingLogger(), request_timeout_s=30,
-        poll_interval_s=0.005, main_shared=False)
+        main_shared=False)
     dworker = DecodeWorker(receiver=receiver, exchange=InMemoryExchangeGroup(1).member(0),
                            log=RecordingLogger(), exchange_timeout_s=5, stop_timeout_s=2)
     sender = PrefillSender(
         clients_factory=net.clients, codec=MsgpackCodec(), p_session=p_engine.session_id,
         layers={i: SourceLayout(n, (TensorComponent(p_bufs[i].ctypes.data, BPB, 1, 0, NB),))
                 for i, n in layers.items()},
-        clock=clock, log=RecordingLogger(), meta_ack_timeout_s=5, layer_ack_timeout_s=5,
-        poll_interval_s=0.005)
+        clock=clock, log=RecordingLogger(), meta_ack_timeout_s=5, layer_ack_timeout_s=5)
     p_log = RecordingLogger()
     pworker = PrefillWorker(sender=sender, events=Events(), p_rank=0, p_tp=1,
                             layer_names=layers, clock=clock, log=p_log)
@@ -195,31 +194,36 @@ def test_prefill_stops_announcing_a_request_decode_aborted_and_releases_it() -> 
     pworker.start()
     try:
         live, gone = "live" + X9, "gone" + X9
-        dworker.start_step([DecodeLoad(live, (5, 6, 7), (5, 6, 7)),
-                            DecodeLoad(gone, (1, 2), (1, 2))])
-        res = dworker.get_finished({gone})  # the client went away: vLLM aborted it
-        assert res.aborted == {gone} and res.finished == {gone} and not res.failed
+        dworker.bind_connector_metadata(StepPlan(loads=(
+            DecodeLoad(live, (5, 6, 7), (5, 6, 7)), DecodeLoad(gone, (1, 2), (1, 2)))))
+        res = dworker.get_transfer_results({gone})  # the client went away: vLLM aborted it
+        assert res.finished_recving == {gone} and not res.failed_recving
+        assert dworker.requests_aborted == 1 and dworker.requests_done == 0
         dec = DecodeEndpoint("10.0.0.9", 31000, 1)
-        sends = [PrefillSend(live, "live", dec, (0, 1), (0, 1), 0, 0, False),
-                 PrefillSend(gone, "gone", dec, (2, 3), (2, 3), 0, 0, False)]
-        pworker.start_step(sends)
-        assert pworker.layer_written(layers[0]) and pworker.layer_written(layers[1])
+        sends = (PrefillSend(live, "live", dec, (0, 1), (0, 1), 0, 0, False),
+                 PrefillSend(gone, "gone", dec, (2, 3), (2, 3), 0, 0, False))
+        pworker.bind_connector_metadata(StepPlan(sends=sends))
+        pworker.save_kv_layer(layers[0])
+        pworker.save_kv_layer(layers[1])
+        assert pworker.layers_announced == 2
         assert sender.drain(5)
         np.testing.assert_array_equal(d_bufs[0][[5, 6]], p_bufs[0][[0, 1]])
         np.testing.assert_array_equal(d_bufs[1][[5, 6]], p_bufs[1][[0, 1]])
         assert not d_bufs[0][[1, 2]].any()  # nothing landed in the aborted request's blocks
         # Next chunk: only 'live' is announced; 'gone' is released once vLLM finishes it.
-        sends = [PrefillSend(live, "live", dec, (4,), (4,), 2, 2, True),
-                 PrefillSend(gone, "gone", dec, (5,), (5,), 2, 2, True)]
-        pworker.start_step(sends)
-        assert pworker.layer_written(layers[0]) and pworker.layer_written(layers[1])
+        sends = (PrefillSend(live, "live", dec, (4,), (4,), 2, 2, True),
+                 PrefillSend(gone, "gone", dec, (5,), (5,), 2, 2, True))
+        pworker.bind_connector_metadata(StepPlan(sends=sends))
+        pworker.save_kv_layer(layers[0])
+        pworker.save_kv_layer(layers[1])
+        assert pworker.layers_announced == 4
         assert sender.drain(5)
-        assert pworker.get_finished({gone, live}) == {gone, live}
+        assert pworker.get_transfer_results({gone, live}).finished_sending == {gone, live}
         assert pworker.requests_skipped == 1 and pworker.requests_failed == 0
         assert [kw["request"] for e, kw in p_log.at("warning")
                 if e.startswith("not announcing")] == [gone]
-        res = dworker.get_finished(set())
-        assert res.finished == {live} and not res.failed
+        res = dworker.get_transfer_results(set())
+        assert res.finished_recving == {live} and not res.failed_recving
         np.testing.assert_array_equal(d_bufs[1][7], p_bufs[1][4])
         assert pworker.counters()["requests"] == 0
         assert dworker.counters() == dict.fromkeys(dworker.counters(), 0) | {"peers": 1}

@@ -202,7 +202,7 @@ def test_any_read_failure_is_answered_for_its_layer_and_the_loop_goes_on() -> No
         server_factory=lambda: net.server(EP), codec=codec, transfer=engine,
         destinations={name: DestinationLayout(name, (DestTensor(dst.ctypes.data, 64, NB),))},
         d_rank=0, d_tp=1, clock=MonotonicClock(), log=make_logger("decode", 0),
-        poll_interval_s=0.01, main_shared=False,
+        main_shared=False,
     )
     receiver.start()
     prefill = net.clients()

@@ -1,4 +1,5 @@
-"""The connector's four roles as plain services (no vLLM): Decode scheduler (spec 3.1),
+"""The connector's four roles as plain services (no vLLM), driven through their hooks
+with the plain values ``rd2h.entry.translate`` makes of vLLM's: Decode scheduler (spec 3.1),
 Prefill scheduler (3.2), Prefill worker over a real ``PrefillSender`` and Decode worker
 over a real ``DecodeReceiver``, wired in memory (no sockets); plus the per-announcement
 tickets that tell Prefill when a finished request's blocks may be freed (the ticket rules
@@ -35,7 +36,7 @@ from rd2h.app.connector.prefill_scheduler import (
     resolve_params,
 )
 from rd2h.app.connector.prefill_worker import PrefillWorker
-from rd2h.app.connector.roles import ScheduledRequest
+from rd2h.app.connector.roles import RequestFacts, ScheduledRequest
 from rd2h.app.decode import DecodeReceiver
 from rd2h.app.prefill import PrefillSender
 from rd2h.app.timeline import load
@@ -156,6 +157,20 @@ def _params(**extra: Any) -> dict[str, Any]:
     return {"do_remote_prefill": True, "metaserver": URL, **extra}
 
 
+def _req(rid: str, params: dict[str, Any] | None, prompt_len: int = 0,
+         computed: int = 0) -> RequestFacts:
+    """A vLLM request as the hooks take it: ``computed`` is ``request.num_computed_tokens``
+    (still 0 when vLLM calls ``update_state_after_alloc`` for a new request)."""
+    return RequestFacts(rid, prompt_len, prompt_len, computed, params)
+
+
+def _admit(sched: DecodeScheduler, counts: dict[str, int]) -> int:
+    """``update_connector_output`` with the workers' admissions: how many it posted."""
+    before = sched.posts
+    sched.update_connector_output(counts)
+    return sched.posts - before
+
+
 @pytest.fixture
 def dsched():
     ms = RecordingMetaserver()
@@ -167,68 +182,73 @@ def dsched():
 
 def test_match_reports_the_rest_of_the_prompt_as_async(dsched) -> None:
     sched, _, _ = dsched
-    assert sched.match(RID, 100, 0, _params()) == (100, True)
-    assert sched.match("other" + SUFFIX, 100, 32, _params()) == (68, True)
+    assert sched.get_num_new_matched_tokens(_req(RID, _params(), 100), 0) == (100, True)
+    assert sched.get_num_new_matched_tokens(_req("other" + SUFFIX, _params(), 100),
+                                            32) == (68, True)
     assert sched.counters()["remote"] == 2
 
 
 @pytest.mark.parametrize("params", [None, {}, {"do_remote_prefill": False}, {"metaserver": URL}])
 def test_match_ignores_requests_without_remote_prefill(dsched, params) -> None:
     sched, _, _ = dsched
-    assert sched.match(RID, 100, 0, params) == (0, False)
+    assert sched.get_num_new_matched_tokens(_req(RID, params, 100), 0) == (0, False)
     assert sched.counters()["remote"] == 0
 
 
 def test_match_with_everything_computed_loads_nothing(dsched) -> None:
     sched, ms, _ = dsched
     params = _params()
-    assert sched.match(RID, 64, 64, params) == (0, False)
-    sched.after_alloc(RID, ([1, 2],), 0, 0, 0, 64, params)
+    assert sched.get_num_new_matched_tokens(_req(RID, params, 64), 64) == (0, False)
+    sched.update_state_after_alloc(_req(RID, params, 64, computed=64), ([1, 2],), 0)
     assert params["do_remote_prefill"] is False
-    assert sched.build() == () and sched.counters() == {
+    assert sched.build_connector_meta([]).loads == () and sched.counters() == {
         "remote": 0, "waiting_post": 0, "queued_loads": 0}
-    assert sched.on_admitted({RID: 2}) == [] and ms.posts == []
+    assert _admit(sched, {RID: 2}) == 0 and ms.posts == []
 
 
-def test_after_alloc_records_destinations_and_clears_the_flag(dsched) -> None:
-    sched, ms, _ = dsched
+def test_after_alloc_records_destinations_and_clears_the_flag() -> None:
+    ms = RecordingMetaserver()
+    sched = DecodeScheduler(metaserver=ms, host="10.1.2.3", base_port=31004, tp_size=2,
+                            engine_id="decode-engine", log=RecordingLog(), main_group=0,
+                            indexer_group=1)
     params = _params()
-    sched.match(RID, 70, 0, params)
-    sched.after_alloc(RID, ([7, 8, 9], [3, 4, 5]), 0, 1, 70, 0, params)
+    sched.get_num_new_matched_tokens(_req(RID, params, 70), 0)
+    sched.update_state_after_alloc(_req(RID, params, 70), ([7, 8, 9], [3, 4, 5]), 70)
     assert params["do_remote_prefill"] is False
-    assert sched.build() == (DecodeLoad(RID, (7, 8, 9), (3, 4, 5)),)
-    assert sched.build() == ()  # handed to the workers once
+    assert sched.build_connector_meta([]).loads == (DecodeLoad(RID, (7, 8, 9), (3, 4, 5)),)
+    assert sched.build_connector_meta([]).loads == ()  # handed to the workers once
     assert ms.posts == []  # nothing posted before the workers admitted it
 
 
 def test_after_alloc_with_one_group_uses_it_for_the_indexer_too(dsched) -> None:
     sched, _, _ = dsched
     params = _params()
-    sched.match(RID, 70, 0, params)
-    sched.after_alloc(RID, ([7, 8, 9],), 0, 0, 70, 0, params)
-    assert sched.build() == (DecodeLoad(RID, (7, 8, 9), (7, 8, 9)),)
+    sched.get_num_new_matched_tokens(_req(RID, params, 70), 0)
+    sched.update_state_after_alloc(_req(RID, params, 70), ([7, 8, 9],), 70)
+    assert sched.build_connector_meta([]).loads == (DecodeLoad(RID, (7, 8, 9), (7, 8, 9)),)
 
 
 def test_after_alloc_ignores_requests_it_did_not_match(dsched) -> None:
     sched, ms, _ = dsched
-    sched.after_alloc(RID, ([1],), 0, 0, 32, 0, None)  # not a remote prefill at all
+    sched.update_state_after_alloc(_req(RID, None, 32), ([1],), 32)  # not a remote prefill
     params = _params()
-    sched.after_alloc(RID, ([1],), 0, 0, 32, 0, params)  # never matched
+    sched.update_state_after_alloc(_req(RID, params, 32), ([1],), 32)  # never matched
     assert params["do_remote_prefill"] is False
-    assert sched.build() == () and sched.on_admitted({RID: 2}) == [] and ms.posts == []
+    assert sched.build_connector_meta([]).loads == ()
+    assert _admit(sched, {RID: 2}) == 0 and ms.posts == []
 
 
 def test_post_waits_for_every_tp_rank_and_carries_the_spec_payload(dsched) -> None:
     sched, ms, _ = dsched
     params = _params()
-    sched.match(RID, 100, 32, params)  # 32 tokens hit D's local prefix cache
+    sched.get_num_new_matched_tokens(_req(RID, params, 100), 32)  # 32 hit D's prefix cache
     # vLLM calls update_state_after_alloc before it sets request.num_computed_tokens:
     # the local hit known from the match is what D already has.
-    sched.after_alloc(RID, ([5, 6, 7, 8],), 0, 0, 68, 0, params)
-    sched.build()
-    assert sched.on_admitted({RID: 1}) == [] and ms.posts == []  # rank 0 only
-    assert sched.on_admitted({"unknown" + SUFFIX: 2}) == []
-    assert sched.on_admitted({RID: 1}) == [RID]  # rank 1: everyone admitted
+    sched.update_state_after_alloc(_req(RID, params, 100), ([5, 6, 7, 8],), 68)
+    sched.build_connector_meta([])
+    assert _admit(sched, {RID: 1}) == 0 and ms.posts == []  # rank 0 only
+    assert _admit(sched, {"unknown" + SUFFIX: 2}) == 0
+    assert _admit(sched, {RID: 1}) == 1  # rank 1: everyone admitted
     assert ms.posts == [(EXT, URL, {
         "request_id": EXT,
         "do_remote_prefill": False,
@@ -241,33 +261,33 @@ def test_post_waits_for_every_tp_rank_and_carries_the_spec_payload(dsched) -> No
         "remote_dcp_size": 1,
         "remote_cached_tokens": 32,
     })]
-    assert sched.on_admitted({RID: 2}) == [] and len(ms.posts) == 1  # posted once
+    assert _admit(sched, {RID: 2}) == 0 and len(ms.posts) == 1  # posted once
     assert sched.posts == 1
 
 
 def test_admission_counts_summed_over_ranks_in_one_report(dsched) -> None:
     sched, ms, _ = dsched
     params = _params()
-    sched.match(RID, 64, 0, params)
-    sched.after_alloc(RID, ([1, 2],), 0, 0, 64, 0, params)
-    assert sched.on_admitted({RID: 2}) == [RID] and len(ms.posts) == 1
+    sched.get_num_new_matched_tokens(_req(RID, params, 64), 0)
+    sched.update_state_after_alloc(_req(RID, params, 64), ([1, 2],), 64)
+    assert _admit(sched, {RID: 2}) == 1 and ms.posts[0][0] == EXT
 
 
 def test_do_virtual_suppresses_the_post(dsched) -> None:
     sched, ms, _ = dsched
     params = _params(do_virtual=True)
-    sched.match(RID, 64, 0, params)
-    sched.after_alloc(RID, ([1, 2],), 0, 0, 64, 0, params)
-    assert sched.build() == (DecodeLoad(RID, (1, 2), (1, 2)),)  # still loaded
-    assert sched.on_admitted({RID: 2}) == [] and ms.posts == [] and sched.posts == 0
+    sched.get_num_new_matched_tokens(_req(RID, params, 64), 0)
+    sched.update_state_after_alloc(_req(RID, params, 64), ([1, 2],), 64)
+    assert sched.build_connector_meta([]).loads == (DecodeLoad(RID, (1, 2), (1, 2)),)  # loaded
+    assert _admit(sched, {RID: 2}) == 0 and ms.posts == [] and sched.posts == 0
 
 
 def test_a_metaserver_that_is_not_a_url_is_logged_not_posted(dsched) -> None:
     sched, ms, log = dsched
     params = _params(metaserver=1234)
-    sched.match(RID, 64, 0, params)
-    sched.after_alloc(RID, ([1, 2],), 0, 0, 64, 0, params)
-    assert sched.on_admitted({RID: 2}) == [] and ms.posts == []
+    sched.get_num_new_matched_tokens(_req(RID, params, 64), 0)
+    sched.update_state_after_alloc(_req(RID, params, 64), ([1, 2],), 64)
+    assert _admit(sched, {RID: 2}) == 0 and ms.posts == []
     assert any(kw.get("request") == RID for _, kw in log.at("warning"))
 
 
@@ -277,9 +297,9 @@ def test_an_unpostable_request_is_logged_and_others_still_post() -> None:
     sched = DecodeScheduler(metaserver=ms, host="h", base_port=1, tp_size=1, engine_id="e",
                             log=log)
     params = _params()
-    sched.match(RID, 64, 0, params)
-    sched.after_alloc(RID, ([1, 2],), 0, 0, 64, 0, params)
-    assert sched.on_admitted({RID: 1}) == []
+    sched.get_num_new_matched_tokens(_req(RID, params, 64), 0)
+    sched.update_state_after_alloc(_req(RID, params, 64), ([1, 2],), 64)
+    assert _admit(sched, {RID: 1}) == 0
     (_, kw), = log.at("error")
     assert kw["request"] == RID and "bad URL scheme" in kw["error"]
 
@@ -290,8 +310,8 @@ def test_the_scheduler_stamps_match_alloc_admission_and_received_kv(tmp_path) ->
                             tp_size=2, engine_id="e", log=RecordingLog(), timeline=stamps)
     rid = "cmpl-" + "cd" * 16 + "-0" + SUFFIX
     params = _params()
-    sched.match(rid, 70, 0, params)
-    sched.after_alloc(rid, ([7, 8, 9],), 0, 0, 70, 0, params)
+    sched.get_num_new_matched_tokens(_req(rid, params, 70), 0)
+    sched.update_state_after_alloc(_req(rid, params, 70), ([7, 8, 9],), 70)
     sched.update_connector_output({rid: 1})
     assert "decode.admitted_all" not in load(tmp_path).get("cd" * 16, {})  # one rank of 2
     sched.update_connector_output({rid: 1})
@@ -307,25 +327,26 @@ def test_the_scheduler_stamps_match_alloc_admission_and_received_kv(tmp_path) ->
 def test_finished_cancels_the_post_and_forgets_the_request(dsched) -> None:
     sched, ms, _ = dsched
     params = _params()
-    sched.match(RID, 64, 0, params)
-    sched.after_alloc(RID, ([1, 2],), 0, 0, 64, 0, params)
-    sched.finished(RID)  # before the workers saw it
+    sched.get_num_new_matched_tokens(_req(RID, params, 64), 0)
+    sched.update_state_after_alloc(_req(RID, params, 64), ([1, 2],), 64)
+    assert sched.request_finished(RID) is False  # before the workers saw it; nothing held
     assert ms.cancels == [EXT]
-    assert sched.build() == ()
+    assert sched.build_connector_meta([]).loads == ()
     assert sched.counters() == {"remote": 0, "waiting_post": 0, "queued_loads": 0}
-    assert sched.on_admitted({RID: 2}) == [] and ms.posts == []
-    sched.finished("never-seen" + SUFFIX)
+    assert _admit(sched, {RID: 2}) == 0 and ms.posts == []
+    assert sched.request_finished("never-seen" + SUFFIX) is False
     assert ms.cancels == [EXT]  # nothing to cancel for a request never waiting
 
 
 def test_shutdown_drops_everything_and_stops_the_metaserver(dsched) -> None:
     sched, ms, _ = dsched
     params = _params()
-    sched.match(RID, 64, 0, params)
-    sched.after_alloc(RID, ([1, 2],), 0, 0, 64, 0, params)
+    sched.get_num_new_matched_tokens(_req(RID, params, 64), 0)
+    sched.update_state_after_alloc(_req(RID, params, 64), ([1, 2],), 64)
     sched.shutdown(2.5)
     assert ms.shutdowns == [2.5]
-    assert sched.build() == () and sched.on_admitted({RID: 2}) == [] and ms.posts == []
+    assert sched.build_connector_meta([]).loads == ()
+    assert _admit(sched, {RID: 2}) == 0 and ms.posts == []
 
 
 # ================================================================ Prefill scheduler
@@ -342,112 +363,129 @@ def _psched(block_size: int = 4, *, indexer_group: int = 0, p_tp: int = 1):
                             p_tp=p_tp, log=log), log
 
 
+def _track(sched: PrefillScheduler, rid: str, prompt_tokens: int,
+           params: dict[str, Any] | None) -> int:
+    """``update_state_after_alloc`` of a new request: how many requests are tracked."""
+    sched.update_state_after_alloc(RequestFacts(rid, prompt_tokens, prompt_tokens, 0, params),
+                                   ([],), 0)
+    return sched.counters()["tracked"]
+
+
+def _step(sched: PrefillScheduler, rid: str, new_blocks: tuple[list[int], ...] | None,
+          computed: int, scheduled: int, *, replace: bool = False) -> PrefillSend | None:
+    """``build_connector_meta`` of a step scheduling this one request: its send, if any."""
+    plan = sched.build_connector_meta(
+        [ScheduledRequest(rid, new_blocks, computed, scheduled, replace)])
+    assert len(plan.sends) <= 1 and plan.preempted == ()
+    return plan.sends[0] if plan.sends else None
+
+
 def test_track_only_remote_decode_requests() -> None:
     sched, _ = _psched()
-    assert not sched.track("a" + SUFFIX, 10, None)
-    assert not sched.track("a" + SUFFIX, 10, {"do_remote_decode": False})
-    assert sched.track("a" + SUFFIX, 10, D_PARAMS)
-    assert sched.track("a" + SUFFIX, 10, None)  # idempotent: already tracked
+    assert _track(sched, "a" + SUFFIX, 10, None) == 0
+    assert _track(sched, "a" + SUFFIX, 10, {"do_remote_decode": False}) == 0
+    assert _track(sched, "a" + SUFFIX, 10, D_PARAMS) == 1
+    assert _track(sched, "a" + SUFFIX, 10, None) == 1  # idempotent: already tracked
     assert sched.counters() == {"tracked": 1, "rejected": 0}
 
 
 def test_chunked_prefill_announces_completed_blocks_then_the_partial_last_one() -> None:
     sched, _ = _psched(block_size=4)
     rid = "chunky" + SUFFIX
-    sched.track(rid, 14, D_PARAMS)
+    _track(sched, rid, 14, D_PARAMS)
     ep = DecodeEndpoint("10.0.0.9", 31000, 1, "d0")
     # step 1: 6 tokens -> block 0 complete, block 1 half written
-    s1 = sched.schedule(rid, ([10, 11],), 0, 6, replace_blocks=True)
+    s1 = _step(sched, rid, ([10, 11],), 0, 6, replace=True)
     assert s1 == PrefillSend(rid, "chunky", ep, (10,), (10,), 0, 0, False)
     # step 2: 1 token -> still inside block 1: nothing new completed
-    assert sched.schedule(rid, None, 6, 1) is None
+    assert _step(sched, rid, None, 6, 1) is None
     # step 3: 5 tokens (12) -> blocks 1, 2 complete
-    s3 = sched.schedule(rid, ([12],), 7, 5)
+    s3 = _step(sched, rid, ([12],), 7, 5)
     assert (s3.main_block_ids, s3.main_start, s3.final) == ((11, 12), 1, False)
     # step 4: the final 2 tokens (14) -> the partial block 3 goes with the final chunk
-    s4 = sched.schedule(rid, ([13],), 12, 2)
+    s4 = _step(sched, rid, ([13],), 12, 2)
     assert (s4.main_block_ids, s4.main_start, s4.indexer_start, s4.final) == (
         (13,), 3, 3, True)
-    assert sched.schedule(rid, None, 14, 1) is None  # decode steps after the final chunk
-    assert sched.finished(rid) is True
+    assert _step(sched, rid, None, 14, 1) is None  # decode steps after the final chunk
+    assert sched.request_finished(rid) is True
     assert sched.counters()["tracked"] == 0
 
 
 def test_indexer_blocks_come_from_the_indexer_group() -> None:
     sched, _ = _psched(block_size=4, indexer_group=1)
-    sched.track("r" + SUFFIX, 8, D_PARAMS)
-    s = sched.schedule("r" + SUFFIX, ([1, 2], [101, 102]), 0, 8, replace_blocks=True)
+    _track(sched, "r" + SUFFIX, 8, D_PARAMS)
+    s = _step(sched, "r" + SUFFIX, ([1, 2], [101, 102]), 0, 8, replace=True)
     assert (s.main_block_ids, s.indexer_block_ids, s.final) == ((1, 2), (101, 102), True)
 
 
 def test_remote_cached_tokens_are_not_sent_again() -> None:
     sched, _ = _psched(block_size=4)
-    sched.track("r" + SUFFIX, 10, {**D_PARAMS, "remote_cached_tokens": 8})
-    s = sched.schedule("r" + SUFFIX, ([1, 2, 3],), 0, 10, replace_blocks=True)
+    _track(sched, "r" + SUFFIX, 10, {**D_PARAMS, "remote_cached_tokens": 8})
+    s = _step(sched, "r" + SUFFIX, ([1, 2, 3],), 0, 10, replace=True)
     assert (s.main_block_ids, s.main_start, s.final) == ((3,), 2, True)
 
 
 def test_everything_cached_remotely_still_sends_the_final_marker() -> None:
     sched, _ = _psched(block_size=4)
-    sched.track("r" + SUFFIX, 8, {**D_PARAMS, "remote_cached_tokens": 8})
-    s = sched.schedule("r" + SUFFIX, ([1, 2],), 0, 8, replace_blocks=True)
+    _track(sched, "r" + SUFFIX, 8, {**D_PARAMS, "remote_cached_tokens": 8})
+    s = _step(sched, "r" + SUFFIX, ([1, 2],), 0, 8, replace=True)
     assert s is not None and s.final and s.main_block_ids == () and s.main_start == 2
 
 
 def test_resumed_request_replaces_its_blocks() -> None:
     sched, _ = _psched(block_size=4)
     rid = "pre" + SUFFIX
-    sched.track(rid, 12, D_PARAMS)
-    assert sched.schedule(rid, ([1, 2],), 0, 8, replace_blocks=True).main_block_ids == (1, 2)
+    _track(sched, rid, 12, D_PARAMS)
+    assert _step(sched, rid, ([1, 2],), 0, 8, replace=True).main_block_ids == (1, 2)
     # preempted, then resumed with new blocks for the whole request so far
-    s = sched.schedule(rid, ([7, 8, 9],), 8, 4, replace_blocks=True)
+    s = _step(sched, rid, ([7, 8, 9],), 8, 4, replace=True)
     assert (s.main_block_ids, s.main_start, s.final) == ((9,), 2, True)
 
 
 def test_appended_blocks_extend_every_group() -> None:
     sched, _ = _psched(block_size=2, indexer_group=1)
     rid = "g" + SUFFIX
-    sched.track(rid, 6, D_PARAMS)
-    sched.schedule(rid, ([1], [11]), 0, 2, replace_blocks=True)
-    s = sched.schedule(rid, ([2, 3], [12, 13]), 2, 4)
+    _track(sched, rid, 6, D_PARAMS)
+    _step(sched, rid, ([1], [11]), 0, 2, replace=True)
+    s = _step(sched, rid, ([2, 3], [12, 13]), 2, 4)
     assert (s.main_block_ids, s.indexer_block_ids) == ((2, 3), (12, 13))
 
 
 def test_a_chunk_beyond_the_allocated_blocks_drops_the_request_with_an_error() -> None:
     sched, log = _psched(block_size=4)
     rid = "short" + SUFFIX
-    sched.track(rid, 16, D_PARAMS)
-    assert sched.schedule(rid, ([1],), 0, 8, replace_blocks=True) is None
+    _track(sched, rid, 16, D_PARAMS)
+    assert _step(sched, rid, ([1],), 0, 8, replace=True) is None
     (_, kw), = log.at("error")
     assert kw["request"] == rid and "only 1 blocks are allocated" in kw["error"]
-    assert sched.counters()["tracked"] == 0 and sched.finished(rid) is False
+    assert sched.counters()["tracked"] == 0 and sched.request_finished(rid) is False
 
 
 def test_a_chunk_error_after_earlier_sends_keeps_the_blocks_until_sent() -> None:
     sched, log = _psched(block_size=4)
     rid = "cut" + SUFFIX
-    sched.track(rid, 16, D_PARAMS)
-    assert sched.schedule(rid, ([1, 2],), 0, 8, replace_blocks=True) is not None
-    assert sched.schedule(rid, None, 8, 8) is None  # ends at block 4, only 2 allocated
+    _track(sched, rid, 16, D_PARAMS)
+    assert _step(sched, rid, ([1, 2],), 0, 8, replace=True) is not None
+    assert _step(sched, rid, None, 8, 8) is None  # ends at block 4, only 2 allocated
     assert "only 2 blocks are allocated" in log.at("error")[0][1]["error"]
-    assert sched.schedule(rid, ([3, 4],), 16, 1) is None  # no more announcements
+    assert _step(sched, rid, ([3, 4],), 16, 1) is None  # no more announcements
     # Block 0..1 were announced: vLLM must wait for finished_sending before freeing them
     # (and the worker will report it: vLLM asserts the request still exists then).
-    assert sched.finished(rid) is True
+    assert sched.request_finished(rid) is True
     assert sched.counters()["tracked"] == 0
 
 
 def test_untracked_requests_are_not_scheduled() -> None:
     sched, _ = _psched()
-    assert sched.schedule("local" + SUFFIX, ([1],), 0, 4, replace_blocks=True) is None
-    assert sched.finished("local" + SUFFIX) is False
+    assert _step(sched, "local" + SUFFIX, ([1],), 0, 4, replace=True) is None
+    assert sched.request_finished("local" + SUFFIX) is False
 
 
 def test_finished_before_any_send_frees_at_once() -> None:
     sched, _ = _psched(block_size=4)
-    sched.track("r" + SUFFIX, 16, D_PARAMS)
-    assert sched.schedule("r" + SUFFIX, ([1],), 0, 2, replace_blocks=True) is None
-    assert sched.finished("r" + SUFFIX) is False  # nothing announced: nothing to wait for
+    _track(sched, "r" + SUFFIX, 16, D_PARAMS)
+    assert _step(sched, "r" + SUFFIX, ([1],), 0, 2, replace=True) is None
+    assert sched.request_finished("r" + SUFFIX) is False  # nothing announced: nothing to wait
     assert sched.counters()["tracked"] == 0
 
 
@@ -460,10 +498,12 @@ def test_batch_params_resolved_by_external_id() -> None:
             "list-1": {**D_PARAMS, "remote_port": 32000, "remote_cached_tokens": 4},
         },
     }
-    assert sched.track("list-0" + SUFFIX, 8, batch)
-    assert sched.track("list-1" + SUFFIX, 8, batch)
-    s0 = sched.schedule("list-0" + SUFFIX, ([1, 2],), 0, 8, replace_blocks=True)
-    s1 = sched.schedule("list-1" + SUFFIX, ([3, 4],), 0, 8, replace_blocks=True)
+    assert _track(sched, "list-0" + SUFFIX, 8, batch) == 1
+    assert _track(sched, "list-1" + SUFFIX, 8, batch) == 2
+    plan = sched.build_connector_meta(  # one step scheduling both
+        [ScheduledRequest("list-0" + SUFFIX, ([1, 2],), 0, 8, True),
+         ScheduledRequest("list-1" + SUFFIX, ([3, 4],), 0, 8, True)])
+    s0, s1 = plan.sends
     assert (s0.ext_id, s0.decode.base_port, s0.main_block_ids) == ("list-0", 31000, (1, 2))
     assert (s1.ext_id, s1.decode.base_port, s1.main_block_ids) == ("list-1", 32000, (4,))
 
@@ -475,7 +515,7 @@ def test_missing_batch_entry_is_a_clear_error() -> None:
     with pytest.raises(TransferParamsError, match="must be an object"):
         resolve_params("x", {"do_remote_decode": True, "batch_kv_transfer_params": [1]})
     sched, log = _psched()
-    assert not sched.track("list-7" + SUFFIX, 8, batch)
+    assert _track(sched, "list-7" + SUFFIX, 8, batch) == 0
     (_, kw), = log.at("error")
     assert kw["request"] == "list-7" + SUFFIX and "'list-7'" in kw["error"]
     assert sched.counters() == {"tracked": 0, "rejected": 1}
@@ -486,7 +526,7 @@ def test_context_parallel_decode_is_rejected(key) -> None:
     with pytest.raises(TransferParamsError, match=f"{key} must be 1"):
         decode_endpoint({**D_PARAMS, key: 2}, 1)
     sched, log = _psched()
-    assert not sched.track("r" + SUFFIX, 8, {**D_PARAMS, key: 2})
+    assert _track(sched, "r" + SUFFIX, 8, {**D_PARAMS, key: 2}) == 0
     assert key in log.at("error")[0][1]["error"]
 
 
@@ -509,7 +549,7 @@ def test_decode_tp_larger_than_prefill_tp_is_rejected() -> None:
     with pytest.raises(TopologyError, match="prefill TP 1 < decode TP 2"):
         decode_endpoint({**D_PARAMS, "remote_tp_size": 2}, 1)
     sched, _ = _psched(p_tp=1)
-    assert not sched.track("r" + SUFFIX, 8, {**D_PARAMS, "remote_tp_size": 2})
+    assert _track(sched, "r" + SUFFIX, 8, {**D_PARAMS, "remote_tp_size": 2}) == 0
 
 
 # ================================================================ Prefill worker
@@ -538,8 +578,9 @@ def pworker():
         sender = PrefillSender(
             clients_factory=lambda: decode, codec=MsgpackCodec(), p_session="p-session",
             layers=layouts, clock=clock, log=log or RecordingLog(), meta_ack_timeout_s=5,
-            layer_ack_timeout_s=5, event_timeout_s=5, poll_interval_s=0.005,
+            layer_ack_timeout_s=5, event_timeout_s=5,
         )
+        clock.wakes(sender.wake)  # it sleeps until its next deadline: a jump must wake it
         worker = PrefillWorker(
             sender=sender, events=ImmediateEvents(), p_rank=p_rank, p_tp=p_tp,
             layer_names=NAMES, clock=clock, log=log or RecordingLog(),
@@ -558,25 +599,38 @@ def _sender(worker: PrefillWorker) -> PrefillSender:
     return worker.sender  # the test drains it to know every reply was handled
 
 
+def _announced(worker: PrefillWorker, layer_name: str) -> bool:
+    """``save_kv_layer``: whether it announced the layer (``layers_announced`` counts)."""
+    before = worker.layers_announced
+    worker.save_kv_layer(layer_name)
+    return worker.layers_announced > before
+
+
+def _released(worker: PrefillWorker, finished_by_vllm: set[str]) -> frozenset[str]:
+    """``get_transfer_results``: the requests whose blocks vLLM may free now."""
+    return worker.get_transfer_results(finished_by_vllm).finished_sending
+
+
 def _write_all_layers(worker: PrefillWorker) -> list[bool]:
-    return [worker.layer_written(NAMES[i]) for i in range(LAYERS)]
+    return [_announced(worker, NAMES[i]) for i in range(LAYERS)]
 
 
 def test_each_layer_is_announced_once_per_step(pworker) -> None:
     decode = ScriptedDecode()
     worker = pworker(decode)
     rid = "a" + SUFFIX
-    worker.start_step([_send(rid, (4, 5), 0, False)])
-    assert worker.layer_written(NAMES[0]) is True
-    assert worker.layer_written(NAMES[0]) is False  # second hook of the same layer
-    assert worker.layer_written(NAMES[1]) and worker.layer_written(NAMES[2])
+    worker.bind_connector_metadata(StepPlan(sends=(_send(rid, (4, 5), 0, False),)))
+    assert _announced(worker, NAMES[0]) is True
+    assert _announced(worker, NAMES[0]) is False  # second hook of the same layer
+    assert _announced(worker, NAMES[1]) and _announced(worker, NAMES[2])
     batches = decode.wait_batches(3)
     assert [b.layer_idx for _, b in batches] == [0, 1, 2]
     assert all(b.read_reqs == (ReadRequest("a", (4, 5), (4, 5), 0, 0),) for _, b in batches)
     assert all(b.done_ext_ids == () for _, b in batches)  # not the final chunk
     assert decode.metas == ["tcp://10.0.0.9:31000"]  # MF_META once per connection
-    worker.start_step([_send(rid, (6,), 2, False)])  # the next step announces again
-    assert worker.layer_written(NAMES[0])
+    # the next step announces again
+    worker.bind_connector_metadata(StepPlan(sends=(_send(rid, (6,), 2, False),)))
+    assert _announced(worker, NAMES[0])
     assert decode.wait_batches(4)[-1][1].read_reqs[0].main_start_block == 2
     assert worker.layers_announced == 4
 
@@ -584,10 +638,10 @@ def test_each_layer_is_announced_once_per_step(pworker) -> None:
 def test_a_step_without_sends_and_unknown_layers_announce_nothing(pworker) -> None:
     decode = ScriptedDecode()
     worker = pworker(decode)
-    worker.start_step([])
+    worker.bind_connector_metadata(StepPlan())
     assert _write_all_layers(worker) == [False, False, False]
-    worker.start_step([_send("a" + SUFFIX, (1,), 0, True)])
-    assert worker.layer_written("model.layers.9.self_attn.attn") is False
+    worker.bind_connector_metadata(StepPlan(sends=(_send("a" + SUFFIX, (1,), 0, True),)))
+    assert _announced(worker, "model.layers.9.self_attn.attn") is False
     assert worker.layers_announced == 0 and decode.batches == []
 
 
@@ -595,9 +649,9 @@ def test_done_only_on_the_last_layer_of_the_final_chunk(pworker) -> None:
     decode = ScriptedDecode()
     worker = pworker(decode)
     rid = "fin" + SUFFIX
-    worker.start_step([_send(rid, (1,), 0, False)])
+    worker.bind_connector_metadata(StepPlan(sends=(_send(rid, (1,), 0, False),)))
     _write_all_layers(worker)
-    worker.start_step([_send(rid, (2, 3), 1, True)])
+    worker.bind_connector_metadata(StepPlan(sends=(_send(rid, (2, 3), 1, True),)))
     _write_all_layers(worker)
     batches = [b for _, b in decode.wait_batches(6)]
     assert [b.done_ext_ids for b in batches] == [(), (), (), (), (), ("fin",)]
@@ -607,7 +661,7 @@ def test_done_only_on_the_last_layer_of_the_final_chunk(pworker) -> None:
 def test_a_final_chunk_without_blocks_sends_only_the_done_marker(pworker) -> None:
     decode = ScriptedDecode()
     worker = pworker(decode)
-    worker.start_step([_send("cached" + SUFFIX, (), 2, True)])
+    worker.bind_connector_metadata(StepPlan(sends=(_send("cached" + SUFFIX, (), 2, True),)))
     assert _write_all_layers(worker) == [False, False, True]
     (_, batch), = decode.wait_batches(1)
     assert (batch.layer_idx, batch.read_reqs, batch.done_ext_ids) == (2, (), ("cached",))
@@ -623,7 +677,8 @@ def test_endpoint_is_the_mapped_decode_rank_port(pworker, p_tp, p_rank, d_tp, po
                                                  ratio) -> None:
     decode = ScriptedDecode()
     worker = pworker(decode, p_rank=p_rank, p_tp=p_tp)
-    worker.start_step([_send("a" + SUFFIX, (1,), 0, True, d_tp=d_tp)])
+    worker.bind_connector_metadata(StepPlan(sends=(_send("a" + SUFFIX, (1,), 0, True,
+                                                         d_tp=d_tp),)))
     _write_all_layers(worker)
     batches = decode.wait_batches(3)
     assert {ep for ep, _ in batches} == {f"tcp://10.0.0.9:{port}"}
@@ -633,10 +688,11 @@ def test_endpoint_is_the_mapped_decode_rank_port(pworker, p_tp, p_rank, d_tp, po
 def test_requests_for_two_decode_instances_go_to_two_endpoints(pworker) -> None:
     decode = ScriptedDecode()
     worker = pworker(decode)
-    worker.start_step([_send("a" + SUFFIX, (1,), 0, True, port=31000),
-                       _send("b" + SUFFIX, (2,), 0, True, port=32000),
-                       _send("c" + SUFFIX, (3,), 0, True, port=32000)])
-    worker.layer_written(NAMES[2])
+    worker.bind_connector_metadata(StepPlan(sends=(
+        _send("a" + SUFFIX, (1,), 0, True, port=31000),
+        _send("b" + SUFFIX, (2,), 0, True, port=32000),
+        _send("c" + SUFFIX, (3,), 0, True, port=32000))))
+    worker.save_kv_layer(NAMES[2])
     by_ep = dict(decode.wait_batches(2))
     assert [r.ext_req_id for r in by_ep["tcp://10.0.0.9:31000"].read_reqs] == ["a"]
     assert [r.ext_req_id for r in by_ep["tcp://10.0.0.9:32000"].read_reqs] == ["b", "c"]
@@ -647,15 +703,15 @@ def test_finished_only_once_every_announcement_was_answered(pworker) -> None:
     decode = ScriptedDecode(default="hold")
     worker = pworker(decode)
     rid = "slow" + SUFFIX
-    worker.start_step([_send(rid, (1, 2), 0, True)])
+    worker.bind_connector_metadata(StepPlan(sends=(_send(rid, (1, 2), 0, True),)))
     _write_all_layers(worker)
     decode.wait_batches(3)
-    assert worker.get_finished({rid}) == set()  # vLLM finished it, Decode is still reading
+    assert _released(worker, {rid}) == set()  # vLLM finished it, Decode is still reading
     assert worker.counters()["tickets"] == 3
     decode.answer_held()
     assert _sender(worker).drain(WAIT)
-    assert worker.get_finished(set()) == {rid}  # vLLM's earlier finish is remembered
-    assert worker.get_finished({rid}) == set()  # reported once
+    assert _released(worker, set()) == {rid}  # vLLM's earlier finish is remembered
+    assert _released(worker, {rid}) == set()  # reported once
     assert worker.counters() == {"requests": 0, "tickets": 0, "pending_layers": 0,
                                  "closed_slots": 0, "queued_tasks": 0, "unacked_sends": 0,
                                  "open_tickets": 0}
@@ -665,12 +721,12 @@ def test_answered_but_not_finished_by_vllm_is_not_reported(pworker) -> None:
     decode = ScriptedDecode()
     worker = pworker(decode)
     rid = "a" + SUFFIX
-    worker.start_step([_send(rid, (1,), 0, False)])
+    worker.bind_connector_metadata(StepPlan(sends=(_send(rid, (1,), 0, False),)))
     _write_all_layers(worker)
     decode.wait_batches(3)
     assert _sender(worker).drain(WAIT)
-    assert worker.get_finished(set()) == set()
-    assert worker.get_finished({rid}) == {rid}
+    assert _released(worker, set()) == set()
+    assert _released(worker, {rid}) == {rid}
 
 
 def test_failed_announcements_also_release_the_request(pworker) -> None:
@@ -678,11 +734,11 @@ def test_failed_announcements_also_release_the_request(pworker) -> None:
     log = RecordingLog()
     worker = pworker(decode, log=log)
     rid = "bad" + SUFFIX
-    worker.start_step([_send(rid, (1,), 0, True)])
+    worker.bind_connector_metadata(StepPlan(sends=(_send(rid, (1,), 0, True),)))
     _write_all_layers(worker)
     decode.wait_batches(3)
     assert _sender(worker).drain(WAIT)
-    assert worker.get_finished({rid}) == {rid}
+    assert _released(worker, {rid}) == {rid}
     assert worker.requests_failed == 1  # counted once per request, not per layer
     warned = [kw for e, kw in log.at("warning") if e == "decode did not read a request's layer"]
     assert len(warned) == 1 and "do not fit" in warned[0]["error"]
@@ -693,13 +749,13 @@ def test_expired_announcements_release_the_request(pworker) -> None:
     clock = ManualClock()
     worker = pworker(decode, clock=clock)
     rid = "lost" + SUFFIX
-    worker.start_step([_send(rid, (1,), 0, True)])
+    worker.bind_connector_metadata(StepPlan(sends=(_send(rid, (1,), 0, True),)))
     _write_all_layers(worker)
     decode.wait_batches(3)
-    assert worker.get_finished({rid}) == set()
+    assert _released(worker, {rid}) == set()
     clock.advance(60)  # past the acknowledgement deadline
     assert _sender(worker).drain(WAIT)
-    assert worker.get_finished(set()) == {rid}
+    assert _released(worker, set()) == {rid}
     assert worker.requests_failed == 1
     assert decode.disconnects == ["tcp://10.0.0.9:31000"]  # the silent endpoint is dropped
 
@@ -708,19 +764,20 @@ def test_a_slow_decode_instance_holds_back_only_its_own_requests(pworker) -> Non
     decode = ScriptedDecode()
     decode.mode["tcp://10.0.0.9:32000"] = "hold"
     worker = pworker(decode)
-    worker.start_step([_send("a" + SUFFIX, (1,), 0, True, port=31000),
-                       _send("b" + SUFFIX, (2,), 0, True, port=32000)])
-    worker.layer_written(NAMES[2])
+    worker.bind_connector_metadata(StepPlan(sends=(
+        _send("a" + SUFFIX, (1,), 0, True, port=31000),
+        _send("b" + SUFFIX, (2,), 0, True, port=32000))))
+    worker.save_kv_layer(NAMES[2])
     decode.wait_batches(2)
     with decode._cond:
         assert decode._cond.wait_for(lambda: decode.held, WAIT)
     assert _sender(worker).drain(0.05) is False  # b's layer is still pending
     # Tickets are per (layer, endpoint): b's blocks wait for its slow Decode instance,
     # a's do not wait for it.
-    assert worker.get_finished({"a" + SUFFIX, "b" + SUFFIX}) == {"a" + SUFFIX}
+    assert _released(worker, {"a" + SUFFIX, "b" + SUFFIX}) == {"a" + SUFFIX}
     decode.answer_held()
     assert _sender(worker).drain(WAIT)
-    assert worker.get_finished(set()) >= {"b" + SUFFIX}
+    assert _released(worker, set()) >= {"b" + SUFFIX}
     assert worker.counters()["requests"] == 0
 
 
@@ -729,34 +786,34 @@ def test_a_dead_sender_fails_the_layer_without_stranding_the_request(pworker) ->
     worker = pworker(decode)
     assert _sender(worker).stop(2)
     rid = "orphan" + SUFFIX
-    worker.start_step([_send(rid, (1,), 0, True)])
+    worker.bind_connector_metadata(StepPlan(sends=(_send(rid, (1,), 0, True),)))
     with pytest.raises(LayerSendError, match="stopped"):
-        worker.layer_written(NAMES[0])
-    assert worker.get_finished({rid}) == {rid}
+        worker.save_kv_layer(NAMES[0])
+    assert _released(worker, {rid}) == {rid}
     assert worker.requests_failed == 1
 
 
 def test_buffer_reuse_gate_waits_for_decode(pworker) -> None:
     decode = ScriptedDecode(default="hold")
     worker = pworker(decode, buffer_reuse=True)
-    worker.start_step([_send("a" + SUFFIX, (1,), 0, True)])
-    worker.layer_written(NAMES[0])
+    worker.bind_connector_metadata(StepPlan(sends=(_send("a" + SUFFIX, (1,), 0, True),)))
+    worker.save_kv_layer(NAMES[0])
     decode.wait_batches(1)
     with pytest.raises(LayerSendError, match="no acknowledgement"):
-        worker.before_layer(NAMES[0])  # still being read: writing it again is unsafe
-    worker.before_layer(NAMES[1])  # never announced: open
+        worker.wait_for_layer_load(NAMES[0])  # still being read: writing it again is unsafe
+    worker.wait_for_layer_load(NAMES[1])  # never announced: open
     decode.answer_held()
     assert _sender(worker).drain(WAIT)
-    worker.before_layer(NAMES[0])  # answered: may be written
+    worker.wait_for_layer_load(NAMES[0])  # answered: may be written
 
 
 def test_without_buffer_reuse_the_layer_hook_does_not_wait(pworker) -> None:
     decode = ScriptedDecode(default="hold")
     worker = pworker(decode, buffer_reuse=False)
-    worker.start_step([_send("a" + SUFFIX, (1,), 0, True)])
-    worker.layer_written(NAMES[0])
+    worker.bind_connector_metadata(StepPlan(sends=(_send("a" + SUFFIX, (1,), 0, True),)))
+    worker.save_kv_layer(NAMES[0])
     decode.wait_batches(1)
-    worker.before_layer(NAMES[0])  # returns at once although Decode has not answered
+    worker.wait_for_layer_load(NAMES[0])  # returns at once although Decode has not answered
     with pytest.raises(LayerSendError, match="no acknowledgement"):
         worker.wait_for_layer_reuse(0)  # the explicit gate still guards the buffer
 
@@ -764,12 +821,12 @@ def test_without_buffer_reuse_the_layer_hook_does_not_wait(pworker) -> None:
 def test_a_failed_layer_raises_at_the_reuse_gate(pworker) -> None:
     decode = ScriptedDecode(default="fail")
     worker = pworker(decode, buffer_reuse=True)
-    worker.start_step([_send("a" + SUFFIX, (1,), 0, True)])
-    worker.layer_written(NAMES[0])
+    worker.bind_connector_metadata(StepPlan(sends=(_send("a" + SUFFIX, (1,), 0, True),)))
+    worker.save_kv_layer(NAMES[0])
     decode.wait_batches(1)
     assert _sender(worker).drain(WAIT)
     with pytest.raises(LayerSendError, match="do not fit"):
-        worker.before_layer(NAMES[0])
+        worker.wait_for_layer_load(NAMES[0])
 
 
 # ================================================================ Decode worker
@@ -805,7 +862,7 @@ def pd(tmp_path):
         server_factory=lambda: net.server(D_EP), codec=MsgpackCodec(), transfer=d_engine,
         destinations={LAYER: DestinationLayout(LAYER, (DestTensor(d_buf.ctypes.data, BPB, NB),))},
         d_rank=0, d_tp=1, clock=clock, log=RecordingLog(), request_timeout_s=30,
-        poll_interval_s=0.005, main_shared=False, timeline=stamps,
+        main_shared=False, timeline=stamps,
     )
     d_log = RecordingLog()
     dworker = DecodeWorker(receiver=receiver, exchange=InMemoryExchangeGroup(1).member(0),
@@ -816,8 +873,8 @@ def pd(tmp_path):
         p_session=p_engine.session_id,
         layers={0: SourceLayout(LAYER, (TensorComponent(p_buf.ctypes.data, BPB, 1, 0, NB),))},
         clock=clock, log=RecordingLog(), meta_ack_timeout_s=WAIT, layer_ack_timeout_s=WAIT,
-        poll_interval_s=0.005,
     )
+    clock.wakes(sender.wake, receiver.wake)  # both sleep until their next deadline
     pworker = PrefillWorker(sender=sender, events=ImmediateEvents(), p_rank=0, p_tp=1,
                             layer_names={0: LAYER}, clock=clock, log=RecordingLog(),
                             timeline=stamps)
@@ -832,42 +889,45 @@ def pd(tmp_path):
 
 def test_decode_worker_admits_each_load_and_reports_it_once(pd) -> None:
     _, dworker, *_ = pd
-    dworker.start_step([DecodeLoad("a" + SUFFIX, (1, 2), (1, 2)),
-                        DecodeLoad("b" + SUFFIX, (3,), (3,))])
-    dworker.start_step([])
+    dworker.bind_connector_metadata(StepPlan(loads=(DecodeLoad("a" + SUFFIX, (1, 2), (1, 2)),
+                                                    DecodeLoad("b" + SUFFIX, (3,), (3,)))))
+    dworker.bind_connector_metadata(StepPlan())
     assert dworker.take_admitted() == ["a" + SUFFIX, "b" + SUFFIX]
     assert dworker.take_admitted() == []
-    res = dworker.get_finished(set())
-    assert res.finished == res.failed == frozenset() and not res.invalid_block_ids
+    res = dworker.get_transfer_results(set())
+    assert res.finished_recving == res.failed_recving == frozenset()
+    assert not dworker.get_block_ids_with_load_errors()
 
 
 def test_prefill_to_decode_pull_finishes_the_request(pd) -> None:
     pworker, dworker, _, p_buf, d_buf, _ = pd
     rid = "pull" + SUFFIX
-    dworker.start_step([DecodeLoad(rid, (5, 6, 7), (5, 6, 7))])
-    pworker.start_step([PrefillSend(rid, "pull", DecodeEndpoint("10.0.0.9", 31000, 1),
-                                    (0, 1, 2), (0, 1, 2), 0, 0, True)])
-    assert pworker.layer_written(LAYER)
+    dworker.bind_connector_metadata(StepPlan(loads=(DecodeLoad(rid, (5, 6, 7), (5, 6, 7)),)))
+    pworker.bind_connector_metadata(StepPlan(sends=(PrefillSend(
+        rid, "pull", DecodeEndpoint("10.0.0.9", 31000, 1), (0, 1, 2), (0, 1, 2), 0, 0,
+        True),)))
+    assert _announced(pworker, LAYER)
     assert _sender(pworker).drain(WAIT)
     np.testing.assert_array_equal(d_buf[[5, 6, 7]], p_buf[[0, 1, 2]])
-    res = dworker.get_finished(set())
-    assert res.finished == {rid} and not res.failed and not res.invalid_block_ids
+    res = dworker.get_transfer_results(set())
+    assert res.finished_recving == {rid} and not res.failed_recving
+    assert not dworker.get_block_ids_with_load_errors()
     assert (dworker.requests_done, dworker.requests_failed) == (1, 0)
     assert dworker.stats.bytes_read == 3 * BPB and dworker.stats.layers_done == 1
-    assert pworker.get_finished({rid}) == {rid}
+    assert _released(pworker, {rid}) == {rid}
 
 
 def test_the_pull_stamps_its_hops_in_order_on_the_timeline(pd, tmp_path) -> None:
     pworker, dworker, *_ = pd
     rid = "cmpl-" + "ab" * 16 + "-0" + SUFFIX  # a proxy request id inside vLLM's
-    dworker.start_step([DecodeLoad(rid, (5, 6), (5, 6))])
-    pworker.start_step([PrefillSend(rid, external_request_id(rid),
-                                    DecodeEndpoint("10.0.0.9", 31000, 1), (0, 1), (0, 1), 0, 0,
-                                    True)])
-    assert pworker.layer_written(LAYER)
+    dworker.bind_connector_metadata(StepPlan(loads=(DecodeLoad(rid, (5, 6), (5, 6)),)))
+    pworker.bind_connector_metadata(StepPlan(sends=(PrefillSend(
+        rid, external_request_id(rid), DecodeEndpoint("10.0.0.9", 31000, 1), (0, 1), (0, 1),
+        0, 0, True),)))
+    assert _announced(pworker, LAYER)
     assert _sender(pworker).drain(WAIT)
-    assert dworker.get_finished(set()).finished == {rid}
-    assert pworker.get_finished({rid}) == {rid}
+    assert dworker.get_transfer_results(set()).finished_recving == {rid}
+    assert _released(pworker, {rid}) == {rid}
     hops = load(tmp_path / "timeline")["ab" * 16]
     order = ["decode.worker_admitted", "prefill.first_layer", "prefill.announced_all",
              "decode.kv_complete", "decode.reported"]
@@ -880,9 +940,9 @@ def test_an_idle_step_waits_for_the_completion_instead_of_returning_at_once(pd) 
     rid = "idle" + SUFFIX
     dworker.bind_connector_metadata(StepPlan(loads=(DecodeLoad(rid, (5,), (5,)),)))
     assert dworker.get_transfer_results(set()).finished_recving == frozenset()  # admitting
-    pworker.start_step([PrefillSend(rid, "idle", DecodeEndpoint("10.0.0.9", 31000, 1),
-                                    (0,), (0,), 0, 0, True)])
-    timer = threading.Timer(0.2, pworker.layer_written, (LAYER,))
+    pworker.bind_connector_metadata(StepPlan(sends=(PrefillSend(
+        rid, "idle", DecodeEndpoint("10.0.0.9", 31000, 1), (0,), (0,), 0, 0, True),)))
+    timer = threading.Timer(0.2, pworker.save_kv_layer, (LAYER,))
     timer.start()
     dworker.bind_connector_metadata(StepPlan(idle=True))
     t0 = time.monotonic()
@@ -913,8 +973,8 @@ def test_the_scheduler_marks_a_step_idle_only_when_it_computes_and_admits_nothin
     assert sched.build_connector_meta([]).idle
     assert not sched.build_connector_meta([ScheduledRequest("r", None, 3, 1, False)]).idle
     params = _params()
-    sched.match(RID, 70, 0, params)
-    sched.after_alloc(RID, ([7, 8, 9],), 0, 0, 70, 0, params)
+    sched.get_num_new_matched_tokens(_req(RID, params, 70), 0)
+    sched.update_state_after_alloc(_req(RID, params, 70), ([7, 8, 9],), 70)
     plan = sched.build_connector_meta([])
     assert plan.loads and not plan.idle
 
@@ -922,12 +982,12 @@ def test_the_scheduler_marks_a_step_idle_only_when_it_computes_and_admits_nothin
 def test_a_request_without_kv_in_time_fails_with_its_blocks_invalid(pd) -> None:
     _, dworker, clock, _, _, d_log = pd
     rid = "late" + SUFFIX
-    dworker.start_step([DecodeLoad(rid, (2, 3), (4,))])
-    assert dworker.get_finished(set()).finished == frozenset()
+    dworker.bind_connector_metadata(StepPlan(loads=(DecodeLoad(rid, (2, 3), (4,)),)))
+    assert dworker.get_transfer_results(set()).finished_recving == frozenset()
     clock.advance(31)  # past the request deadline
-    res = dworker.get_finished(set())
-    assert res.finished == {rid} and res.failed == {rid}
-    assert res.invalid_block_ids == {2, 3, 4}
+    res = dworker.get_transfer_results(set())
+    assert res.finished_recving == {rid} and res.failed_recving == {rid}
+    assert dworker.get_block_ids_with_load_errors() == {2, 3, 4}
     assert (dworker.requests_done, dworker.requests_failed) == (0, 1)
     assert any(kw.get("request") == rid for _, kw in d_log.at("warning"))
 
@@ -935,11 +995,13 @@ def test_a_request_without_kv_in_time_fails_with_its_blocks_invalid(pd) -> None:
 def test_a_read_that_cannot_land_fails_the_request_on_both_sides(pd) -> None:
     pworker, dworker, *_ = pd
     rid = "misfit" + SUFFIX
-    dworker.start_step([DecodeLoad(rid, (1,), (1,))])
-    pworker.start_step([PrefillSend(rid, "misfit", DecodeEndpoint("10.0.0.9", 31000, 1),
-                                    (0, 1), (0, 1), 0, 0, True)])  # 2 blocks into 1
-    pworker.layer_written(LAYER)
+    dworker.bind_connector_metadata(StepPlan(loads=(DecodeLoad(rid, (1,), (1,)),)))
+    pworker.bind_connector_metadata(StepPlan(sends=(PrefillSend(
+        rid, "misfit", DecodeEndpoint("10.0.0.9", 31000, 1), (0, 1), (0, 1), 0, 0,
+        True),)))  # 2 blocks into 1
+    pworker.save_kv_layer(LAYER)
     assert _sender(pworker).drain(WAIT)
-    res = dworker.get_finished(set())
-    assert res.failed == {rid} and rid in res.finished and res.invalid_block_ids == {1}
-    assert pworker.get_finished({rid}) == {rid} and pworker.requests_failed == 1
+    res = dworker.get_transfer_results(set())
+    assert res.failed_recving == {rid} and rid in res.finished_recving
+    assert dworker.get_block_ids_with_load_errors() == {1}
+    assert _released(pworker, {rid}) == {rid} and pworker.requests_failed == 1

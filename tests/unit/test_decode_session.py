@@ -137,3 +137,22 @@ def test_frames_that_did_not_decode_are_refused_without_touching_state() -> None
     assert s.tick(10.0) == [Expired(("a",), 10.0)]
     step(s, now=10.0)
     assert_clean(s)
+
+
+def test_next_deadline_is_when_tick_next_expires_something() -> None:
+    s = session(request_timeout_s=10.0)
+    assert s.next_deadline() is None  # nothing held: nothing to wait for
+    s.admit("a" + X9, [1], [], 1.0)
+    s.admit("b" + X9, [2], [], 2.0)
+    assert s.next_deadline() == 11.0  # a's request deadline
+    s.receive(P, META, 2.5)
+    s.receive(P, batch(ReadRequest("a", (1,), (), 0, 0), done=("a",)), 3.0)
+    s.read_done(0, 3.0)  # a is complete: b is due next
+    assert s.next_deadline() == 12.0
+    s.receive(P, batch(done=("ghost",)), 4.0)  # an id never admitted: an orphan
+    assert s.tick(11.9) == [] and s.next_deadline() == 12.0
+    assert s.tick(12.0) == [Expired(("b",), 10.0)]
+    assert s.next_deadline() == 14.0  # the orphan goes stale then
+    step(s, now=12.0)
+    assert s.tick(14.0) == [] and s.next_deadline() is None
+    assert_clean(s)

@@ -13,6 +13,7 @@ from fakes.metaserver import RecordingMetaserver
 
 from rd2h.adapters.http.proxy_outcomes import DispatchFailures, WatchError
 from rd2h.app.connector.decode_scheduler import DecodeScheduler
+from rd2h.app.connector.roles import RequestFacts
 from rd2h.domain.decode_session import DecodeSession, Read, SendAck
 from rd2h.domain.layout import DestinationLayout, DestTensor, SourceLayout, TensorComponent
 from rd2h.domain.protocol import MfMeta, ReadReadyBatch, ReadRequest
@@ -90,10 +91,11 @@ def test_the_scheduler_hands_failed_dispatches_to_the_workers_once() -> None:
                             engine_id="decode-engine", log=log)
     rid = "cmpl-" + "ab" * 16 + "-0" + X9
     params = {"do_remote_prefill": True, "metaserver": "http://proxy:8000/v1/metaserver"}
-    sched.match(rid, 64, 0, params)
-    sched.after_alloc(rid, [[1, 2]], 0, 0, 64, 0, params)
+    request = RequestFacts(rid, 64, 64, 0, params)
+    sched.get_num_new_matched_tokens(request, 0)
+    sched.update_state_after_alloc(request, [[1, 2]], 64)
     sched.build_connector_meta([])
-    sched.on_admitted({rid: 1})
+    sched.update_connector_output({rid: 1})
     ext = ms.posts[0][0]
     ms.failed = {ext: "prefill dispatch failed: refused", "unknown-id": "x"}
     plan = sched.build_connector_meta([])

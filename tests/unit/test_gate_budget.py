@@ -13,7 +13,7 @@ from fakes.clock import ManualClock
 from fakes.logs import RecordingLogger
 
 from rd2h.adapters.msgpack import MsgpackCodec
-from rd2h.app.connector.plans import DecodeEndpoint, PrefillSend
+from rd2h.app.connector.plans import DecodeEndpoint, PrefillSend, StepPlan
 from rd2h.app.connector.prefill_worker import PrefillWorker
 from rd2h.app.prefill import PrefillSender
 from rd2h.domain.layout import SourceLayout, TensorComponent
@@ -111,7 +111,7 @@ def test_a_slow_but_healthy_decode_answering_inside_the_deadlines_never_raises()
     sender = PrefillSender(
         clients_factory=lambda: SlowDecode(ack_s=0.2, reply_s=0.35), codec=CODEC,
         p_session="p", layers={0: SourceLayout(NAME, (TensorComponent(0x100000, 64),))},
-        clock=clock, log=RecordingLogger(), poll_interval_s=0.005, **t)
+        clock=clock, log=RecordingLogger(), **t)
     worker = PrefillWorker(sender=sender, events=SlowEvents(0.25), p_rank=0, p_tp=1,
                            layer_names={0: NAME}, clock=clock, log=RecordingLogger(),
                            buffer_reuse=True, stop_timeout_s=2)
@@ -119,14 +119,16 @@ def test_a_slow_but_healthy_decode_answering_inside_the_deadlines_never_raises()
     old_formula = 0.4 + 0.3
     worker.start()
     try:
-        worker.start_step([PrefillSend("a-0123abcd", "a", DecodeEndpoint("10.0.0.9", 31000, 1),
-                                       (1,), (1,), 0, 0, True)])
+        worker.bind_connector_metadata(StepPlan(sends=(PrefillSend(
+            "a-0123abcd", "a", DecodeEndpoint("10.0.0.9", 31000, 1), (1,), (1,), 0, 0,
+            True),)))
         t0 = time.monotonic()
-        assert worker.layer_written(NAME)
-        worker.before_layer(NAME)  # the next step's reuse wait: must not raise
+        worker.save_kv_layer(NAME)
+        assert worker.layers_announced == 1
+        worker.wait_for_layer_load(NAME)  # the next step's reuse wait: must not raise
         waited = time.monotonic() - t0
         assert waited > old_formula, waited  # the old bound would have raised here
-        assert worker.get_finished({"a-0123abcd"}) == {"a-0123abcd"}
+        assert worker.get_transfer_results({"a-0123abcd"}).finished_sending == {"a-0123abcd"}
         assert worker.requests_failed == 0
     finally:
         worker.shutdown()

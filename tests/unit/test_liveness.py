@@ -338,7 +338,7 @@ class FakeServer:
     endpoint = "mem://d0"
 
     def __init__(self) -> None:
-        self.inbound: queue.Queue[tuple[bytes, bytes]] = queue.Queue()
+        self.inbound: queue.Queue[tuple[bytes, bytes] | None] = queue.Queue()
         self.sent: list[tuple[bytes, object]] = []
         self._lost: list[bytes] = []
         self._lock = threading.Lock()
@@ -361,6 +361,10 @@ class FakeServer:
     def lose(self, identity: bytes) -> None:
         with self._lock:
             self._lost.append(identity)
+        self.wake()  # like the ZMQ server, ``recv`` returns to report the loss at once
+
+    def wake(self) -> None:
+        self.inbound.put(None)  # ``recv`` returns it: None, as after its timeout
 
     def close(self) -> None:
         pass
@@ -380,7 +384,7 @@ def test_decode_fails_the_requests_of_a_vanished_prefill_peer() -> None:
     receiver = DecodeReceiver(
         server_factory=lambda: server, codec=CODEC, transfer=d_engine,
         destinations={name: dst}, d_rank=0, d_tp=1, clock=MonotonicClock(),
-        log=make_logger("decode", 0), poll_interval_s=0.01,
+        log=make_logger("decode", 0),
     )
     receiver.start()
     try:

@@ -300,7 +300,7 @@ def _rd2h_with_sink(accept: bool) -> tuple[Any, Any, RecordingSender]:
     from rd2h.adapters.logging import make_logger
     from rd2h.adapters.torch.events import CpuDeviceEvents
     from rd2h.app.clock import MonotonicClock
-    from rd2h.app.connector.plans import DecodeEndpoint, PrefillSend
+    from rd2h.app.connector.plans import DecodeEndpoint, PrefillSend, StepPlan
     from rd2h.app.connector.prefill_worker import PrefillWorker
 
     rd2h = {"kv_connector": "SfaRemoteD2HConnector",
@@ -315,8 +315,9 @@ def _rd2h_with_sink(accept: bool) -> tuple[Any, Any, RecordingSender]:
                            layer_names=names, clock=MonotonicClock(),
                            log=make_logger("prefill", 0), buffer_reuse=True)
     provider._role = worker  # the role register_kv_caches builds on a real engine
-    worker.start_step([PrefillSend("r-1", "r", DecodeEndpoint("127.0.0.1", 30000, 1),
-                                   (1, 2), (1, 2), 0, 0, final=False)])
+    worker.bind_connector_metadata(StepPlan(sends=(PrefillSend(
+        "r-1", "r", DecodeEndpoint("127.0.0.1", 30000, 1), (1, 2), (1, 2), 0, 0,
+        final=False),)))
     return multi, provider, sender
 
 

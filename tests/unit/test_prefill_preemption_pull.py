@@ -7,7 +7,7 @@ A real ``PrefillScheduler`` and ``PrefillWorker`` (with its ``PrefillSender``) a
 transport. The test plays vLLM's engine: it schedules steps, calls the hooks in vLLM's
 order (``requests_preempted`` + ``build_connector_meta`` on the scheduler;
 ``handle_preemptions``, ``bind_connector_metadata``, the forward, ``save_kv_layer``,
-``get_finished`` on the worker) and writes each request's "KV" into the Prefill cache:
+``get_transfer_results`` on the worker) and writes each request's "KV" into the Prefill cache:
 a block's bytes depend only on the request, the block's position and the layer, so a
 recomputed block is byte-identical, and another request's block is not.
 
@@ -33,7 +33,7 @@ from rd2h.app.connector.decode_worker import DecodeWorker
 from rd2h.app.connector.plans import DecodeLoad, StepPlan
 from rd2h.app.connector.prefill_scheduler import PrefillScheduler
 from rd2h.app.connector.prefill_worker import PrefillWorker
-from rd2h.app.connector.roles import ScheduledRequest
+from rd2h.app.connector.roles import RequestFacts, ScheduledRequest, TransferResults
 from rd2h.app.decode import DecodeReceiver
 from rd2h.app.prefill import PrefillSender
 from rd2h.domain.errors import CompletionError, TransferError
@@ -145,7 +145,7 @@ class Rig:
             destinations={NAMES[i]: DestinationLayout(
                 NAMES[i], (DestTensor(self.d_bufs[i].ctypes.data, BPB, NB),)) for i in NAMES},
             d_rank=0, d_tp=1, clock=self.clock, log=self.d_log, request_timeout_s=30,
-            poll_interval_s=0.005, main_shared=False,
+            main_shared=False,
         )
         self.decode = DecodeWorker(receiver=receiver, exchange=InMemoryExchangeGroup(1).member(0),
                                    log=self.d_log, exchange_timeout_s=WAIT, stop_timeout_s=2)
@@ -155,8 +155,9 @@ class Rig:
             layers={i: SourceLayout(NAMES[i], (TensorComponent(
                 self.p_bufs[i].ctypes.data, BPB, 1, 0, NB),)) for i in NAMES},
             clock=self.clock, log=self.p_log, meta_ack_timeout_s=WAIT,
-            layer_ack_timeout_s=WAIT, event_timeout_s=WAIT, poll_interval_s=0.005,
+            layer_ack_timeout_s=WAIT, event_timeout_s=WAIT,
         )
+        self.clock.wakes(self.sender.wake, receiver.wake)  # both sleep until a deadline
         self.sched = PrefillScheduler(block_size=BS, main_group=0, indexer_group=0, p_tp=1,
                                       log=self.p_log)
         self.worker = PrefillWorker(
@@ -177,10 +178,13 @@ class Rig:
     # -- vLLM's engines
     def admit(self, rid: str, prompt_len: int, d_blocks: tuple[int, ...]) -> None:
         """Decode allocated ``d_blocks`` and posted; the proxy sent the request to Prefill."""
-        self.decode.start_step([DecodeLoad(rid, d_blocks, d_blocks)])
+        self.decode.bind_connector_metadata(StepPlan(loads=(DecodeLoad(rid, d_blocks, d_blocks),)))
         params = {"do_remote_decode": True, "remote_host": "127.0.0.1",
                   "remote_port": D_EP_PORT, "remote_tp_size": 1}
-        assert self.sched.track(rid, prompt_len, params)
+        tracked = self.sched.counters()["tracked"]
+        self.sched.update_state_after_alloc(
+            RequestFacts(rid, prompt_len, prompt_len, 0, params), ([],), 0)
+        assert self.sched.counters()["tracked"] == tracked + 1
 
     def plan(self, scheduled: list[tuple[str, list[int] | None, int, int, bool]],
              preempted: tuple[str, ...] = ()) -> StepPlan:
@@ -212,11 +216,11 @@ class Rig:
         self.forward(plan)
         return plan
 
-    def decode_results(self):
+    def decode_results(self) -> TransferResults:
         deadline = time.monotonic() + WAIT
         while True:
-            res = self.decode.get_finished(set())
-            if res.finished or time.monotonic() > deadline:
+            res = self.decode.get_transfer_results(set())
+            if res.finished_recving or time.monotonic() > deadline:
                 return res
             time.sleep(0.01)
 
@@ -281,11 +285,11 @@ def test_preempted_while_decode_reads_then_resumed(rig, settle) -> None:
     assert (last.main_block_ids, last.main_start, last.final) == ((8, 9, 10), 2, True)
 
     res = r.decode_results()
-    assert res.finished == {A} and res.failed == frozenset()
+    assert res.finished_recving == {A} and res.failed_recving == frozenset()
     assert r.decode_has(A, A_DEST) is settle
-    assert r.sched.finished(A) is True
+    assert r.sched.request_finished(A) is True
     assert r.sender.drain(WAIT)
-    assert r.worker.get_finished({A}) == {A}
+    assert r.worker.get_transfer_results({A}).finished_sending == {A}
     if settle:
         (_, kw), = [e for e in r.p_log.at("info")
                     if e[0] == "preempted requests settled before their blocks are reused"]
@@ -307,8 +311,8 @@ def test_a_failed_read_of_a_preempted_request_fails_it_and_nothing_more_is_annou
     r.transfer.error = None  # both layers were answered (failed) before the step went on
 
     res = r.decode_results()
-    assert res.failed == {A} and res.finished == {A}
-    assert res.invalid_block_ids == set(A_DEST)  # vLLM recomputes or fails them
+    assert res.failed_recving == {A} and res.finished_recving == {A}
+    assert r.decode.get_block_ids_with_load_errors() == set(A_DEST)  # recomputed or failed
     failed_log = [kw for e, kw in r.d_log.at("warning") if e == "request failed to receive its KV"]
     assert "source region unreachable" in failed_log[0]["reason"]
 
@@ -322,9 +326,9 @@ def test_a_failed_read_of_a_preempted_request_fails_it_and_nothing_more_is_annou
     withheld = [kw for e, kw in r.p_log.at("warning")
                 if e == "not announcing more of a request with a failed announcement"]
     assert len(withheld) == 1 and withheld[0]["request"] == A
-    assert r.sched.finished(A) is True
+    assert r.sched.request_finished(A) is True
     assert r.sender.drain(WAIT)
-    assert r.worker.get_finished({A}) == {A}
+    assert r.worker.get_transfer_results({A}).finished_sending == {A}
     assert r.worker.counters()["requests"] == 0
 
 
@@ -346,10 +350,10 @@ def test_an_announcement_decode_never_saw_makes_decode_fail_not_complete(rig) ->
     r.step([(A, [6, 7, 8, 9, 10], 0, 8, True)])
     r.step([(A, None, 8, 10, False)])  # withheld: Decode does not get the rest
     assert r.sender.drain(WAIT)
-    assert r.decode.get_finished(set()).finished == frozenset()  # not completed
+    assert r.decode.get_transfer_results(set()).finished_recving == frozenset()  # not completed
     r.clock.advance(31)  # Decode's request deadline
     res = r.decode_results()
-    assert res.finished == {A} and res.failed == {A}
+    assert res.finished_recving == {A} and res.failed_recving == {A}
     assert r.transfer.reads == 0
 
 
@@ -393,7 +397,7 @@ def test_a_stopped_sender_settles_at_once(rig) -> None:
     r.worker.handle_preemptions(r.plan([], preempted=(A,)))
     r.transfer.open_gate()
     res = r.decode_results()
-    assert res.failed == {A}
+    assert res.failed_recving == {A}
 
 
 def test_the_default_settle_deadline_outlasts_every_sender_deadline(rig) -> None:

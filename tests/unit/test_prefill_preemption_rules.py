@@ -14,7 +14,7 @@ from fakes.metaserver import RecordingMetaserver
 
 from rd2h.app.connector.plans import DecodeEndpoint, PrefillSend
 from rd2h.app.connector.prefill_scheduler import PrefillScheduler
-from rd2h.app.connector.roles import ScheduledRequest
+from rd2h.app.connector.roles import RequestFacts, ScheduledRequest
 
 SUFFIX = "-0a1b2c3d"
 A, C = "a" + SUFFIX, "c" + SUFFIX
@@ -27,6 +27,12 @@ def _sched(log: RecordingLogger | None = None) -> PrefillScheduler:
                             log=log or RecordingLogger())
 
 
+def _track(s: PrefillScheduler, rid: str, prompt_tokens: int) -> None:
+    """vLLM allocated a new request's blocks (``update_state_after_alloc``)."""
+    s.update_state_after_alloc(RequestFacts(rid, prompt_tokens, prompt_tokens, 0, PARAMS),
+                               ([],), 0)
+
+
 def _run(s: PrefillScheduler, rid: str, blocks: list[int] | None, computed: int, n: int,
          *, replace: bool = False, preempted: tuple[str, ...] = ()):
     s.requests_preempted(preempted)
@@ -37,7 +43,7 @@ def _run(s: PrefillScheduler, rid: str, blocks: list[int] | None, computed: int,
 def test_a_preempted_request_with_announced_blocks_is_named_once() -> None:
     log = RecordingLogger()
     s = _sched(log)
-    s.track(A, 20, PARAMS)
+    _track(s, A, 20)
     assert _run(s, A, [1, 2, 3, 4, 5], 0, 8, replace=True).sends == (
         PrefillSend(A, "a", EP, (1, 2), (1, 2), 0, 0, False),)
     s.requests_preempted([A, A])  # vLLM's set, and the same id again
@@ -51,8 +57,8 @@ def test_a_preempted_request_with_announced_blocks_is_named_once() -> None:
 
 def test_requests_with_nothing_announced_are_not_named() -> None:
     s = _sched()
-    s.track(A, 20, PARAMS)
-    s.track(C, 20, PARAMS)
+    _track(s, A, 20)
+    _track(s, C, 20)
     _run(s, A, [1, 2, 3, 4, 5], 0, 3, replace=True)  # less than a block: nothing sent
     plan = _run(s, C, [6, 7, 8, 9, 10], 0, 4, replace=True, preempted=(A, "local" + SUFFIX))
     assert plan.preempted == () and len(plan.sends) == 1
@@ -60,7 +66,7 @@ def test_requests_with_nothing_announced_are_not_named() -> None:
 
 def test_resumed_from_scratch_announces_only_what_decode_has_not_read() -> None:
     s = _sched()
-    s.track(A, 18, PARAMS)
+    _track(s, A, 18)
     _run(s, A, [1, 2, 3, 4, 5], 0, 8, replace=True)  # blocks 0, 1 announced
     assert _run(s, "other", [1, 2], 0, 8, replace=True, preempted=(A,)).preempted == (A,)
     # vLLM recomputes A from token 0 into a new block table.
@@ -68,12 +74,12 @@ def test_resumed_from_scratch_announces_only_what_decode_has_not_read() -> None:
     assert _run(s, A, None, 4, 4).sends == ()  # back at 8 tokens: nothing new
     (last,) = _run(s, A, None, 8, 10).sends
     assert last == PrefillSend(A, "a", EP, (8, 9, 10), (8, 9, 10), 2, 2, True)
-    assert s.finished(A) is True  # blocks wait for the sends
+    assert s.request_finished(A) is True  # blocks wait for the sends
 
 
 def test_resumed_with_a_prefix_hit_announces_from_where_it_stopped() -> None:
     s = _sched()
-    s.track(A, 18, PARAMS)
+    _track(s, A, 18)
     _run(s, A, [1, 2, 3, 4, 5], 0, 8, replace=True)
     s.requests_preempted([A])
     # Resumed with 12 tokens found in Prefill's prefix cache (its old blocks 1, 2 and a
@@ -84,12 +90,12 @@ def test_resumed_with_a_prefix_hit_announces_from_where_it_stopped() -> None:
 
 def test_preempted_after_its_final_chunk_is_not_announced_again() -> None:
     s = _sched()
-    s.track(A, 8, PARAMS)
+    _track(s, A, 8)
     (send,) = _run(s, A, [1, 2], 0, 8, replace=True).sends
     assert send.final
     assert _run(s, "other", [1, 2], 0, 4, replace=True, preempted=(A,)).preempted == (A,)
     assert _run(s, A, [3, 4], 0, 8, replace=True).sends == ()  # recomputed: nothing new
-    assert s.finished(A) is True
+    assert s.request_finished(A) is True
 
 
 # ================================================================ the vLLM adapter

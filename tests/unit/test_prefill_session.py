@@ -54,7 +54,8 @@ def ready(s: PrefillSession, endpoint: str, now: float = 0.0) -> None:
 
 
 def assert_clean(s: PrefillSession) -> None:
-    assert s.idle and s.next_deadline() is None
+    due = s.next_deadline()  # the links stay: nothing is due before one may close idle
+    assert s.idle and (due is None or due >= T.idle_link_s)
     assert s.counters() == {"pending_layers": 0, "closed_slots": 0, "unacked_sends": 0,
                             "open_tickets": 0}
 
@@ -166,6 +167,26 @@ def test_idle_connections_are_closed_and_forgotten() -> None:
     assert s.tick(2 * T.idle_link_s + 1) == [Disconnect("B")]
     assert s.prepare(["A"], 1000.0) == [Connect("A"), SendMeta("A")]  # a new connection
     s.stop("done")
+
+
+def test_next_deadline_is_also_when_an_idle_link_closes() -> None:
+    """``tick`` closes idle links too, so ``next_deadline`` names that time (a backoff
+    ends first): a driver that sleeps until it misses nothing."""
+    s = session()
+    ready(s, "A", now=0.0)
+    assert s.next_deadline() == T.idle_link_s  # nothing in flight: only A's idle close
+    assert s.tick(T.idle_link_s - 0.5) == []
+    assert s.tick(T.idle_link_s) == [Disconnect("A")] and s.next_deadline() is None
+    short = PrefillSession({0: SourceLayout("model.layers.0.attn",
+                                            (TensorComponent(0x1000, 64),))},
+                           PrefillTimeouts(meta_ack_s=2.0, reconnect_after_s=4.0,
+                                           idle_link_s=1.0))
+    short.prepare(["B"], 10.0)
+    assert short.next_deadline() == 12.0  # the handshake's deadline
+    assert kinds(short.tick(12.0)) == ["Disconnect", "HandshakeDone"]  # no ACK: backoff
+    assert short.next_deadline() == 16.0  # idle since 10.0, but backing off until 16.0
+    assert short.tick(15.9) == []
+    assert short.tick(16.0) == [Disconnect("B")] and short.next_deadline() is None
 
 
 def test_a_ticket_keeps_its_first_error_and_the_gate_its_layers_error() -> None:

@@ -281,6 +281,7 @@ class SessionPair(RuleBasedStateMachine):
             self.pump()
             self.advance(REQUEST_S + T.layer_ack_s)
             self.step()
+        self.advance(T.idle_link_s)  # and every idle connection closes
         for s in self.p:
             assert s.idle and s.next_deadline() is None
             assert s.counters() == dict.fromkeys(s.counters(), 0), s.counters()

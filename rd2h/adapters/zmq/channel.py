@@ -114,6 +114,11 @@ class ZmqControlServer:
         self._poller = zmq.Poller()
         self._poller.register(self._sock, zmq.POLLIN)
         self._poller.register(self._monitor, zmq.POLLIN)
+        # Self-pipe: wake() interrupts a recv from any thread (e.g. the receiver's stop).
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        self._poller.register(self._wake_r, zmq.POLLIN)
         self._peer_of_fd: dict[int, bytes] = {}
         self._lost: list[bytes] = []
 
@@ -144,6 +149,11 @@ class ZmqControlServer:
                 return None  # let the caller handle the loss at once
             wait_ms = max(0, int((deadline - time.monotonic()) * 1000))
             events = dict(self._poller.poll(wait_ms))
+            if self._wake_r in events:
+                with contextlib.suppress(BlockingIOError):
+                    while os.read(self._wake_r, 4096):
+                        pass
+                return None
             if self._sock not in events:
                 if not events:
                     return None
@@ -170,6 +180,11 @@ class ZmqControlServer:
             # malformed, which the decoder reports (we pass the joined bytes on).
             payload = rest[0] if len(rest) == 1 else b"".join(rest)
             return identity, payload
+
+    def wake(self) -> None:
+        """Make a concurrent or the next ``recv`` return None at once. Thread-safe."""
+        with contextlib.suppress(OSError):  # already woken (pipe full) or closed
+            os.write(self._wake_w, b"\0")
 
     def disconnected(self) -> list[bytes]:
         self._drain_monitor()  # also losses that happened since the last ``recv``
@@ -201,6 +216,10 @@ class ZmqControlServer:
         if self._sock is not None and not self._sock.closed:
             close_monitor(self._sock, self._monitor)
         self._release()
+        for fd in (self._wake_r, self._wake_w):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self._wake_r = self._wake_w = -1
 
 
 class ZmqControlClients:

@@ -4,7 +4,7 @@ admitted the request, cancellation when the request finishes."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, MutableMapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,8 +27,9 @@ class DecodeScheduler(ConnectorRole):
     """Keeps ``(main, indexer)`` destination ids per request; they never leave Decode.
 
     The post to the metaserver waits until all ``tp_size`` workers reported the
-    request admitted (``on_admitted``): Prefill may announce blocks as soon as it
-    learns the contact info, and every Decode rank must know the destinations by then.
+    request admitted (``update_connector_output``): Prefill may announce blocks as soon
+    as it learns the contact info, and every Decode rank must know the destinations by
+    then.
     """
 
     def __init__(
@@ -67,70 +68,29 @@ class DecodeScheduler(ConnectorRole):
     # -- the connector role's hooks
     def get_num_new_matched_tokens(self, request: RequestFacts,
                                    num_computed_tokens: int) -> tuple[int, bool]:
-        return self.match(request.request_id, request.prompt_len, num_computed_tokens,
-                          request.params)
+        """The rest of the prompt, loaded async."""
+        params = request.params
+        if not params or not params.get("do_remote_prefill"):
+            return 0, False
+        count = max(0, request.prompt_len - num_computed_tokens)
+        if count:
+            self._remote[request.request_id] = num_computed_tokens
+            self._timeline.stamp(request.request_id, HopName.DECODE_MATCHED)
+        return count, count > 0
 
     def update_state_after_alloc(self, request: RequestFacts, block_ids: BlockIds,
                                  num_external_tokens: int) -> None:
-        self.after_alloc(request.request_id, block_ids, self._main_group, self._indexer_group,
-                         num_external_tokens, request.num_computed_tokens, request.params)
-
-    def build_connector_meta(self, scheduled: Sequence[ScheduledRequest]) -> StepPlan:
-        if self._received:
-            for r in scheduled:
-                if self._received.pop(r.request_id, False):
-                    self._timeline.stamp(r.request_id, HopName.DECODE_SCHEDULED)
-        loads = self.build()
-        failed = self.dispatch_failures()
-        return StepPlan(loads=loads, failed_loads=failed, idle=not loads and not failed and not any(
-            r.num_scheduled_tokens for r in scheduled))
-
-    def update_connector_output(self, admitted: Mapping[str, int],
-                                finished_recving: Iterable[str] = ()) -> None:
-        self.on_admitted(admitted)
-        for request_id in finished_recving:
-            self._timeline.stamp(request_id, HopName.DECODE_KV_READY)
-            if self._timeline is not NO_TIMELINE:
-                self._received[request_id] = True  # its first step is stamped too
-
-    def request_finished(self, request_id: str) -> bool:
-        self.finished(request_id)
-        return False
-
-    # -- the rules, in plain values
-    def match(
-        self, request_id: str, prompt_len: int, num_computed: int,
-        params: Mapping[str, Any] | None,
-    ) -> tuple[int, bool]:
-        """``get_num_new_matched_tokens``: the rest of the prompt, loaded async."""
-        if not params or not params.get("do_remote_prefill"):
-            return 0, False
-        count = max(0, prompt_len - num_computed)
-        if count:
-            self._remote[request_id] = num_computed
-            self._timeline.stamp(request_id, HopName.DECODE_MATCHED)
-        return count, count > 0
-
-    def after_alloc(
-        self,
-        request_id: str,
-        block_ids: Sequence[Sequence[int]],
-        main_group: int,
-        indexer_group: int,
-        num_external_tokens: int,
-        num_computed_tokens: int,
-        params: MutableMapping[str, Any] | None,
-    ) -> None:
-        """``update_state_after_alloc``: record destinations, clear do_remote_prefill."""
+        """Record the destinations and clear ``do_remote_prefill``."""
+        request_id, params = request.request_id, request.params
         if params is None or not params.get("do_remote_prefill"):
             return
         params["do_remote_prefill"] = False
         if request_id not in self._remote or num_external_tokens <= 0:
             self._remote.pop(request_id, None)
             return
-        num_computed_tokens = max(int(num_computed_tokens), self._remote[request_id])
-        main = tuple(int(b) for b in block_ids[main_group])
-        indexer = tuple(int(b) for b in block_ids[indexer_group])
+        num_computed_tokens = max(int(request.num_computed_tokens), self._remote[request_id])
+        main = tuple(int(b) for b in block_ids[self._main_group])
+        indexer = tuple(int(b) for b in block_ids[self._indexer_group])
         self._loads.append(DecodeLoad(request_id, main, indexer))
         self._timeline.stamp(request_id, HopName.DECODE_ALLOCATED)
         ext = external_request_id(request_id)
@@ -151,15 +111,21 @@ class DecodeScheduler(ConnectorRole):
             "remote_cached_tokens": int(num_computed_tokens),
         })
 
-    def build(self) -> tuple[DecodeLoad, ...]:
-        """This step's new loads (every worker admits them)."""
+    def build_connector_meta(self, scheduled: Sequence[ScheduledRequest]) -> StepPlan:
+        """This step's new loads (every worker admits them, once) and failed loads."""
+        if self._received:
+            for r in scheduled:
+                if self._received.pop(r.request_id, False):
+                    self._timeline.stamp(r.request_id, HopName.DECODE_SCHEDULED)
         loads, self._loads = tuple(self._loads), []
-        return loads
+        failed = self._dispatch_failures()
+        return StepPlan(loads=loads, failed_loads=failed, idle=not loads and not failed and not any(
+            r.num_scheduled_tokens for r in scheduled))
 
-    def on_admitted(self, counts: Mapping[str, int]) -> list[str]:
-        """Workers' admission reports (summed over ranks); post the complete ones."""
-        posted = []
-        for request_id, n in counts.items():
+    def update_connector_output(self, admitted: Mapping[str, int],
+                                finished_recving: Iterable[str] = ()) -> None:
+        """Workers' admission reports (summed over ranks): post the complete ones."""
+        for request_id, n in admitted.items():
             w = self._waiting.get(request_id)
             if w is None or w.posted:
                 continue
@@ -177,10 +143,23 @@ class DecodeScheduler(ConnectorRole):
                                 request=request_id, error=str(exc))
                 continue
             self.posts += 1
-            posted.append(request_id)
-        return posted
+        for request_id in finished_recving:
+            self._timeline.stamp(request_id, HopName.DECODE_KV_READY)
+            if self._timeline is not NO_TIMELINE:
+                self._received[request_id] = True  # its first step is stamped too
 
-    def dispatch_failures(self) -> tuple[tuple[str, str], ...]:
+    def request_finished(self, request_id: str) -> bool:
+        """Cancel pending posts and forget the request."""
+        self._remote.pop(request_id, None)
+        self._received.pop(request_id, None)
+        self._loads = [ld for ld in self._loads if ld.internal_id != request_id]
+        w = self._waiting.pop(request_id, None)
+        if w is not None:
+            self._metaserver.cancel(w.payload["request_id"])
+        return False
+
+    # -- the rules
+    def _dispatch_failures(self) -> tuple[tuple[str, str], ...]:
         """Requests the metaserver says will get no KV (its Prefill dispatch failed), as
         ``(request, reason)`` for the workers; each is reported once."""
         failed = self._metaserver.take_failed()
@@ -193,15 +172,6 @@ class DecodeScheduler(ConnectorRole):
             self._log.warning("request will get no KV; failing it now", request=rid,
                               reason=reason)
         return out
-
-    def finished(self, request_id: str) -> None:
-        """``request_finished``: cancel pending posts and forget the request."""
-        self._remote.pop(request_id, None)
-        self._received.pop(request_id, None)
-        self._loads = [ld for ld in self._loads if ld.internal_id != request_id]
-        w = self._waiting.pop(request_id, None)
-        if w is not None:
-            self._metaserver.cancel(w.payload["request_id"])
 
     def shutdown(self, timeout: float | None = None) -> None:
         self._waiting.clear()

@@ -4,21 +4,12 @@ finished / failed requests with the TP group and report them to vLLM."""
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
 from typing import Any
 
-from rd2h.app.connector.plans import DecodeLoad, StepPlan
+from rd2h.app.connector.plans import StepPlan
 from rd2h.app.connector.roles import ConnectorRole, TransferResults
 from rd2h.app.decode import DecodeReceiver, DecodeStats
 from rd2h.ports.runtime import NO_TIMELINE, HopName, Logger, Timeline, TpGroupExchange
-
-
-@dataclass(frozen=True)
-class DecodeResults:
-    finished: frozenset[str]
-    failed: frozenset[str]
-    invalid_block_ids: frozenset[int]
-    aborted: frozenset[str] = frozenset()
 
 
 class DecodeWorker(ConnectorRole):
@@ -55,19 +46,37 @@ class DecodeWorker(ConnectorRole):
     def bind_connector_metadata(self, plan: StepPlan) -> None:
         # Before the forward: Prefill may announce as soon as it learns the contact
         # info, and this rank must know the destinations by then.
-        self.start_step(plan.loads)
+        for load in plan.loads:
+            self._receiver.admit(load.internal_id, load.main_block_ids, load.indexer_block_ids)
+            self._admitted.append(load.internal_id)
+            self._timeline.stamp(load.internal_id, HopName.DECODE_WORKER_ADMITTED)
         if plan.failed_loads:
             self._receiver.fail_loads(dict(plan.failed_loads))
         self._idle = plan.idle
 
     def get_transfer_results(self, finished_req_ids: Iterable[str]) -> TransferResults:
+        """Resolve finished / failed requests with the TP group (every rank calls it in
+        the same step); a failed request's blocks go to ``get_block_ids_with_load_errors``.
+        Requests vLLM finished (aborted) are released and reported received."""
         if self._idle:
             self._idle = False
-            self.wait_when_idle()
-        res = self.get_finished(finished_req_ids)
+            self._wait_when_idle()
+        outcome = self._receiver.step(self._exchange, finished_req_ids, self._exchange_timeout)
+        for rid in outcome.finished:
+            self._timeline.stamp(rid, HopName.DECODE_FAILED if rid in outcome.failed
+                                 else HopName.DECODE_REPORTED)
+        for rid in outcome.failed:
+            self._log.warning("request failed to receive its KV", request=rid,
+                              reason=outcome.reasons.get(rid, "?"))
+        if outcome.aborted:
+            self._log.info("aborted requests released (no read can land in their blocks)",
+                           requests=sorted(outcome.aborted))
+        self.requests_failed += len(outcome.failed)
+        self.requests_aborted += len(outcome.aborted)
+        self.requests_done += len(outcome.finished) - len(outcome.failed) - len(outcome.aborted)
         if self._report_invalid:
-            self._invalid |= res.invalid_block_ids
-        return TransferResults(finished_recving=res.finished, failed_recving=res.failed)
+            self._invalid |= outcome.invalid_block_ids
+        return TransferResults(finished_recving=outcome.finished, failed_recving=outcome.failed)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         out, self._invalid = self._invalid, set()
@@ -88,17 +97,10 @@ class DecodeWorker(ConnectorRole):
                 "refused_unauthenticated": s.refused_unauthenticated,
                 "refused_peer_cap": s.refused_capped}
 
-    # -- the rules
     def start(self) -> str:
         return self._receiver.start()
 
-    def start_step(self, loads: Iterable[DecodeLoad]) -> None:
-        for load in loads:
-            self._receiver.admit(load.internal_id, load.main_block_ids, load.indexer_block_ids)
-            self._admitted.append(load.internal_id)
-            self._timeline.stamp(load.internal_id, HopName.DECODE_WORKER_ADMITTED)
-
-    def wait_when_idle(self) -> bool:
+    def _wait_when_idle(self) -> bool:
         """A step that computes nothing: wait up to ``idle_wait_s`` for a request to
         complete or fail on this rank, if any is in flight (True: one did). vLLM's
         engine loop would otherwise step again after 1 ms, and every step crosses to the
@@ -112,23 +114,6 @@ class DecodeWorker(ConnectorRole):
         """Requests admitted since the last call (reported to the scheduler)."""
         out, self._admitted = self._admitted, []
         return out
-
-    def get_finished(self, finished_by_vllm: Iterable[str]) -> DecodeResults:
-        outcome = self._receiver.step(self._exchange, finished_by_vllm, self._exchange_timeout)
-        for rid in outcome.finished:
-            self._timeline.stamp(rid, HopName.DECODE_FAILED if rid in outcome.failed
-                                 else HopName.DECODE_REPORTED)
-        for rid in outcome.failed:
-            self._log.warning("request failed to receive its KV", request=rid,
-                              reason=outcome.reasons.get(rid, "?"))
-        if outcome.aborted:
-            self._log.info("aborted requests released (no read can land in their blocks)",
-                           requests=sorted(outcome.aborted))
-        self.requests_failed += len(outcome.failed)
-        self.requests_aborted += len(outcome.aborted)
-        self.requests_done += len(outcome.finished) - len(outcome.failed) - len(outcome.aborted)
-        return DecodeResults(outcome.finished, outcome.failed, outcome.invalid_block_ids,
-                             outcome.aborted)
 
     @property
     def stats(self) -> DecodeStats:

@@ -109,20 +109,33 @@ class PrefillScheduler(ConnectorRole):
     # -- the connector role's hooks
     def update_state_after_alloc(self, request: RequestFacts, block_ids: BlockIds,
                                  num_external_tokens: int) -> None:
-        self.track(request.request_id, request.num_prompt_tokens, request.params)
+        """Start tracking a request sent with ``do_remote_decode`` (idempotent)."""
+        request_id = request.request_id
+        if request_id in self._tracked:
+            return
+        ext = external_request_id(request_id)
+        try:
+            own = resolve_params(ext, request.params)
+            if own is None:
+                return
+            decode, cached = decode_endpoint(own, self._p_tp)
+        except (TransferParamsError, ValueError) as exc:
+            self.rejected += 1
+            self._log.error("request cannot be transferred to decode", request=request_id,
+                            error=str(exc))
+            return
+        self._tracked[request_id] = _Tracked(ext, decode, request.num_prompt_tokens, cached)
+        self._timeline.stamp(request_id, HopName.PREFILL_TRACKED)
 
     def build_connector_meta(self, scheduled: Sequence[ScheduledRequest]) -> StepPlan:
-        sends = []
-        for r in scheduled:
-            send = self.schedule(r.request_id, r.new_block_ids, r.num_computed_tokens,
-                                 r.num_scheduled_tokens, replace_blocks=r.replace_blocks)
-            if send is not None:
-                sends.append(send)
+        sends = tuple(s for s in map(self._schedule, scheduled) if s is not None)
         preempted, self._preempted = tuple(self._preempted), {}
-        return StepPlan(sends=tuple(sends), preempted=preempted)
+        return StepPlan(sends=sends, preempted=preempted)
 
     def request_finished(self, request_id: str) -> bool:
-        return self.finished(request_id)
+        """Drop the request's state; True if its blocks must wait for the sends."""
+        t = self._tracked.pop(request_id, None)
+        return t is not None and t.sent_any
 
     def requests_preempted(self, request_ids: Iterable[str]) -> None:
         """Preempted in the step being built: those with announced blocks go in its
@@ -137,49 +150,20 @@ class PrefillScheduler(ConnectorRole):
                            "settle before its blocks are reused", request=rid,
                            announced_tokens=t.transferred, final_sent=t.final_sent)
 
-    # -- the rules, in plain values
-
-    def track(
-        self, request_id: str, total_tokens: int, params: Mapping[str, Any] | None
-    ) -> bool:
-        """Start tracking a request sent with ``do_remote_decode`` (idempotent)."""
-        if request_id in self._tracked:
-            return True
-        ext = external_request_id(request_id)
-        try:
-            own = resolve_params(ext, params)
-            if own is None:
-                return False
-            decode, cached = decode_endpoint(own, self._p_tp)
-        except (TransferParamsError, ValueError) as exc:
-            self.rejected += 1
-            self._log.error("request cannot be transferred to decode", request=request_id,
-                            error=str(exc))
-            return False
-        self._tracked[request_id] = _Tracked(ext, decode, total_tokens, cached)
-        self._timeline.stamp(request_id, HopName.PREFILL_TRACKED)
-        return True
-
-    def schedule(
-        self,
-        request_id: str,
-        new_block_ids: Sequence[Sequence[int]] | None,
-        computed_before: int,
-        scheduled_tokens: int,
-        *,
-        replace_blocks: bool = False,
-    ) -> PrefillSend | None:
+    # -- the rules
+    def _schedule(self, r: ScheduledRequest) -> PrefillSend | None:
         """One scheduled step of a tracked request: its newly completed blocks."""
+        request_id = r.request_id
         t = self._tracked.get(request_id)
         if t is None or t.final_sent:
             return None
-        if new_block_ids is not None:
-            if replace_blocks or not t.blocks:
-                t.blocks = [list(map(int, g)) for g in new_block_ids]
+        if r.new_block_ids is not None:
+            if r.replace_blocks or not t.blocks:
+                t.blocks = [list(map(int, g)) for g in r.new_block_ids]
             else:
-                for group, ids in zip(t.blocks, new_block_ids):
+                for group, ids in zip(t.blocks, r.new_block_ids):
                     group.extend(int(b) for b in ids)
-        computed = computed_before + scheduled_tokens
+        computed = r.num_computed_tokens + r.num_scheduled_tokens
         final = computed >= t.total_tokens
         main_ids = t.blocks[self._main] if t.blocks else []
         idx_ids = t.blocks[self._indexer] if t.blocks else []
@@ -193,7 +177,7 @@ class PrefillScheduler(ConnectorRole):
             self._log.error("cannot announce request blocks", request=request_id,
                             error=str(exc))
             if t.sent_any:  # Decode may still read earlier blocks: keep them until
-                t.final_sent = True  # finished_sending (``finished`` must say wait)
+                t.final_sent = True  # finished_sending (``request_finished`` says wait)
             else:
                 self._tracked.pop(request_id, None)
             return None
@@ -206,11 +190,6 @@ class PrefillScheduler(ConnectorRole):
             request_id, t.ext_id, t.decode,
             tuple(main_ids[start:end]), tuple(idx_ids[start:end]), start, start, final,
         )
-
-    def finished(self, request_id: str) -> bool:
-        """``request_finished``: drop state; True if blocks must wait for the sends."""
-        t = self._tracked.pop(request_id, None)
-        return t is not None and t.sent_any
 
     def counters(self) -> dict[str, int]:
         return {"tracked": len(self._tracked), "rejected": self.rejected}

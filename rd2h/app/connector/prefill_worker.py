@@ -1,6 +1,7 @@
 """Prefill worker role: announce each layer of this step's completed blocks,
 gate buffer reuse, tell vLLM when a finished request's blocks may be freed, and
-hold a step whose preempted requests Decode may still be reading (``settle``)."""
+hold a step whose preempted requests Decode may still be reading
+(``handle_preemptions``)."""
 
 from __future__ import annotations
 
@@ -70,33 +71,14 @@ class PrefillWorker(ConnectorRole):
         self.layers_announced = 0
         self.requests_settled = 0
 
-    # -- the connector role's hooks
-    def handle_preemptions(self, plan: StepPlan) -> None:
-        if plan.preempted:
-            self.settle(plan.preempted)
-
-    def bind_connector_metadata(self, plan: StepPlan) -> None:
-        self.start_step(plan.sends)
-
-    def wait_for_layer_load(self, layer_name: str) -> None:
-        self.before_layer(layer_name)
-
-    def save_kv_layer(self, layer_name: str) -> None:
-        self.layer_written(layer_name)  # also Ascend's on_kv_cache_written
-
-    def get_transfer_results(self, finished_req_ids: Iterable[str]) -> TransferResults:
-        return TransferResults(finished_sending=frozenset(self.get_finished(finished_req_ids)))
-
+    # -- counters
     def kv_connector_stats(self) -> dict[str, Any]:
+        with self._lock:  # requests (and their main blocks) still held for Decode
+            held = self._book.held()
         return {"layers_announced": self.layers_announced,
                 "requests_failed": self.requests_failed,
                 "requests_aborted": self.requests_skipped,
-                "refused_incompatible": self._sender.stats.handshakes_refused, **self.held()}
-
-    def held(self) -> dict[str, int]:
-        """Requests (and their main blocks) this rank still holds for Decode."""
-        with self._lock:
-            return self._book.held()
+                "refused_incompatible": self._sender.stats.handshakes_refused, **held}
 
     @property
     def requests_failed(self) -> int:
@@ -111,17 +93,18 @@ class PrefillWorker(ConnectorRole):
     def sender(self) -> PrefillSender:
         return self._sender
 
-    # -- the rules
     def start(self) -> None:
         self._sender.start()
 
-    # -- per step
-    def start_step(self, sends: Iterable[PrefillSend]) -> None:
+    # -- the connector role's hooks, per step: handle_preemptions, bind_connector_metadata,
+    # then per layer wait_for_layer_load (or wait_for_layer_reuse) and save_kv_layer;
+    # get_transfer_results
+    def bind_connector_metadata(self, plan: StepPlan) -> None:
         """This step's sends. A request with a failed announcement gets no more: Decode
         failed it, or never read the failed part and must not complete it without that
         (it fails at its own deadline instead)."""
         self._collect_resolved()
-        sends = tuple(sends)
+        sends = plan.sends
         with self._lock:
             verdict = self._book.start_step(
                 (s.internal_id, s.main_start + len(s.main_block_ids)) for s in sends)
@@ -133,19 +116,20 @@ class PrefillWorker(ConnectorRole):
         """Block until layer ``layer_idx``'s buffer may be written again (spec 11)."""
         self._sender.wait_for_layer_send(layer_idx, self.reuse_timeout_s)
 
-    def before_layer(self, layer_name: str) -> None:
-        """``wait_for_layer_load`` on Prefill: with shared buffers, the reuse gate."""
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """On Prefill: with shared buffers, the reuse gate."""
         if self.buffer_reuse:
             self.wait_for_layer_reuse(layer_index(layer_name))
 
-    def layer_written(self, layer_name: str) -> bool:
-        """The layer's KV scatter was queued: announce it (once per layer per step)."""
+    def save_kv_layer(self, layer_name: str) -> None:
+        """The layer's KV scatter was queued (also Ascend's ``on_kv_cache_written``):
+        announce it, once per layer per step (``layers_announced`` counts them)."""
         idx = layer_index(layer_name)
         if idx in self._dispatched or idx not in self._layers:
-            return False
+            return
         self._dispatched.add(idx)
         if not self._sends:
-            return False
+            return
         targets = []
         names: dict[str, list[tuple[str, str]]] = {}
         for s in self._sends:
@@ -161,7 +145,7 @@ class PrefillWorker(ConnectorRole):
             targets.append(LayerTarget(endpoint, req, done, m.member, m.ratio, s.ext_id))
             names.setdefault(endpoint, []).append((s.internal_id, s.ext_id))
         if not targets:
-            return False
+            return
         ticket = next(self._ticket_ids)
         final = [s.internal_id for s in self._sends if s.final] if idx == self._last_layer else []
         with self._lock:
@@ -179,16 +163,17 @@ class PrefillWorker(ConnectorRole):
             self._log_events(failed)
             raise
         self.layers_announced += 1
-        return True
 
     # -- preemption
-    def settle(self, request_ids: Iterable[str]) -> None:
-        """vLLM preempted these requests and freed their blocks; this step's forward may
-        write them. Return once every announcement of them was answered or failed, so
+    def handle_preemptions(self, plan: StepPlan) -> None:
+        """vLLM preempted ``plan.preempted`` and freed their blocks; this step's forward
+        may write them. Return once every announcement of them was answered or failed, so
         Decode is no longer reading them (a failed one: Decode failed the request, or
-        never read that part and gets no more of it, see ``start_step``). Raises
-        ``CompletionError`` if the sender keeps one open past every deadline."""
-        rids = tuple(dict.fromkeys(request_ids))
+        never read that part and gets no more of it, see ``bind_connector_metadata``).
+        Raises ``CompletionError`` if the sender keeps one open past every deadline."""
+        if not plan.preempted:
+            return
+        rids = tuple(dict.fromkeys(plan.preempted))
         timeout = self.settle_timeout_s
         started = self._clock.now()
         deadline = started + timeout
@@ -241,14 +226,15 @@ class PrefillWorker(ConnectorRole):
             events = self._book.record_answers(resolved, skipped)  # type: ignore[arg-type]
         self._log_events(events)
 
-    def get_finished(self, finished_req_ids: Iterable[str]) -> set[str]:
-        """Requests vLLM finished whose announcements have all been answered."""
+    def get_transfer_results(self, finished_req_ids: Iterable[str]) -> TransferResults:
+        """Finished sending: requests vLLM finished whose announcements have all been
+        answered."""
         self._collect_resolved()
         with self._lock:
             done = self._book.release(finished_req_ids)
             for rid in done:
                 self._timeline.stamp(rid, HopName.PREFILL_RELEASED)
-        return set(done)
+        return TransferResults(finished_sending=frozenset(done))
 
     def _log_events(self, events: Iterable[BookEvent | RequestWithheld]) -> None:
         for e in events:
