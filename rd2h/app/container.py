@@ -6,8 +6,8 @@ connector (``build_scheduler_role`` / ``build_prefill_worker`` /
 needs (network namespaces, cross-memory read permission, a MemFabric store).
 
 Only the selected transport is constructed (``providers.Selector``), so a CPU
-machine never imports an Ascend library. Tests override providers
-(``with container.transport.override(fake): ...``).
+machine never imports an Ascend library. Tests build through ``bootstrap`` with
+overrides (``bootstrap(settings, transport=fake)``).
 """
 
 from __future__ import annotations

@@ -15,6 +15,10 @@ suite (``tests/integration/test_control_contract.py``):
   again (a new identity), like a DEALER reconnecting;
 * ``wake`` interrupts a ``poll`` (clients) or a ``recv`` (server) from any thread;
   every wait takes a timeout.
+
+``ScriptedDecode`` serves endpoints of a network the way a test scripts it (ACK every
+MF_META; answer, fail or hold each announcement): a Prefill sender against it talks to
+servers like any other, through the network's own clients.
 """
 
 from __future__ import annotations
@@ -23,7 +27,12 @@ import itertools
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
+
+from rd2h.domain.protocol import MfMeta, ReadDone, ReadFailed, ReadReadyBatch
+from rd2h.ports.codec import WireCodec
 
 _WAKE = ("", b"")
 
@@ -235,3 +244,90 @@ class MemoryClients:
             self._lost.append(conn.endpoint)
             self._gone.add(conn.endpoint)
             self._replies.put(_WAKE)
+
+
+class ScriptedDecode:
+    """Decode endpoints on a ``MemoryNetwork`` that answer by script instead of reading
+    (each binds its endpoint and serves it on a thread): every MF_META gets its ACK;
+    a READ_READY_BATCH gets, per endpoint (``mode``, else ``default``), READ_DONE
+    (``done``), READ_FAILED (``fail``) or nothing until ``answer_held`` (``hold``).
+    Records the endpoints MF_META came to (``metas``), every batch and every connection
+    Prefill dropped (``disconnects``)."""
+
+    def __init__(self, net: MemoryNetwork, endpoints: list[str], codec: WireCodec,
+                 default: str = "done") -> None:
+        self.codec = codec
+        self.default = default
+        self.mode: dict[str, str] = {}
+        self.metas: list[str] = []
+        self.batches: list[tuple[str, ReadReadyBatch]] = []
+        self.held: list[tuple[str, bytes, ReadReadyBatch]] = []
+        self.disconnects: list[str] = []
+        self._cond = threading.Condition()
+        self._stop = threading.Event()
+        self._servers = [net.server(ep) for ep in endpoints]
+        self._threads = [threading.Thread(target=self._serve, args=(s,), daemon=True,
+                                          name=f"scripted-decode {s.endpoint}")
+                         for s in self._servers]
+        for t in self._threads:
+            t.start()
+
+    def _serve(self, server: MemoryServer) -> None:
+        while not self._stop.is_set():
+            item = server.recv(1.0)
+            lost = server.disconnected()
+            if lost:
+                with self._cond:
+                    self.disconnects += [server.endpoint] * len(lost)
+                    self._cond.notify_all()
+            if item is not None:
+                self._answer(server, *item)
+
+    def _answer(self, server: MemoryServer, identity: bytes, payload: bytes) -> None:
+        msg = self.codec.decode(payload)
+        ep = server.endpoint
+        with self._cond:
+            if isinstance(msg, MfMeta):
+                self.metas.append(ep)
+                server.send(identity, self.codec.encode_ack())
+            elif isinstance(msg, ReadReadyBatch):
+                self.batches.append((ep, msg))
+                mode = self.mode.get(ep, self.default)
+                if mode == "hold":
+                    self.held.append((ep, identity, msg))
+                else:
+                    server.send(identity, self.codec.encode(
+                        ReadDone(msg.layer_idx, msg.seq) if mode == "done" else
+                        ReadFailed(msg.layer_idx, "destination blocks do not fit", msg.seq)))
+            self._cond.notify_all()
+
+    def answer_held(self, error: str | None = None) -> None:
+        """Answer every held batch: READ_DONE, or READ_FAILED with ``error``."""
+        with self._cond:
+            held, self.held = self.held, []
+        servers = {s.endpoint: s for s in self._servers}
+        for ep, identity, b in held:
+            reply = (ReadDone(b.layer_idx, b.seq) if error is None
+                     else ReadFailed(b.layer_idx, error, b.seq))
+            servers[ep].send(identity, self.codec.encode(reply))
+
+    def wait_for(self, what: Callable[[ScriptedDecode], Any], timeout: float = 5.0) -> Any:
+        """Wait (bounded) until ``what(self)`` holds; its value."""
+        with self._cond:
+            got = self._cond.wait_for(lambda: what(self), timeout)
+        assert got, f"scripted decode: condition not met within {timeout:g} s"
+        return got
+
+    def wait_batches(self, n: int, timeout: float = 5.0) -> list[tuple[str, ReadReadyBatch]]:
+        self.wait_for(lambda d: len(d.batches) >= n, timeout)
+        with self._cond:
+            return list(self.batches)
+
+    def close(self) -> None:
+        self._stop.set()
+        for s in self._servers:
+            s.wake()
+        for t in self._threads:
+            t.join(5.0)
+        for s in self._servers:
+            s.close()

@@ -1,11 +1,19 @@
-"""The one control-plane rig: Prefill senders and Decode receivers over real ZeroMQ
-sockets on loopback, with the ``inproc`` transport copying real numpy memory.
+"""The one rig: every test that runs Prefill senders, Decode receivers or the
+connector's worker roles builds them here, through the app's own composition root
+(``rd2h.app.container.bootstrap`` with overrides), never by wiring classes by hand.
+
+Two kinds of control plane: real ZeroMQ sockets on loopback (``Rig()``, the default;
+Decode binds a free port, retried) or the in-memory network of ``fakes.control``
+(``Rig(control="memory")``: each Decode container's server binds
+``tcp://<host>:<rank port>`` of its settings on the network, so endpoints read as in
+production). Transfers use the ``inproc`` transport copying real numpy memory. The
+clock is the rig's (``Rig(clock=ManualClock())``: every driver the rig starts is woken
+when the test advances it).
 
 Prefill source tensors are seeded random blocks; every Decode destination tensor
 sits between two guard regions registered with the engine too, so only rd2h's own
 bounds checks (not the transport's region table) keep writes out of them. ``Rig``
-tracks everything a test builds and closes it in reverse order; the functions below
-it build the same pieces for tests that manage their own lifetimes.
+tracks everything a test builds and closes it in reverse order.
 """
 
 from __future__ import annotations
@@ -13,28 +21,31 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal, NamedTuple
 
 import numpy as np
 import zmq
 
+from fakes.control import MemoryNetwork
 from fakes.logs import RecordingLogger
 from fakes.net import HOST, free_port, wait_until
 from rd2h.adapters.inproc import InprocTransferEngine
 from rd2h.adapters.msgpack import MsgpackCodec
 from rd2h.adapters.torch.exchange import InMemoryExchangeGroup
-from rd2h.adapters.zmq.channel import BindError, ZmqControlClients, ZmqControlServer
+from rd2h.adapters.zmq.channel import BindError
 from rd2h.app.clock import MonotonicClock
-from rd2h.app.container import build_container
+from rd2h.app.connector.decode_worker import DecodeWorker
+from rd2h.app.connector.prefill_worker import PrefillWorker
+from rd2h.app.container import Container, bootstrap
 from rd2h.app.decode import DecodeReceiver
 from rd2h.app.prefill import LayerTarget, PrefillSender
-from rd2h.app.settings import Rd2hSettings
-from rd2h.domain.compat import Compat
+from rd2h.app.settings import Rd2hSettings, Role
 from rd2h.domain.layout import DestinationLayout, DestTensor, SourceLayout, TensorComponent
 from rd2h.domain.protocol import ACK, Message, MfMeta, ReadRequest
 from rd2h.domain.request_book import StepOutcome
 from rd2h.domain.topology import tcp_endpoint
 from rd2h.ports.codec import WireCodec
+from rd2h.ports.runtime import Clock
 
 SUFFIX = "-e0000001"  # vLLM's 9-character engine suffix
 SENTINEL = 0xEE  # every destination and guard byte before any pull
@@ -43,9 +54,17 @@ P_BLOCKS = 8
 D_BLOCKS = 16
 GUARD = 2  # guard blocks before and after every destination tensor
 COMPONENTS = ("main_k", "main_v", "indexer", "scale")
-PLAIN = MsgpackCodec()
+PLAIN = MsgpackCodec()  # for the tests' own hand-driven peers (raw sockets)
+# The rig's settings unless a test gives others: short waits, CPU device events, and
+# requests that never expire on their own.
+DEFAULTS: dict[str, Any] = {
+    "transport": "inproc", "host": HOST, "device_events": "cpu",
+    "deadlines": {"meta_ack_s": WAIT, "layer_ack_s": WAIT, "device_event_s": WAIT,
+                  "request_s": 600.0, "stop_s": 2.0},
+}
 
 Bufs = dict[tuple[int, str], np.ndarray]
+Control = Literal["zmq", "memory"]
 
 
 def internal(ext: str) -> str:
@@ -76,6 +95,17 @@ MAIN_ONLY = Shape(indexer=None, scale=None)
 
 def shapes_of(layers: Iterable[int] | Mapping[int, Shape]) -> dict[int, Shape]:
     return dict(layers) if isinstance(layers, Mapping) else dict.fromkeys(layers, FULL)
+
+
+def settings_of(role: Role, given: Mapping[str, Any] | None = None) -> Rd2hSettings:
+    """``Rd2hSettings`` for ``role``: the rig's defaults, then ``given`` (its
+    ``deadlines`` and ``limits`` merge into the defaults key by key)."""
+    given = dict(given or {})
+    merged: dict[str, Any] = {**DEFAULTS, **given, "role": role}
+    for key in ("deadlines", "limits"):
+        if key in given:
+            merged[key] = {**DEFAULTS.get(key, {}), **dict(given[key])}
+    return Rd2hSettings(**merged)
 
 
 # ====================================================================== the two sides
@@ -110,16 +140,13 @@ class DSide:
     receiver: DecodeReceiver
     endpoint: str
     log: RecordingLogger = field(default_factory=RecordingLogger)
+    container: Container | None = None  # what built the receiver (its codec, ...)
 
     def rows(self, layer: int, comp: str) -> np.ndarray:
         return self.bufs[(layer, comp)]
 
     def snapshot(self) -> Bufs:
         return {k: v.copy() for k, v in self.bufs.items()}
-
-    def stop(self) -> None:
-        assert self.receiver.stop(2.0), "decode receiver did not stop"
-        self.engine.close()
 
 
 def prefill_memory(
@@ -194,57 +221,26 @@ def decode_memory(
     return whole, bufs, dests
 
 
-def start_sender(
-    p: PSide, codec: WireCodec = PLAIN, log: RecordingLogger | None = None, *,
-    layouts: Mapping[int, SourceLayout] | None = None, compat: Compat | None = None,
-    **timeouts: float,
-) -> PrefillSender:
-    sender = PrefillSender(
-        clients_factory=ZmqControlClients, codec=codec, p_session=p.session,
-        layers=dict(layouts or p.layouts), clock=MonotonicClock(),
-        log=log or RecordingLogger(role="prefill"),
-        meta_ack_timeout_s=timeouts.get("meta_ack_timeout_s", WAIT),
-        layer_ack_timeout_s=timeouts.get("layer_ack_timeout_s", WAIT),
-        event_timeout_s=timeouts.get("event_timeout_s", WAIT),
-        compat=compat,
-    )
-    sender.start()
-    p.sender = sender
-    return sender
+# ====================================================================== the rig
 
 
-def start_decode(
-    layers: Iterable[int] | Mapping[int, Shape], codec: WireCodec = PLAIN, *,
-    engine: InprocTransferEngine | None = None, d_rank: int = 0, d_tp: int = 1,
-    shared_main: Bufs | None = None, request_timeout_s: float = 600.0,
-    max_frame_bytes: int = 64 * 1024 * 1024, **receiver_kw: Any,
-) -> DSide:
-    engine = engine or InprocTransferEngine()
-    whole, bufs, dests = decode_memory(layers, engine, shared_main)
-    log = RecordingLogger(role="decode", rank=d_rank)
-    for _ in range(20):  # a free port can be taken between probing and binding
-        port = free_port()
-        receiver = DecodeReceiver(
-            server_factory=lambda port=port: ZmqControlServer(
-                HOST, port, max_frame_bytes=max_frame_bytes),
-            codec=codec, transfer=engine, destinations=dests, d_rank=d_rank, d_tp=d_tp,
-            clock=MonotonicClock(), log=log, request_timeout_s=request_timeout_s,
-            **receiver_kw,
-        )
-        try:
-            endpoint = receiver.start()
-        except BindError:
-            continue
-        return DSide(engine, whole, bufs, dests, receiver, endpoint, log)
-    raise RuntimeError("no free port for the decode receiver")
+class Bound(NamedTuple):
+    """A started Decode receiver, the endpoint it listens on, its container."""
+
+    receiver: DecodeReceiver
+    endpoint: str
+    container: Container
 
 
 class Rig:
-    """Builds and tracks every engine, receiver, sender and raw socket of a test;
-    ``close`` (fixture teardown) stops and closes them in reverse order."""
+    """Builds (through ``bootstrap``) and tracks every engine, sender, receiver, worker
+    and raw socket of a test; ``close`` (fixture teardown) stops and closes them in
+    reverse order."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, control: Control = "zmq", clock: Clock | None = None) -> None:
         self.ctx = zmq.Context.instance()
+        self.net = MemoryNetwork() if control == "memory" else None
+        self.clock = clock or MonotonicClock()
         self._finalizers: list[Callable[[], Any]] = []
         self.keep: list[Any] = []  # memory that must outlive every read
 
@@ -269,7 +265,44 @@ class Rig:
         self._finalizers.append(engine.close)
         return engine
 
+    def _woken(self, driver: PrefillSender | DecodeReceiver) -> None:
+        """The driver sleeps until its next deadline: a manual clock's jump wakes it."""
+        wakes = getattr(self.clock, "wakes", None)
+        if wakes is not None:
+            wakes(driver.wake)
+
+    def _driven(self, driver: PrefillSender | DecodeReceiver) -> None:
+        """A started driver: woken when a manual clock jumps, stopped at teardown."""
+        self._woken(driver)
+        self._finalizers.append(lambda: driver.stop(2.0))
+
+    # ------------------------------------------------------------ the app
+    def container(self, role: Role, settings: Mapping[str, Any] | None = None,
+                  **overrides: Any) -> Container:
+        """``bootstrap`` of one endpoint: the rig's settings (``settings_of``), its clock
+        and control plane, a ``RecordingLogger``, then ``overrides`` (None: keep)."""
+        s = settings_of(role, settings)
+        made: dict[str, Any] = {"clock": self.clock,
+                                "logger": RecordingLogger(role=role, rank=s.tp_rank)}
+        if self.net is not None:
+            net = self.net
+            made["control_server"] = lambda: net.server(tcp_endpoint(s.host, s.rank_port))
+            made["control_clients"] = net.clients
+        made.update((k, v) for k, v in overrides.items() if v is not None)
+        return bootstrap(s, **made)
+
     # ------------------------------------------------------------ Prefill
+    def sender(self, layers: Mapping[int, SourceLayout], p_session: str, *,
+               settings: Mapping[str, Any] | None = None, codec: WireCodec | None = None,
+               log: Any = None, **call_kw: Any) -> PrefillSender:
+        """A started sender from its container; ``call_kw`` go to the provider (e.g. a
+        test's own ``layer_ack_timeout_s``, ``compat``)."""
+        c = self.container("prefill", settings, codec=codec, logger=log)
+        sender = c.prefill_sender(p_session=p_session, layers=dict(layers), **call_kw)
+        sender.start()
+        self._driven(sender)
+        return sender
+
     def prefill_memory(self, layers: Iterable[int] | Mapping[int, Shape], *, seed: int = 0,
                        share: Mapping[int, int] | None = None,
                        engine: InprocTransferEngine | None = None,
@@ -279,57 +312,93 @@ class Rig:
         self.keep.append(p.bufs)
         return p
 
-    def start_sender(self, p: PSide, codec: WireCodec = PLAIN, **kw: Any) -> PrefillSender:
-        sender = start_sender(p, codec, **kw)
-        self._finalizers.append(lambda: sender.stop(2.0))
-        return sender
+    def start_sender(self, p: PSide, codec: WireCodec | None = None, *,
+                     layouts: Mapping[int, SourceLayout] | None = None,
+                     **kw: Any) -> PrefillSender:
+        p.sender = self.sender(layouts or p.layouts, p.session, codec=codec, **kw)
+        return p.sender
 
     def prefill(self, layers: Iterable[int] | Mapping[int, Shape], *,
-                codec: WireCodec = PLAIN, **kw: Any) -> PSide:
+                codec: WireCodec | None = None, settings: Mapping[str, Any] | None = None,
+                **kw: Any) -> PSide:
+        """Seeded source memory (``prefill_memory``'s keywords) and a started sender (its
+        ``*_timeout_s`` keywords)."""
         timeouts = {k: kw.pop(k) for k in list(kw) if k.endswith("_timeout_s")}
         p = self.prefill_memory(layers, **kw)
-        self.start_sender(p, codec, **timeouts)
+        self.start_sender(p, codec, settings=settings, **timeouts)
         return p
 
-    def prefill_via_container(self, layers: Mapping[int, Shape], *, seed: int = 0) -> PSide:
-        container = build_container(Rd2hSettings(role="prefill", transport="inproc"))
-        engine = container.transport()
-        assert isinstance(engine, InprocTransferEngine)
-        self._finalizers.append(engine.close)
-        p = self.prefill_memory(layers, seed=seed, engine=engine)
-        p.sender = container.prefill_sender(p_session=engine.session_id, layers=p.layouts)
-        p.sender.start()
-        self._finalizers.append(lambda: p.sender.stop(2.0))
-        return p
+    def prefill_worker(self, layers: Mapping[int, SourceLayout], p_session: str, *,
+                       settings: Mapping[str, Any] | None = None, log: Any = None,
+                       overrides: Mapping[str, Any] | None = None,
+                       **worker_kw: Any) -> PrefillWorker:
+        """The Prefill worker role over its own sender, both from one container (as
+        the connector builds them), started. ``overrides`` replace the container's
+        providers (``device_events``, ``timeline``...); ``worker_kw`` go to the worker's
+        provider (``reuse_timeout_s``, ``settle_timeout_s``...)."""
+        c = self.container("prefill", settings, logger=log, **dict(overrides or {}))
+        sender = c.prefill_sender(p_session=p_session, layers=dict(layers))
+        worker = c.prefill_worker(
+            sender=sender, layer_names={i: lay.layer_name for i, lay in layers.items()},
+            **worker_kw)
+        worker.start()
+        self._woken(sender)
+        self._finalizers.append(worker.shutdown)
+        return worker
 
     # ------------------------------------------------------------ Decode
-    def decode(self, layers: Iterable[int] | Mapping[int, Shape],
-               codec: WireCodec = PLAIN, **kw: Any) -> DSide:
-        d = start_decode(layers, codec, engine=self.engine(), **kw)
-        self.keep.append(d.whole)
-        self._finalizers.append(lambda: d.receiver.stop(2.0))
-        return d
-
-    def decode_via_container(self, layers: Mapping[int, Shape]) -> DSide:
-        for _ in range(20):
-            port = free_port()
-            container = build_container(
-                Rd2hSettings(role="decode", transport="inproc", host=HOST, kv_port=port)
-            )
-            engine = container.transport()
-            whole, bufs, dests = decode_memory(layers, engine)
-            receiver = container.decode_receiver(destinations=dests)
+    def receiver(self, destinations: Mapping[str, DestinationLayout], transfer: Any, *,
+                 settings: Mapping[str, Any] | None = None, codec: WireCodec | None = None,
+                 log: Any = None, **call_kw: Any) -> Bound:
+        """A started receiver from its container, bound to the settings' port, or (over
+        ZeroMQ, when the settings name none) to a free one, retried if taken meanwhile."""
+        given = dict(settings or {})
+        probe = self.net is None and "kv_port" not in given
+        for _ in range(20 if probe else 1):
+            if probe:  # the rank binds kv_port + tp_rank (one DP rank)
+                given["kv_port"] = free_port() - given.get("tp_rank", 0)
+            c = self.container("decode", given, transport=transfer, codec=codec, logger=log)
+            receiver = c.decode_receiver(destinations=dict(destinations), **call_kw)
             try:
                 endpoint = receiver.start()
             except BindError:
-                engine.close()
-                continue
-            assert endpoint == tcp_endpoint(HOST, port)
-            self.keep.append(whole)
-            self._finalizers.append(engine.close)
-            self._finalizers.append(lambda r=receiver: r.stop(2.0))
-            return DSide(engine, whole, bufs, dests, receiver, endpoint)
+                if probe:
+                    continue
+                raise
+            self._driven(receiver)
+            return Bound(receiver, endpoint, c)
         raise RuntimeError("no free port for the decode receiver")
+
+    def decode(self, layers: Iterable[int] | Mapping[int, Shape],
+               codec: WireCodec | None = None, *, d_rank: int = 0, d_tp: int = 1,
+               shared_main: Bufs | None = None, settings: Mapping[str, Any] | None = None,
+               **receiver_kw: Any) -> DSide:
+        """Guarded destination memory and a started receiver (Decode TP rank ``d_rank`` of
+        ``d_tp``; ``shared_main``: another rank's main tensors, the TP-shared pool)."""
+        engine = self.engine()
+        whole, bufs, dests = decode_memory(layers, engine, shared_main)
+        self.keep.append(whole)
+        log = RecordingLogger(role="decode", rank=d_rank)
+        place = {"tp_size": d_tp, "tp_rank": d_rank, **dict(settings or {})}
+        receiver, endpoint, container = self.receiver(dests, engine, settings=place,
+                                                      codec=codec, log=log, **receiver_kw)
+        return DSide(engine, whole, bufs, dests, receiver, endpoint, log, container)
+
+    def decode_worker(self, destinations: Mapping[str, DestinationLayout], transfer: Any, *,
+                      settings: Mapping[str, Any] | None = None, log: Any = None,
+                      overrides: Mapping[str, Any] | None = None,
+                      **worker_kw: Any) -> DecodeWorker:
+        """The Decode worker role over its own receiver (one container), started: its
+        control server bound (settings' host and port). ``overrides`` and ``worker_kw``
+        as for ``prefill_worker`` (``idle_wait_s``...)."""
+        c = self.container("decode", settings, transport=transfer, logger=log,
+                           **dict(overrides or {}))
+        receiver = c.decode_receiver(destinations=dict(destinations))
+        worker = c.decode_worker(receiver=receiver, exchange=c.tp_exchange(), **worker_kw)
+        worker.start()
+        self._woken(receiver)
+        self._finalizers.append(worker.shutdown)
+        return worker
 
     # ------------------------------------------------------------ raw sockets
     def dealer(self, endpoint: str) -> zmq.Socket:

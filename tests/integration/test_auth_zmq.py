@@ -8,35 +8,29 @@ Every wait has a short deadline; a refusal never waits out more than one of them
 from __future__ import annotations
 
 import time
-from collections.abc import Hashable, Iterator
+from collections.abc import Hashable
+from typing import Any
 
 import pytest
-import zmq
 from fakes.logs import RecordingLogger
 from fakes.rig import (
-    HOST,
     WAIT,
     DSide,
     PSide,
+    Rig,
     Transfer,
     assert_guarded,
     assert_transfer_landed,
     internal,
     layer_name,
-    prefill_memory,
     recv_frames,
     run_transfer,
-    start_decode,
-    start_sender,
     step,
     targets,
 )
 
-from rd2h.adapters.inproc import InprocTransferEngine
 from rd2h.adapters.msgpack import AuthenticatedCodec, MsgpackCodec
-from rd2h.app.container import build_container
 from rd2h.app.prefill import PrefillSender
-from rd2h.app.settings import Rd2hSettings
 from rd2h.domain.errors import LayerSendError
 from rd2h.domain.protocol import (
     Message,
@@ -46,67 +40,34 @@ from rd2h.domain.protocol import (
     ReadReadyBatch,
     ReadRequest,
 )
-from rd2h.ports.codec import WireCodec
 
 pytestmark = pytest.mark.integration
 
 SECRET = "shared-secret-for-the-auth-tests"
+OTHER_SECRET = "some-other-secret-of-length"
+# What each side is configured with (its codec comes from these settings).
+SIGNED = {"auth_secret": SECRET}
+OTHER = {"auth_secret": OTHER_SECRET}
+UNSIGNED: dict[str, Any] = {}
+# The codecs of the tests' own hand-driven peers (raw sockets).
 PLAIN = MsgpackCodec()
-SIGNED = AuthenticatedCodec(PLAIN, SECRET.encode())
-OTHER = AuthenticatedCodec(PLAIN, b"some-other-secret-of-length")
+OTHER_PEER = AuthenticatedCodec(PLAIN, OTHER_SECRET.encode())
 SHORT = 0.5  # deadline where a test expects the wait to run out
 LAYERS = (0, 1)
 NOTHING = {"main": (), "indexer": ()}
 
 
-class Rig:
-    def __init__(self) -> None:
-        self._close: list = []
-
-    def prefill(self) -> PSide:
-        p = prefill_memory(LAYERS, InprocTransferEngine(), seed=3)
-        self._close.append(p.engine.close)
-        return p
-
-    def decode(self, codec: WireCodec, **kw: int) -> DSide:
-        d = start_decode(LAYERS, codec, **kw)
-        self._close.append(d.stop)
-        return d
-
-    def sender(
-        self, p: PSide, codec: WireCodec, log: RecordingLogger | None = None,
-        **timeouts: float,
-    ) -> PrefillSender:
-        s = start_sender(p, codec, log, **timeouts)
-        self._close.append(lambda: s.stop(2.0))
-        return s
-
-    def dealer(self, endpoint: str) -> zmq.Socket:
-        sock = zmq.Context.instance().socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(endpoint)
-        self._close.append(lambda: sock.close(0))
-        return sock
-
-    def router(self) -> tuple[zmq.Socket, str]:
-        sock = zmq.Context.instance().socket(zmq.ROUTER)
-        sock.setsockopt(zmq.LINGER, 0)
-        port = sock.bind_to_random_port(f"tcp://{HOST}")
-        self._close.append(lambda: sock.close(0))
-        return sock, f"tcp://{HOST}:{port}"
-
-    def close(self) -> None:
-        for fn in reversed(self._close):
-            fn()
+def prefill(rig: Rig) -> PSide:
+    return rig.prefill_memory(LAYERS, seed=3, advertise=True)
 
 
-@pytest.fixture
-def rig() -> Iterator[Rig]:
-    r = Rig()
-    try:
-        yield r
-    finally:
-        r.close()
+def decode(rig: Rig, settings: dict[str, Any]) -> DSide:
+    return rig.decode(LAYERS, settings=settings)
+
+
+def sender_of(rig: Rig, p: PSide, settings: dict[str, Any],
+              log: RecordingLogger | None = None, **timeouts: float) -> PrefillSender:
+    return rig.start_sender(p, settings=settings, log=log, **timeouts)
 
 
 REQ = Transfer("req-auth", (5, 1, 6), (2, 7, 0), (9, 3, 4), (0, 7, 2))
@@ -130,11 +91,10 @@ def announce_all(sender: PrefillSender, d: DSide, t: Transfer) -> list[LayerSend
 
 
 def test_matching_secrets_transfer_and_verify(rig: Rig) -> None:
-    # Prefill's codec comes from the settings, as in production.
-    p_codec = build_container(Rd2hSettings(role="prefill", auth_secret=SECRET)).codec()
-    p = rig.prefill()
-    d = rig.decode(SIGNED)
-    sender = rig.sender(p, p_codec)
+    # Both codecs come from the settings, as in production.
+    p = prefill(rig)
+    d = decode(rig, SIGNED)
+    sender = sender_of(rig, p, SIGNED)
     out = run_transfer(p, d, sender, REQ, [(0, 2), (2, 3)])
     assert out.finished == {internal(REQ.ext)} and out.failed == frozenset()
     assert_transfer_landed(p, d, REQ)
@@ -147,9 +107,9 @@ def test_matching_secrets_transfer_and_verify(rig: Rig) -> None:
 
 
 def test_decode_with_secret_refuses_prefill_without_one(rig: Rig) -> None:
-    p = rig.prefill()
-    d = rig.decode(SIGNED)
-    sender = rig.sender(p, PLAIN, meta_ack_timeout_s=SHORT)
+    p = prefill(rig)
+    d = decode(rig, SIGNED)
+    sender = sender_of(rig, p, UNSIGNED, meta_ack_timeout_s=SHORT)
     d.receiver.admit(internal(REQ.ext), REQ.d_main, REQ.d_idx)
     t0 = time.monotonic()
     errors = announce_all(sender, d, REQ)
@@ -173,12 +133,12 @@ def test_unsigned_ready_batch_gets_read_failed_naming_authentication_and_changes
     """A peer without the secret, skipping MF_META, names an admitted request: it is told
     READ_FAILED (authentication), the request is not failed, and the real Prefill's
     signed transfer of the same request still succeeds."""
-    p = rig.prefill()
-    d = rig.decode(SIGNED)
+    p = prefill(rig)
+    d = decode(rig, SIGNED)
     d.receiver.admit(internal(REQ.ext), REQ.d_main, REQ.d_idx)
     intruder = rig.dealer(d.endpoint)
     read = REQ.read(0, 3)
-    for codec in (PLAIN, OTHER):
+    for codec in (PLAIN, OTHER_PEER):
         intruder.send(codec.encode(p.meta()))  # no ACK for either
         intruder.send(codec.encode(ReadReadyBatch(7, layer_name(0), (read,), (REQ.ext,))))
         (reply,) = recv_frames(intruder)
@@ -190,16 +150,16 @@ def test_unsigned_ready_batch_gets_read_failed_naming_authentication_and_changes
     assert_guarded(d, NOTHING)
     assert step(d.receiver).failed == frozenset()
 
-    sender = rig.sender(p, SIGNED)
+    sender = sender_of(rig, p, SIGNED)
     out = run_transfer(p, d, sender, REQ, [(0, 3)])
     assert out.failed == frozenset() and internal(REQ.ext) in out.finished
     assert_transfer_landed(p, d, REQ)
 
 
 def test_different_secrets_are_refused_on_both_sides(rig: Rig) -> None:
-    p = rig.prefill()
-    d = rig.decode(SIGNED)
-    sender = rig.sender(p, OTHER, meta_ack_timeout_s=SHORT)
+    p = prefill(rig)
+    d = decode(rig, SIGNED)
+    sender = sender_of(rig, p, OTHER, meta_ack_timeout_s=SHORT)
     errors = sender.prepare([d.endpoint], WAIT)
     assert "no MF_META acknowledgement" in errors[d.endpoint]
     refusals = [line for line in d.log.lines("error") if "refusing unauthenticated" in line]
@@ -214,9 +174,9 @@ def test_different_secrets_are_refused_on_both_sides(rig: Rig) -> None:
 
 
 def test_prefill_with_secret_refuses_decode_without_one_at_once(rig: Rig) -> None:
-    p = rig.prefill()
-    d = rig.decode(PLAIN)
-    sender = rig.sender(p, SIGNED, meta_ack_timeout_s=WAIT)
+    p = prefill(rig)
+    d = decode(rig, UNSIGNED)
+    sender = sender_of(rig, p, SIGNED, meta_ack_timeout_s=WAIT)
     t0 = time.monotonic()
     errors = sender.prepare([d.endpoint], WAIT)
     assert time.monotonic() - t0 < 2.0  # refused on the ACK, not by the deadline
@@ -236,9 +196,10 @@ def test_prefill_drops_unsigned_replies(rig: Rig) -> None:
     dropped (logged), so the layer ends by its deadline, not as acknowledged."""
     router, endpoint = rig.router()
     fake = AuthenticatedCodec(PLAIN, SECRET.encode())  # the fake Decode's own codec
-    p = rig.prefill()
+    p = prefill(rig)
     log = RecordingLogger(role="prefill")
-    sender = rig.sender(p, SIGNED, log, layer_ack_timeout_s=SHORT, meta_ack_timeout_s=SHORT)
+    sender = sender_of(rig, p, SIGNED, log, layer_ack_timeout_s=SHORT,
+                       meta_ack_timeout_s=SHORT)
     sender.submit(0, None, targets(endpoint, [ReadRequest("r", (1,), (1,))]))
     frames = recv_frames(router)
     identity = frames[0]
@@ -280,8 +241,8 @@ def test_decode_refuses_replayed_and_foreign_signed_frames(rig: Rig) -> None:
     another connection (whose MF_META was itself a replay): each replay is answered
     READ_FAILED naming the replay, nothing is read and the request is not failed; the
     real transfer of the same request then lands."""
-    p = rig.prefill()
-    d = rig.decode(SIGNED)
+    p = prefill(rig)
+    d = decode(rig, SIGNED)
     d.receiver.admit(internal(REQ.ext), REQ.d_main, REQ.d_idx)
     honest = rig.dealer(d.endpoint)
     codec = AuthenticatedCodec(PLAIN, SECRET.encode())
@@ -313,7 +274,7 @@ def test_decode_refuses_replayed_and_foreign_signed_frames(rig: Rig) -> None:
     assert d.receiver.stats.bytes_read == 0 and d.receiver.stats.auth_refused == 2
     assert_guarded(d, NOTHING)
     assert step(d.receiver).failed == frozenset()
-    sender = rig.sender(p, SIGNED)
+    sender = sender_of(rig, p, SIGNED)
     out = run_transfer(p, d, sender, REQ, [(0, 3)])
     assert out.failed == frozenset() and internal(REQ.ext) in out.finished
     assert_transfer_landed(p, d, REQ)
@@ -341,10 +302,12 @@ def test_replayed_mf_meta_on_more_connections_than_the_cap_costs_valid_peers_not
     connections than ``max_peers``. The idle Prefill's next transfer lands with no
     refusal, and a new valid Prefill takes a slot a replay held."""
     cap = 4
-    decode_codec = AuthenticatedCodec(PLAIN, SECRET.encode(), max_connections=cap)
-    d = rig.decode(decode_codec, max_peers=cap)
-    p, capture = rig.prefill(), Recording()
-    sender = rig.sender(p, capture)
+    # The cap on peers (limits.max_peers) is also the signing codec's cap on connections.
+    d = decode(rig, {**SIGNED, "limits": {"max_peers": cap}})
+    decode_codec = d.container.codec()
+    assert isinstance(decode_codec, AuthenticatedCodec) and d.receiver.counters()["peers"] == 0
+    p, capture = prefill(rig), Recording()
+    sender = rig.start_sender(p, capture)  # Prefill's codec replaced by one that captures
     first = Transfer("req-replay-1", (5, 1, 6), (2, 7, 0), (9, 3, 4), (0, 7, 2))
     out = run_transfer(p, d, sender, first, [(0, 2), (2, 3)])
     assert out.failed == frozenset() and internal(first.ext) in out.finished
@@ -366,10 +329,9 @@ def test_replayed_mf_meta_on_more_connections_than_the_cap_costs_valid_peers_not
     assert d.receiver.stats.auth_refused == 0
     assert capture.metas == [meta]  # no refusal made it handshake again
 
-    p2 = rig.prefill()
+    p2 = prefill(rig)
     third = Transfer("req-replay-3", (2, 7), (1, 6), (14, 8), (13, 15))
-    fresh = AuthenticatedCodec(PLAIN, SECRET.encode())
-    out = run_transfer(p2, d, rig.sender(p2, fresh), third, [(0, 2)])
+    out = run_transfer(p2, d, sender_of(rig, p2, SIGNED), third, [(0, 2)])
     assert out.failed == frozenset() and internal(third.ext) in out.finished
     assert_transfer_landed(p2, d, third)
     assert d.receiver.counters()["peers"] == cap and d.receiver.stats.auth_refused == 0

@@ -36,22 +36,19 @@ from fakes.rig import (
     WAIT,
     DSide,
     PSide,
+    Rig,
     Transfer,
     assert_guarded,
     assert_transfer_landed,
     internal,
     layer_name,
-    prefill_memory,
     recv_frames,
     reset_blocks,
     run_transfer,
-    start_decode,
-    start_sender,
 )
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from rd2h.adapters.inproc import InprocTransferEngine
 from rd2h.adapters.msgpack import AuthenticatedCodec, MsgpackCodec
 from rd2h.app.prefill import PrefillSender
 from rd2h.domain.errors import ProtocolError, UnknownMessageType
@@ -71,7 +68,8 @@ pytestmark = pytest.mark.integration
 SECRET = b"fuzz-shared-secret-0123456789"
 WRONG_SECRET = b"not-the-shared-secret-987654"
 CODEC_MAX = 64 * 1024  # the codec's frame limit (decode error, connection kept)
-ZMQ_MAX = 256 * 1024  # the socket's limit (ZeroMQ drops the connection)
+MAX_FRAME_BYTES = 252 * 1024  # the setting: the container caps the socket 4 KiB above it
+ZMQ_MAX = MAX_FRAME_BYTES + 4096  # the socket's limit (ZeroMQ drops the connection)
 PLAIN_READER = MsgpackCodec(max_frame_bytes=CODEC_MAX)
 LAYERS = (0, 1)
 RUN = uuid.uuid4().hex[:8]  # valid request ids no hostile frame can guess
@@ -93,11 +91,11 @@ FUZZ = settings(
 )
 
 
-# ====================================================================== the rig
+# ====================================================================== the fuzzing state
 
 
 @dataclass
-class FuzzRig:
+class Fuzz:
     variant: str
     codec: WireCodec  # what the valid peers speak
     attacker: list[WireCodec]  # what a peer without the secret can produce
@@ -141,7 +139,7 @@ class FuzzRig:
 
 
 @pytest.fixture(scope="module", params=["plain", "signed"])
-def rig(request: pytest.FixtureRequest) -> Iterator[FuzzRig]:
+def fuzz(request: pytest.FixtureRequest) -> Iterator[Fuzz]:
     plain = MsgpackCodec(max_frame_bytes=CODEC_MAX)
     if request.param == "plain":
         codec: WireCodec = plain
@@ -149,23 +147,20 @@ def rig(request: pytest.FixtureRequest) -> Iterator[FuzzRig]:
     else:
         codec = AuthenticatedCodec(plain, SECRET)
         attacker = [plain, AuthenticatedCodec(plain, WRONG_SECRET)]
-    p = prefill_memory(LAYERS, InprocTransferEngine(), seed=7)
-    d = start_decode(LAYERS, codec, max_frame_bytes=ZMQ_MAX)
-    sender = start_sender(p, codec)
-    ctx = zmq.Context.instance()
-    acct, chaos = ctx.socket(zmq.DEALER), ctx.socket(zmq.DEALER)
-    for sock in (acct, chaos):
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(d.endpoint)
-    r = FuzzRig(request.param, codec, attacker, p, d, sender, acct, chaos)
-    r.seeds = templates(r)
-    admit_fuzz_targets(d)
-    # the accounted hostile peer starts with Prefill's own metadata (its best disguise)
-    for c in attacker:
-        send_checked(r, [c.encode(p.meta())])
+    # One long-lived rig per variant; both sides speak ``codec`` (it is also the oracle).
+    rig = Rig()
     try:
+        p = rig.prefill_memory(LAYERS, seed=7, advertise=True)
+        d = rig.decode(LAYERS, codec, settings={"max_frame_bytes": MAX_FRAME_BYTES})
+        sender = rig.start_sender(p, codec)
+        acct, chaos = rig.dealer(d.endpoint), rig.dealer(d.endpoint)
+        r = Fuzz(request.param, codec, attacker, p, d, sender, acct, chaos)
+        r.seeds = templates(r)
+        admit_fuzz_targets(d)
+        # the accounted hostile peer starts with Prefill's own metadata (its best disguise)
+        for c in attacker:
+            send_checked(r, [c.encode(p.meta())])
         yield r
-    finally:
         capture = request.config.pluginmanager.get_plugin("capturemanager")
         with capture.global_and_fixture_disabled() if capture else contextlib.nullcontext():
             print(
@@ -175,11 +170,8 @@ def rig(request: pytest.FixtureRequest) -> Iterator[FuzzRig]:
                 f"{d.receiver.stats.malformed}, authentication refusals "
                 f"{d.receiver.stats.auth_refused}"
             )
-        assert sender.stop(2.0)
-        acct.close(0)
-        chaos.close(0)
-        d.stop()
-        p.engine.close()
+    finally:
+        rig.close()
 
 
 def admit_fuzz_targets(d: DSide) -> None:
@@ -187,13 +179,13 @@ def admit_fuzz_targets(d: DSide) -> None:
         d.receiver.admit(internal(ext), main, idx)
 
 
-def send_checked(r: FuzzRig, frames: list[bytes]) -> None:
+def send_checked(r: Fuzz, frames: list[bytes]) -> None:
     for frame in frames:
         r.acct.send(frame)
     check_replies(r, frames)
 
 
-def check_replies(r: FuzzRig, sent: list[bytes]) -> None:
+def check_replies(r: Fuzz, sent: list[bytes]) -> None:
     """After ``sent`` went out on the accounted DEALER, send a marker batch: the replies
     up to the marker's must be exactly the expected ones, in order."""
     marker_layer = next(r.marker)
@@ -343,7 +335,7 @@ def pack(value: Any) -> bytes:
     return msgpack.packb(value, use_bin_type=True)
 
 
-def templates(r: FuzzRig) -> list[bytes]:
+def templates(r: Fuzz) -> list[bytes]:
     """Valid-looking frames a peer without the secret can produce (mutation seeds)."""
     fz = [
         ReadRequest(ext, (1, 2), (3, 4), 0, 0) for ext in FUZZ_TARGETS
@@ -378,7 +370,7 @@ def mutated(draw: st.DrawFn, seeds: list[bytes]) -> bytes:
     return bytes(frame)
 
 
-def hostile_frames(r: FuzzRig) -> st.SearchStrategy[bytes]:
+def hostile_frames(r: Fuzz) -> st.SearchStrategy[bytes]:
     return st.one_of(
         st.binary(max_size=64),
         values.map(pack),
@@ -409,7 +401,7 @@ CHAOS = [
 # ====================================================================== the property
 
 
-def fuzz_once(r: FuzzRig, data: st.DataObject) -> None:
+def fuzz_once(r: Fuzz, data: st.DataObject) -> None:
     frames = data.draw(st.lists(hostile_frames(r), min_size=20, max_size=40), label="frames")
     chaos = data.draw(st.lists(st.sampled_from(CHAOS), max_size=2), label="chaos")
     n = data.draw(st.integers(1, 4), label="blocks")
@@ -458,59 +450,59 @@ def fuzz_once(r: FuzzRig, data: st.DataObject) -> None:
     r.examples += 1
 
 
-def test_hostile_frames_never_disturb_a_valid_peer(rig: FuzzRig) -> None:
+def test_hostile_frames_never_disturb_a_valid_peer(fuzz: Fuzz) -> None:
     @given(data=st.data())
     @FUZZ
     def prop(data: st.DataObject) -> None:
-        fuzz_once(rig, data)
+        fuzz_once(fuzz, data)
 
     prop()
     # the fuzzing was not vacuous
-    assert rig.examples >= EXAMPLES // 2
-    assert rig.frames >= 20 * rig.examples // 2
-    assert rig.transfers == rig.examples
-    stats = rig.d.receiver.stats
-    if rig.variant == "plain":
-        assert stats.malformed > rig.examples
+    assert fuzz.examples >= EXAMPLES // 2
+    assert fuzz.frames >= 20 * fuzz.examples // 2
+    assert fuzz.transfers == fuzz.examples
+    stats = fuzz.d.receiver.stats
+    if fuzz.variant == "plain":
+        assert stats.malformed > fuzz.examples
         assert stats.layers_failed >= 10  # hostile ready batches were answered
     else:  # a peer without the secret never gets as far as being malformed
-        assert stats.auth_refused > 10 * rig.examples
+        assert stats.auth_refused > 10 * fuzz.examples
         assert stats.malformed == 0
-    assert stats.layers_done >= 2 * rig.transfers
-    assert rig.checked_replies > rig.examples
-    assert rig.sender.counters()["pending_layers"] == 0
+    assert stats.layers_done >= 2 * fuzz.transfers
+    assert fuzz.checked_replies > fuzz.examples
+    assert fuzz.sender.counters()["pending_layers"] == 0
 
 
-def test_hostile_read_ready_for_known_blocks_lands_only_in_their_request(rig: FuzzRig) -> None:
+def test_hostile_read_ready_for_known_blocks_lands_only_in_their_request(fuzz: Fuzz) -> None:
     """Without a secret a peer with metadata can pull into a request it names, but only
     into that request's blocks; with one, it cannot pull at all."""
-    if rig.variant == "signed":
-        frame = rig.attacker[1].encode(ReadReadyBatch(0, layer_name(0), (), ()))
-        send_checked(rig, [frame])
-        assert_guarded(rig.d, {"main": OK_BLOCKS, "indexer": OK_BLOCKS})
+    if fuzz.variant == "signed":
+        frame = fuzz.attacker[1].encode(ReadReadyBatch(0, layer_name(0), (), ()))
+        send_checked(fuzz, [frame])
+        assert_guarded(fuzz.d, {"main": OK_BLOCKS, "indexer": OK_BLOCKS})
         return
     fz = ReadRequest("fz-1", (5, 6), (7, 0), 0, 0)
-    admit_fuzz_targets(rig.d)
-    send_checked(rig, [
-        rig.codec.encode(rig.p.meta()),  # hostile metadata may have replaced it
-        rig.codec.encode(ReadReadyBatch(0, layer_name(0), (fz,), ())),
+    admit_fuzz_targets(fuzz.d)
+    send_checked(fuzz, [
+        fuzz.codec.encode(fuzz.p.meta()),  # hostile metadata may have replaced it
+        fuzz.codec.encode(ReadReadyBatch(0, layer_name(0), (fz,), ())),
     ])
     main, idx = FUZZ_TARGETS["fz-1"]
     for comp in COMPONENTS:
         is_main = comp.startswith("main")
-        src = rig.p.bufs[(0, comp)][[5, 6] if is_main else [7, 0]]
-        dst = rig.d.rows(0, comp)[list(main if is_main else idx)]
+        src = fuzz.p.bufs[(0, comp)][[5, 6] if is_main else [7, 0]]
+        dst = fuzz.d.rows(0, comp)[list(main if is_main else idx)]
         assert (dst == src).all()
-    assert_guarded(rig.d, {"main": OK_BLOCKS + FUZZ_BLOCKS, "indexer": OK_BLOCKS + FUZZ_BLOCKS})
+    assert_guarded(fuzz.d, {"main": OK_BLOCKS + FUZZ_BLOCKS, "indexer": OK_BLOCKS + FUZZ_BLOCKS})
 
 
-def test_port_is_still_served_after_fuzzing(rig: FuzzRig) -> None:
+def test_port_is_still_served_after_fuzzing(fuzz: Fuzz) -> None:
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     try:
-        sock.connect(rig.d.endpoint)
-        sock.send(rig.codec.encode(rig.p.meta(), "probe"))
-        assert rig.codec.is_ack(recv_frames(sock)[0], "probe")
+        sock.connect(fuzz.d.endpoint)
+        sock.send(fuzz.codec.encode(fuzz.p.meta(), "probe"))
+        assert fuzz.codec.is_ack(recv_frames(sock)[0], "probe")
     finally:
         sock.close(0)
-    assert rig.d.endpoint.startswith(f"tcp://{HOST}:")
+    assert fuzz.d.endpoint.startswith(f"tcp://{HOST}:")

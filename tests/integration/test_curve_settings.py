@@ -1,5 +1,6 @@
 """ZeroMQ CURVE configured the way a deployment does it: keys from ``rd2h keys`` in the
-settings (``kv_connector_extra_config``), sockets built by the composition root.
+settings (``kv_connector_extra_config``), sockets built by the composition root (the
+rig's bootstrap).
 
 A listed Prefill key handshakes and transfers; an unlisted one never gets a
 connection (its handshake deadline says so); the receive high-water mark comes from
@@ -14,20 +15,16 @@ import sys
 import pytest
 import zmq
 from fakes.logs import RecordingLogger
-from fakes.net import HOST, free_port
+from fakes.net import HOST
 from fakes.rig import (
     WAIT,
-    DSide,
+    Rig,
     Transfer,
     assert_transfer_landed,
-    decode_memory,
     internal,
-    prefill_memory,
     run_transfer,
 )
 
-from rd2h.adapters.inproc import InprocTransferEngine
-from rd2h.app.container import build_container
 from rd2h.app.settings import Rd2hOptions, Rd2hSettings
 
 pytestmark = pytest.mark.integration
@@ -42,50 +39,34 @@ def keypair() -> tuple[str, str]:
     return pair["public"], pair["secret"]
 
 
-def test_curve_from_settings_admits_listed_prefill_keys_only() -> None:
+def test_curve_from_settings_admits_listed_prefill_keys_only(rig: Rig) -> None:
     d_pub, d_sec = keypair()
     p_pub, p_sec = keypair()
     _, stranger_sec = keypair()
-    port = free_port()
-    engine = InprocTransferEngine()
-    whole, bufs, dests = decode_memory(LAYERS, engine)
-    options = Rd2hOptions.parse({
+    deadlines = {"meta_ack_s": 1.0, "layer_ack_s": WAIT}
+    extra = {  # Decode's kv_connector_extra_config
         "transport": "inproc", "host": HOST, "curve_secret_key": d_sec,
-        "curve_allowed_keys": [p_pub], "limits": {"recv_hwm": 7},
-        "deadlines": {"meta_ack_s": 1.0, "layer_ack_s": WAIT},
-    })
-    decode = build_container(Rd2hSettings.for_rank(options, role="decode", kv_port=port))
-    receiver = decode.decode_receiver(destinations=dests, transfer=engine)
-    endpoint = receiver.start()
-    senders = []
-    try:
-        server = receiver._server
-        assert server._sock.getsockopt(zmq.RCVHWM) == 7
-        d = DSide(engine, whole, bufs, dests, receiver, endpoint)
-        p = prefill_memory(LAYERS, engine, seed=4)
-        for secret in (p_sec, stranger_sec):
-            prefill = build_container(Rd2hSettings(
-                role="prefill", transport="inproc", curve_secret_key=secret,
-                curve_server_key=d_pub, deadlines={"meta_ack_s": 1.0, "layer_ack_s": WAIT}))
-            sender = prefill.prefill_sender(p_session=p.session, layers=p.layouts,
-                                            log=RecordingLogger(role="prefill"))
-            sender.start()
-            senders.append(sender)
-        good, stranger = senders
-        assert good.prepare([endpoint], WAIT) == {}
-        refused = stranger.prepare([endpoint], WAIT)
-        # ZeroMQ drops the refused connection at once; the handshake fails naming it.
-        assert "refusing this peer" in refused[endpoint], refused
-        t = Transfer("curve-req", (1, 2), (3, 4), (5, 6), (7, 8))
-        out = run_transfer(p, d, good, t, [(0, 2)])
-        assert out.finished == {internal(t.ext)} and out.failed == frozenset()
-        assert_transfer_landed(p, d, t)
-        assert receiver.counters()["peers"] == 1  # the stranger's MF_META never arrived
-    finally:
-        for sender in senders:
-            sender.stop(2.0)
-        receiver.stop(2.0)
-        engine.close()
+        "curve_allowed_keys": [p_pub], "limits": {"recv_hwm": 7}, "deadlines": deadlines,
+    }
+    Rd2hOptions.parse(extra)  # valid as vLLM would hand it over
+    d = rig.decode(LAYERS, settings=extra)
+    assert d.receiver._server._sock.getsockopt(zmq.RCVHWM) == 7
+    p = rig.prefill_memory(LAYERS, seed=4, advertise=True)
+    good, stranger = (
+        rig.start_sender(p, settings={"curve_secret_key": secret, "curve_server_key": d_pub,
+                                      "deadlines": deadlines},
+                         log=RecordingLogger(role="prefill"))
+        for secret in (p_sec, stranger_sec)
+    )
+    assert good.prepare([d.endpoint], WAIT) == {}
+    refused = stranger.prepare([d.endpoint], WAIT)
+    # ZeroMQ drops the refused connection at once; the handshake fails naming it.
+    assert "refusing this peer" in refused[d.endpoint], refused
+    t = Transfer("curve-req", (1, 2), (3, 4), (5, 6), (7, 8))
+    out = run_transfer(p, d, good, t, [(0, 2)])
+    assert out.finished == {internal(t.ext)} and out.failed == frozenset()
+    assert_transfer_landed(p, d, t)
+    assert d.receiver.counters()["peers"] == 1  # the stranger's MF_META never arrived
 
 
 def test_curve_settings_are_checked_up_front_without_echoing_secrets() -> None:

@@ -16,11 +16,9 @@ from collections.abc import Callable
 import pytest
 from fakes.net import free_port
 
-from rd2h.adapters.logging import make_logger
 from rd2h.adapters.msgpack import MsgpackCodec
 from rd2h.adapters.zmq.channel import ZmqControlClients, ZmqControlServer, tcp_endpoint
-from rd2h.app.clock import MonotonicClock
-from rd2h.app.prefill import LayerTarget, PrefillSender
+from rd2h.app.prefill import LayerTarget
 from rd2h.domain.errors import LayerSendError
 from rd2h.domain.layout import SourceLayout, TensorComponent
 from rd2h.domain.protocol import MfMeta, ReadRequest
@@ -197,30 +195,26 @@ def test_heartbeat_settings_are_checked() -> None:
         ZmqControlServer(HOST, free_port(), heartbeat_ivl_s=2.0, heartbeat_timeout_s=2.0)
 
 
-def test_sender_fails_a_layer_at_once_when_its_decode_process_dies(decode_peer) -> None:
+def test_sender_fails_a_layer_at_once_when_its_decode_process_dies(decode_peer, rig) -> None:
     proc, endpoint = decode_peer
     src = SourceLayout("model.layers.0.attn", (TensorComponent(4096, 64, 1),))
-    sender = PrefillSender(
-        clients_factory=lambda: ZmqControlClients(heartbeat_ivl_s=0.1, heartbeat_timeout_s=0.5),
-        codec=MsgpackCodec(), p_session="s", layers={0: src}, clock=MonotonicClock(),
-        log=make_logger("prefill", 0), layer_ack_timeout_s=30.0, meta_ack_timeout_s=5.0,
-    )
-    sender.start()
-    try:
-        assert sender.prepare([endpoint], WAIT) == {}
-        sender.submit(0, None, [LayerTarget(endpoint, ReadRequest("r", (0,), (0,), 0, 0))])
-        with pytest.raises(LayerSendError, match=r"within 0\.5 s"):
-            sender.wait_for_layer_send(0, timeout=0.5)  # Decode never answers
-        t0 = time.monotonic()
-        proc.kill()
-        with pytest.raises(LayerSendError) as info:
-            sender.wait_for_layer_send(0, timeout=WAIT)
-        assert time.monotonic() - t0 < 2.0  # not the 30 s acknowledgement deadline
-        assert f"layer 0: decode endpoint {endpoint} disconnected" in str(info.value)
-        assert sender.drain(WAIT)
-        assert all(v == 0 for v in sender.counters().values()), sender.counters()
-    finally:
-        assert sender.stop(WAIT)
+    # Heartbeats as fast as the peer's: a dead process is noticed within 0.5 s.
+    deadlines = {"heartbeat_ivl_s": 0.1, "heartbeat_timeout_s": 0.5, "layer_ack_s": 30.0,
+                 "meta_ack_s": 5.0}
+    sender = rig.sender({0: src}, "s", settings={"deadlines": deadlines})
+    assert sender.prepare([endpoint], WAIT) == {}
+    sender.submit(0, None, [LayerTarget(endpoint, ReadRequest("r", (0,), (0,), 0, 0))])
+    with pytest.raises(LayerSendError, match=r"within 0\.5 s"):
+        sender.wait_for_layer_send(0, timeout=0.5)  # Decode never answers
+    t0 = time.monotonic()
+    proc.kill()
+    with pytest.raises(LayerSendError) as info:
+        sender.wait_for_layer_send(0, timeout=WAIT)
+    assert time.monotonic() - t0 < 2.0  # not the 30 s acknowledgement deadline
+    assert f"layer 0: decode endpoint {endpoint} disconnected" in str(info.value)
+    assert sender.drain(WAIT)
+    assert all(v == 0 for v in sender.counters().values()), sender.counters()
+    assert sender.stop(WAIT)
 
 
 def _meta() -> MfMeta:

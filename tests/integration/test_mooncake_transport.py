@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from fakes.rig import Rig
 
 from rd2h.adapters.mooncake import MooncakeTransferEngine
 from rd2h.domain.errors import TransferError
@@ -325,19 +326,13 @@ def test_a_large_queue_reaches_the_library() -> None:
 
 
 def test_dead_prefill_peer_fails_the_layer_and_its_requests_quickly(
-    peer: tuple[str, int, Any], reader: MooncakeTransferEngine
+    peer: tuple[str, int, Any], reader: MooncakeTransferEngine, rig: Rig
 ) -> None:
     """Decode's receive loop over Mooncake: after the Prefill process died, the next
     announced layer is answered READ_FAILED within seconds, its requests are reported
     failed with their destination blocks invalid, and the loop keeps serving."""
-    import zmq
-
-    from rd2h.adapters.logging import make_logger
     from rd2h.adapters.msgpack import MsgpackCodec
     from rd2h.adapters.torch.exchange import InMemoryExchangeGroup
-    from rd2h.adapters.zmq import ZmqControlServer
-    from rd2h.app.clock import MonotonicClock
-    from rd2h.app.decode import DecodeReceiver
     from rd2h.domain.layout import DestinationLayout, DestTensor, SourceLayout, TensorComponent
     from rd2h.domain.protocol import ACK, MfMeta, ReadFailed, ReadReadyBatch, ReadRequest
 
@@ -346,42 +341,29 @@ def test_dead_prefill_peer_fails_the_layer_and_its_requests_quickly(
     name = "model.layers.0.self_attn"
     dst = np.zeros((blocks, bpb), dtype=np.uint8)
     reader.register_memory(dst.ctypes.data, dst.nbytes)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     codec = MsgpackCodec()
-    receiver = DecodeReceiver(
-        server_factory=lambda: ZmqControlServer("127.0.0.1", port), codec=codec,
-        transfer=reader,
-        destinations={name: DestinationLayout(name, (DestTensor(dst.ctypes.data, bpb, blocks),))},
-        d_rank=0, d_tp=1, clock=MonotonicClock(), log=make_logger("decode", 0),
-    )
-    receiver.start()
-    ctx = zmq.Context.instance()
-    dealer = ctx.socket(zmq.DEALER)
-    dealer.setsockopt(zmq.LINGER, 0)
-    dealer.connect(f"tcp://127.0.0.1:{port}")
-    try:
-        src = SourceLayout(name, (TensorComponent(address, bpb),))
-        dealer.send(codec.encode(MfMeta(session, {name: src.to_metadata()})))
-        assert dealer.poll(10_000) and dealer.recv_multipart()[-1] == ACK
-        receiver.admit("req-dead" + "x" * 9, list(range(blocks)), [])
-        proc.kill()
-        proc.join(5.0)
-        batch = ReadReadyBatch(0, name, (ReadRequest("req-dead", tuple(range(blocks)), ()),),
-                               ("req-dead",))
-        t0 = time.monotonic()
-        dealer.send(codec.encode(batch))
-        assert dealer.poll(10_000), "no reply to a layer whose Prefill peer is dead"
-        reply = codec.decode([f for f in dealer.recv_multipart() if f][-1])
-        elapsed = time.monotonic() - t0
-        assert isinstance(reply, ReadFailed) and reply.layer_idx == 0
-        assert elapsed < 5.0, f"READ_FAILED took {elapsed:.1f} s"
-        out = receiver.step(InMemoryExchangeGroup(1).member(0), (), timeout=5)
-        assert out.failed == {"req-dead" + "x" * 9}
-        assert out.invalid_block_ids == set(range(blocks))
-        assert receiver.running
-        assert all(v == 0 for k, v in receiver.counters().items() if k != "peers")
-    finally:
-        dealer.close(0)
-        assert receiver.stop(5.0)
+    # The receiver from its container (real control socket), reading through Mooncake.
+    receiver, endpoint, _ = rig.receiver(
+        {name: DestinationLayout(name, (DestTensor(dst.ctypes.data, bpb, blocks),))}, reader)
+    dealer = rig.dealer(endpoint)
+    src = SourceLayout(name, (TensorComponent(address, bpb),))
+    dealer.send(codec.encode(MfMeta(session, {name: src.to_metadata()})))
+    assert dealer.poll(10_000) and dealer.recv_multipart()[-1] == ACK
+    receiver.admit("req-dead" + "x" * 9, list(range(blocks)), [])
+    proc.kill()
+    proc.join(5.0)
+    batch = ReadReadyBatch(0, name, (ReadRequest("req-dead", tuple(range(blocks)), ()),),
+                           ("req-dead",))
+    t0 = time.monotonic()
+    dealer.send(codec.encode(batch))
+    assert dealer.poll(10_000), "no reply to a layer whose Prefill peer is dead"
+    reply = codec.decode([f for f in dealer.recv_multipart() if f][-1])
+    elapsed = time.monotonic() - t0
+    assert isinstance(reply, ReadFailed) and reply.layer_idx == 0
+    assert elapsed < 5.0, f"READ_FAILED took {elapsed:.1f} s"
+    out = receiver.step(InMemoryExchangeGroup(1).member(0), (), timeout=5)
+    assert out.failed == {"req-dead" + "x" * 9}
+    assert out.invalid_block_ids == set(range(blocks))
+    assert receiver.running
+    assert all(v == 0 for k, v in receiver.counters().items() if k != "peers")
+    assert receiver.stop(5.0)

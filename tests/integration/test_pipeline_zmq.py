@@ -19,7 +19,6 @@ import msgpack
 import numpy as np
 import pytest
 import zmq
-from fakes.logs import RecordingLogger
 from fakes.net import HOST, free_port, wait_until
 from fakes.rig import (
     COMPONENTS,
@@ -47,14 +46,10 @@ from fakes.rig import (
 from rd2h.adapters.torch.events import CpuDeviceEvents
 from rd2h.adapters.zmq.channel import (
     BindError,
-    ZmqControlServer,
     tcp_endpoint,
 )
-from rd2h.app.clock import MonotonicClock
-from rd2h.app.container import build_container
 from rd2h.app.decode import DecodeReceiver
 from rd2h.app.prefill import PrefillSender
-from rd2h.app.settings import Rd2hSettings
 from rd2h.domain.errors import LayerSendError
 from rd2h.domain.layout import SourceLayout, TensorComponent
 from rd2h.domain.protocol import (
@@ -187,15 +182,11 @@ class Req:
 # ====================================================================== 1. happy path
 
 
-@pytest.mark.parametrize("wiring", ["direct", "container"])
-def test_happy_path_chunked_bytes_land_and_requests_finish(rig: Rig, wiring: str) -> None:
+def test_happy_path_chunked_bytes_land_and_requests_finish(rig: Rig) -> None:
     shapes = {0: FULL, 1: FULL}
-    if wiring == "container":
-        d = rig.decode_via_container(shapes)
-        p = rig.prefill_via_container(shapes, seed=1)
-    else:
-        d = rig.decode(shapes)
-        p = rig.prefill(shapes, seed=1)
+    d = rig.decode(shapes)  # both sides built by the container from settings
+    assert d.endpoint == tcp_endpoint(HOST, d.container.config.kv_port())
+    p = rig.prefill(shapes, seed=1)
     assert p.sender is not None
     events = CpuDeviceEvents()
     # Main and indexer ids are separate lists on both sides; D's ids never leave D.
@@ -291,8 +282,9 @@ def test_decode_rank_owning_no_blocks_still_answers_read_done(rig: Rig) -> None:
     """P TP 2 -> D TP 2 (ratio 1), main-only layer, one block per chunk: the rank that
     owns none of a chunk's block (rotation by the chunk start) still acknowledges."""
     shapes = {0: MAIN_ONLY}
-    d0 = rig.decode(shapes, d_rank=0, d_tp=2)
-    d1 = rig.decode(shapes, d_rank=1, d_tp=2, shared_main=d0.bufs)
+    pool = {"destinations": "sparse_kv_pool"}  # main KV in one TP-shared pool
+    d0 = rig.decode(shapes, d_rank=0, d_tp=2, settings=pool)
+    d1 = rig.decode(shapes, d_rank=1, d_tp=2, shared_main=d0.bufs, settings=pool)
     # main KV is replicated on every P rank: same seed, same bytes
     p0 = rig.prefill(shapes, seed=3)
     p1 = rig.prefill(shapes, seed=3)
@@ -600,26 +592,15 @@ def test_sender_handshakes_again_after_decode_restarts_on_its_endpoint(rig: Rig)
     restarted: list[DecodeReceiver] = []
 
     def rebind() -> bool:  # zmq closes sockets asynchronously: the port frees shortly
-        receiver = DecodeReceiver(
-            server_factory=lambda: ZmqControlServer(HOST, port),
-            codec=CODEC,
-            transfer=d.engine,
-            destinations=d.destinations,
-            d_rank=0,
-            d_tp=1,
-            clock=MonotonicClock(),
-            log=RecordingLogger(),
-        )
         try:
-            receiver.start()
+            bound = rig.receiver(d.destinations, d.engine, settings={"kv_port": port})
         except BindError:
             return False
-        restarted.append(receiver)
+        restarted.append(bound.receiver)
         return True
 
     wait_until(rebind, "the decode port to be free again")
     d2 = restarted[0]
-    rig.on_close(lambda: d2.stop(2.0))
     # Several attempts: on a loaded machine the first ones can still meet the dying
     # connection (or expire under the short deadlines above) before the new one is used.
     reqs = [Req(f"req-r{i}", p_main=(i,), d_main=(i,), d_idx=(i,)) for i in range(1, P_BLOCKS)]
@@ -730,30 +711,15 @@ def test_second_receiver_on_a_bound_port_raises_bind_error(rig: Rig) -> None:
     engine = rig.engine()
     _, _, dests = decode_memory(shapes, engine)
 
-    second = DecodeReceiver(
-        server_factory=lambda: ZmqControlServer(HOST, port),
-        codec=CODEC,
-        transfer=engine,
-        destinations=dests,
-        d_rank=0,
-        d_tp=1,
-        clock=MonotonicClock(),
-        log=RecordingLogger(),
-    )
+    container = rig.container("decode", {"kv_port": port}, transport=engine)
+    second = container.decode_receiver(destinations=dests)
     t0 = time.monotonic()
     with pytest.raises(BindError, match=str(port)):
         second.start()
     assert time.monotonic() - t0 < 2.0
     assert not second.running and second.stop(1.0)
-
-    container = build_container(
-        Rd2hSettings(role="decode", transport="inproc", host=HOST, kv_port=port)
-    )
-    third = container.decode_receiver(destinations=dests)
-    with pytest.raises(BindError):
-        third.start()
-    assert not third.running and third.stop(1.0)
-    container.transport().close()
+    with pytest.raises(BindError, match=str(port)):  # through the rig: refused, not retried
+        rig.receiver(dests, engine, settings={"kv_port": port})
 
     # The first receiver still serves.
     dealer = rig.dealer(d.endpoint)

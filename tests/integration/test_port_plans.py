@@ -16,12 +16,8 @@ from fakes.net import HOST
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rd2h.adapters.inproc import InprocTransferEngine
-from rd2h.adapters.msgpack import MsgpackCodec
 from rd2h.adapters.zmq.channel import BindError, ZmqControlServer, tcp_endpoint
-from rd2h.app.clock import MonotonicClock
-from rd2h.app.container import build_container
-from rd2h.app.decode import DecodeReceiver
+from rd2h.app.container import bootstrap
 from rd2h.app.settings import Rd2hSettings
 from rd2h.domain.errors import TopologyError
 from rd2h.domain.topology import MAX_PORT, compute_mapping, plan_ports, remote_port
@@ -67,7 +63,7 @@ def test_many_dp_engines_and_tp_ranks_on_one_host_bind_and_route(servers) -> Non
             s = Rd2hSettings(role="decode", transport="inproc", host=HOST, kv_port=kv_port,
                              global_dp_rank=dp, tp_size=D_TP, tp_rank=rank)
             # the production path: the container's control server on the planned port
-            servers[(dp, rank)] = build_container(s).control_server()
+            servers[(dp, rank)] = bootstrap(s).control_server()
             bases[dp] = s.base_port
     endpoints = {server.endpoint for server in servers.values()}
     assert len(endpoints) == DP * D_TP  # no two ranks share a port (all bound, too)
@@ -151,19 +147,16 @@ def test_control_server_refuses_a_port_outside_the_range(port) -> None:
         ZmqControlServer(HOST, port)  # type: ignore[arg-type]
 
 
-def _receiver(server_factory) -> DecodeReceiver:
-    engine = InprocTransferEngine()
-    return DecodeReceiver(
-        server_factory=server_factory, codec=MsgpackCodec(), transfer=engine, destinations={},
-        d_rank=0, d_tp=1, clock=MonotonicClock(), log=RecordingLogger(),
-    )
-
-
 def test_receiver_start_raises_for_an_out_of_range_port_and_starts_no_thread() -> None:
-    receiver = _receiver(lambda: ZmqControlServer(HOST, 65536))
+    # Settings cannot name such a port: the control server is replaced by one on it.
+    container = bootstrap(Rd2hSettings(role="decode", transport="inproc"),
+                          control_server=lambda: ZmqControlServer(HOST, 65536),
+                          logger=RecordingLogger())
+    receiver = container.decode_receiver(destinations={})
     with pytest.raises(BindError, match="65536"):
         receiver.start()
     assert not receiver.running
+    container.transport().close()
 
 
 def test_container_from_unvalidated_settings_refuses_at_receiver_start() -> None:
@@ -173,7 +166,7 @@ def test_container_from_unvalidated_settings_refuses_at_receiver_start() -> None
         role="decode", transport="inproc", host=HOST, kv_port=65535, global_dp_rank=1,
         tp_size=2, tp_rank=1,
     )
-    container = build_container(bad)
+    container = bootstrap(bad)
     receiver = container.decode_receiver(destinations={})
     with pytest.raises(TopologyError, match="65535"):
         receiver.start()

@@ -144,29 +144,14 @@ def test_prefill_stops_announcing_a_request_decode_aborted_and_releases_it() -> 
     is read intact, the aborted one is skipped, never announced again and released."""
     import numpy as np
     from fakes.clock import ManualClock
-    from fakes.control import MemoryNetwork
     from fakes.logs import RecordingLogger
+    from fakes.rig import Rig
 
-    from rd2h.adapters.inproc import InprocTransferEngine
-    from rd2h.adapters.msgpack import MsgpackCodec
-    from rd2h.adapters.torch.exchange import InMemoryExchangeGroup
-    from rd2h.app.connector.decode_worker import DecodeWorker
     from rd2h.app.connector.plans import DecodeEndpoint, DecodeLoad, PrefillSend, StepPlan
-    from rd2h.app.connector.prefill_worker import PrefillWorker
-    from rd2h.app.decode import DecodeReceiver
-    from rd2h.app.prefill import PrefillSender
-
-    class Events:
-        class _Done:
-            def wait(self, timeout: float) -> bool:
-                return True
-
-        def record(self) -> Events._Done:
-            return self._Done()
 
     layers = {0: "model.layers.0.attn", 1: "model.layers.1.attn"}
-    ep, net, clock = "tcp://10.0.0.9:31000", MemoryNetwork(), ManualClock()
-    p_engine, d_engine = InprocTransferEngine(), InprocTransferEngine()
+    rig = Rig(control="memory", clock=ManualClock())
+    p_engine, d_engine = rig.engine(), rig.engine()
     rng = np.random.default_rng(5)
     p_bufs = [rng.integers(1, 255, (NB, BPB), dtype=np.uint8) for _ in layers]
     d_bufs = [np.zeros((NB, BPB), dtype=np.uint8) for _ in layers]
@@ -174,24 +159,16 @@ def test_prefill_stops_announcing_a_request_decode_aborted_and_releases_it() -> 
         p_engine.register_memory(b.ctypes.data, b.nbytes)
     for b in d_bufs:
         d_engine.register_memory(b.ctypes.data, b.nbytes)
-    receiver = DecodeReceiver(
-        server_factory=lambda: net.server(ep), codec=MsgpackCodec(), transfer=d_engine,
-        destinations={n: DestinationLayout(n, (DestTensor(d_bufs[i].ctypes.data, BPB, NB),))
-                      for i, n in layers.items()},
-        d_rank=0, d_tp=1, clock=clock, log=RecordingLogger(), request_timeout_s=30,
-        main_shared=False)
-    dworker = DecodeWorker(receiver=receiver, exchange=InMemoryExchangeGroup(1).member(0),
-                           log=RecordingLogger(), exchange_timeout_s=5, stop_timeout_s=2)
-    sender = PrefillSender(
-        clients_factory=net.clients, codec=MsgpackCodec(), p_session=p_engine.session_id,
-        layers={i: SourceLayout(n, (TensorComponent(p_bufs[i].ctypes.data, BPB, 1, 0, NB),))
-                for i, n in layers.items()},
-        clock=clock, log=RecordingLogger(), meta_ack_timeout_s=5, layer_ack_timeout_s=5)
+    # Decode listens on tcp://10.0.0.9:31000 of the rig's in-memory network.
+    dworker = rig.decode_worker(
+        {n: DestinationLayout(n, (DestTensor(d_bufs[i].ctypes.data, BPB, NB),))
+         for i, n in layers.items()}, d_engine,
+        settings={"host": "10.0.0.9", "kv_port": 31000, "deadlines": {"request_s": 30}})
     p_log = RecordingLogger()
-    pworker = PrefillWorker(sender=sender, events=Events(), p_rank=0, p_tp=1,
-                            layer_names=layers, clock=clock, log=p_log)
-    dworker.start()
-    pworker.start()
+    pworker = rig.prefill_worker(
+        {i: SourceLayout(n, (TensorComponent(p_bufs[i].ctypes.data, BPB, 1, 0, NB),))
+         for i, n in layers.items()}, p_engine.session_id, log=p_log)
+    sender = pworker.sender
     try:
         live, gone = "live" + X9, "gone" + X9
         dworker.bind_connector_metadata(StepPlan(loads=(
@@ -228,7 +205,4 @@ def test_prefill_stops_announcing_a_request_decode_aborted_and_releases_it() -> 
         assert pworker.counters()["requests"] == 0
         assert dworker.counters() == dict.fromkeys(dworker.counters(), 0) | {"peers": 1}
     finally:
-        pworker.shutdown()
-        dworker.shutdown()
-        p_engine.close()
-        d_engine.close()
+        rig.close()

@@ -1,5 +1,6 @@
 """App services with in-memory fakes: settings, the container, and a full
-Prefill -> Decode pull wired through an in-memory control channel (no sockets)."""
+Prefill -> Decode pull, each side built by its container (``bootstrap``) over an
+in-memory control channel (no sockets)."""
 
 from __future__ import annotations
 
@@ -9,16 +10,14 @@ import numpy as np
 import pydantic
 import pytest
 from fakes.control import MemoryNetwork
+from fakes.logs import RecordingLogger
 
 from rd2h.adapters.inproc import InprocTransferEngine
-from rd2h.adapters.logging import make_logger
 from rd2h.adapters.msgpack import MsgpackCodec
 from rd2h.adapters.torch.exchange import InMemoryExchangeGroup
-from rd2h.app.clock import MonotonicClock
-from rd2h.app.container import build_container
-from rd2h.app.decode import DecodeReceiver
-from rd2h.app.prefill import LayerTarget, PrefillSender, group_batches
-from rd2h.app.settings import Rd2hSettings
+from rd2h.app.container import bootstrap
+from rd2h.app.prefill import LayerTarget, group_batches
+from rd2h.app.settings import Deadlines, Rd2hSettings
 from rd2h.domain.errors import LayerSendError
 from rd2h.domain.layout import DestinationLayout, DestTensor, SourceLayout, TensorComponent
 from rd2h.domain.protocol import MfMeta, ReadFailed, ReadReadyBatch, ReadRequest
@@ -45,7 +44,7 @@ def test_settings_port_plan() -> None:
 
 
 def test_container_builds_only_the_selected_transport() -> None:
-    c = build_container(Rd2hSettings(role="decode", transport="inproc"))
+    c = bootstrap(Rd2hSettings(role="decode", transport="inproc"))
     engine = c.transport()
     assert isinstance(engine, InprocTransferEngine)
     assert c.transport() is engine  # one engine per process
@@ -54,11 +53,12 @@ def test_container_builds_only_the_selected_transport() -> None:
         Rd2hSettings(role="decode", transport="memfabric")
 
 
-def test_container_transport_can_be_overridden_with_a_fake() -> None:
-    c = build_container(Rd2hSettings(role="decode", transport="cma"))
+def test_bootstrap_replaces_a_provider_with_a_fake_and_refuses_unknown_names() -> None:
     fake = InprocTransferEngine()
-    with c.transport.override(fake):
-        assert c.transport() is fake
+    c = bootstrap(Rd2hSettings(role="decode", transport="cma"), transport=fake)
+    assert c.transport() is fake
+    with pytest.raises(ValueError, match="no provider 'transfer'"):
+        bootstrap(Rd2hSettings(role="decode"), transfer=fake)
     fake.close()
 
 
@@ -111,17 +111,14 @@ def pair():
 
     src = SourceLayout(name, (tc("k"), tc("v")), tc("idx"), tc("scale"))
     dst = DestinationLayout(name, (dt("k"), dt("v")), dt("idx"), dt("scale"))
-    clock = MonotonicClock()
-    receiver = DecodeReceiver(
-        server_factory=lambda: net.server(EP), codec=MsgpackCodec(), transfer=d_engine,
-        destinations={name: dst}, d_rank=0, d_tp=1, clock=clock,
-        log=make_logger("decode", 0),
-    )
-    sender = PrefillSender(
-        clients_factory=net.clients, codec=MsgpackCodec(),
-        p_session=p_engine.session_id, layers={0: src}, clock=clock,
-        log=make_logger("prefill", 0), meta_ack_timeout_s=2, layer_ack_timeout_s=2,
-    )
+    receiver = bootstrap(
+        Rd2hSettings(role="decode"), control_server=lambda: net.server(EP),
+        transport=d_engine, logger=RecordingLogger(),
+    ).decode_receiver(destinations={name: dst})
+    sender = bootstrap(
+        Rd2hSettings(role="prefill", deadlines=Deadlines(meta_ack_s=2, layer_ack_s=2)),
+        control_clients=net.clients, logger=RecordingLogger(),
+    ).prefill_sender(p_session=p_engine.session_id, layers={0: src})
     receiver.start()
     sender.start()
     yield sender, receiver, p_bufs, d_bufs
@@ -163,11 +160,11 @@ def test_unanswered_layer_fails_at_its_deadline() -> None:
     net = MemoryNetwork()
     silent = net.server("mem://silent")  # bound, but nobody ever answers
     src = SourceLayout("model.layers.0.attn", (TensorComponent(4096, 64, 1),))
-    sender = PrefillSender(
-        clients_factory=net.clients, codec=MsgpackCodec(), p_session="s",
-        layers={0: src}, clock=MonotonicClock(), log=make_logger("prefill", 0),
-        meta_ack_timeout_s=0.2, layer_ack_timeout_s=0.2, event_timeout_s=0.2,
-    )
+    deadlines = Deadlines(meta_ack_s=0.2, layer_ack_s=0.2, device_event_s=0.2)
+    sender = bootstrap(
+        Rd2hSettings(role="prefill", deadlines=deadlines), control_clients=net.clients,
+        logger=RecordingLogger(),
+    ).prefill_sender(p_session="s", layers={0: src})
     sender.start()
     try:
         req = ReadRequest("r", (0,), (0,), 0, 0)
@@ -198,12 +195,11 @@ def test_any_read_failure_is_answered_for_its_layer_and_the_loop_goes_on() -> No
     name = "model.layers.0.attn"
     engine = ExplodingTransfer()
     engine.register_memory(dst.ctypes.data, dst.nbytes)
-    receiver = DecodeReceiver(
-        server_factory=lambda: net.server(EP), codec=codec, transfer=engine,
-        destinations={name: DestinationLayout(name, (DestTensor(dst.ctypes.data, 64, NB),))},
-        d_rank=0, d_tp=1, clock=MonotonicClock(), log=make_logger("decode", 0),
-        main_shared=False,
-    )
+    receiver = bootstrap(
+        Rd2hSettings(role="decode"), control_server=lambda: net.server(EP), codec=codec,
+        transport=engine, logger=RecordingLogger(),
+    ).decode_receiver(
+        destinations={name: DestinationLayout(name, (DestTensor(dst.ctypes.data, 64, NB),))})
     receiver.start()
     prefill = net.clients()
     try:

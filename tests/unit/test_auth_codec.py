@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from rd2h.adapters.msgpack import AuthenticatedCodec, MsgpackCodec
 from rd2h.adapters.msgpack.auth import array_header, read_array_header, split_signed
-from rd2h.app.container import build_container
+from rd2h.app.container import bootstrap
 from rd2h.app.settings import Rd2hSettings
 from rd2h.domain.errors import AuthenticationError, ProtocolError
 from rd2h.domain.protocol import (
@@ -341,9 +341,9 @@ def test_unsigned_or_wrongly_signed_ack_is_refused_clearly():
 
 
 def test_container_signs_only_when_a_secret_is_configured():
-    plain = build_container(Rd2hSettings(role="decode")).codec()
+    plain = bootstrap(Rd2hSettings(role="decode")).codec()
     assert isinstance(plain, MsgpackCodec)
-    signed = build_container(
+    signed = bootstrap(
         Rd2hSettings(role="prefill", auth_secret=SECRET.decode(), max_frame_bytes=4096)
     ).codec()
     assert isinstance(signed, AuthenticatedCodec)

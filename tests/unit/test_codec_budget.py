@@ -260,10 +260,10 @@ def test_an_mf_meta_of_61_layers_round_trips_at_the_default_limits():
 def test_the_deployment_defaults_bound_is_the_one_the_readme_states():
     """What a deployment gets without tuning (``Rd2hOptions``' defaults, built by the
     composition root)."""
-    from rd2h.app.container import build_container
+    from rd2h.app.container import bootstrap
     from rd2h.app.settings import Rd2hSettings
 
-    codec = build_container(Rd2hSettings(role="decode")).codec()
+    codec = bootstrap(Rd2hSettings(role="decode")).codec()
     assert isinstance(codec, MsgpackCodec)
     assert (codec.max_frame_bytes, codec.max_objects) == (16 * 2**20, 2**20)
     bound = codec.worst_case_decode_bytes()

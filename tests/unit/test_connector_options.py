@@ -5,9 +5,10 @@ is every endpoint's settings (``Rd2hSettings``), so every option reaches every r
 from __future__ import annotations
 
 import pytest
+from fakes.logs import RecordingLogger
 
 from rd2h.app.connector.facts import EngineFacts
-from rd2h.app.container import build_container
+from rd2h.app.container import bootstrap
 from rd2h.app.settings import ConnectorConfigError, Deadlines, Rd2hOptions, Rd2hSettings
 from rd2h.domain.errors import Rd2hError
 
@@ -148,13 +149,25 @@ def test_every_option_reaches_the_rank_settings_unchanged() -> None:
 
 def test_a_vllm_deployment_can_turn_message_signing_on() -> None:
     opts = Rd2hOptions.parse({"auth_secret": "a-secret-of-twenty-chars"})
-    container = build_container(FACTS.settings(opts))
+    container = bootstrap(FACTS.settings(opts))
     codec = container.codec()
     assert type(codec).__name__ == "AuthenticatedCodec"
     frame = codec.encode_ack()
     assert frame.startswith(b"ACK") and len(frame) > 3  # signed
-    assert type(build_container(FACTS.settings(Rd2hOptions())).codec()).__name__ == (
+    assert type(bootstrap(FACTS.settings(Rd2hOptions())).codec()).__name__ == (
         "MsgpackCodec")
+
+
+def test_the_metaserver_options_reach_its_client() -> None:
+    opts = Rd2hOptions.parse({"metaserver_retries": 5, "metaserver_timeout_s": 2.5,
+                              "metaserver_retry_interval_s": 0.5})
+    client = bootstrap(FACTS.settings(opts), logger=RecordingLogger()).metaserver()
+    try:
+        assert type(client).__name__ == "MetaserverClient"
+        assert (client._retries, client._retry_delay_s) == (5, 0.5)
+        assert client._client.timeout.read == 2.5
+    finally:
+        assert client.shutdown(2.0)
 
 
 def test_a_short_secret_is_refused_without_echoing_it() -> None:

@@ -1,7 +1,8 @@
 """The connector's four roles as plain services (no vLLM), driven through their hooks
 with the plain values ``rd2h.entry.translate`` makes of vLLM's: Decode scheduler (spec 3.1),
 Prefill scheduler (3.2), Prefill worker over a real ``PrefillSender`` and Decode worker
-over a real ``DecodeReceiver``, wired in memory (no sockets); plus the per-announcement
+over a real ``DecodeReceiver``, each built by its container (the shared rig) over the
+in-memory control network (no sockets); plus the per-announcement
 tickets that tell Prefill when a finished request's blocks may be freed (the ticket rules
 themselves: ``test_prefill_session``).
 
@@ -10,7 +11,6 @@ offset a test can jump forward), so deadlines are reached without sleeping."""
 
 from __future__ import annotations
 
-import queue
 import threading
 import time
 from typing import Any
@@ -18,16 +18,14 @@ from typing import Any
 import numpy as np
 import pytest
 from fakes.clock import ManualClock
-from fakes.control import MemoryNetwork
+from fakes.control import ScriptedDecode
 from fakes.logs import RecordingLogger as RecordingLog
 from fakes.metaserver import RecordingMetaserver
+from fakes.rig import Rig
 
-from rd2h.adapters.inproc import InprocTransferEngine
 from rd2h.adapters.logging.timeline import JsonlTimeline
 from rd2h.adapters.msgpack import MsgpackCodec
-from rd2h.adapters.torch.exchange import InMemoryExchangeGroup
 from rd2h.app.connector.decode_scheduler import DecodeScheduler
-from rd2h.app.connector.decode_worker import DecodeWorker
 from rd2h.app.connector.plans import DecodeEndpoint, DecodeLoad, PrefillSend, StepPlan
 from rd2h.app.connector.prefill_scheduler import (
     PrefillScheduler,
@@ -37,113 +35,53 @@ from rd2h.app.connector.prefill_scheduler import (
 )
 from rd2h.app.connector.prefill_worker import PrefillWorker
 from rd2h.app.connector.roles import RequestFacts, ScheduledRequest
-from rd2h.app.decode import DecodeReceiver
+from rd2h.app.container import bootstrap
 from rd2h.app.prefill import PrefillSender
+from rd2h.app.settings import Rd2hSettings
 from rd2h.app.timeline import load
 from rd2h.domain.chunks import external_request_id
 from rd2h.domain.errors import LayerSendError, TopologyError
 from rd2h.domain.layout import DestinationLayout, DestTensor, SourceLayout, TensorComponent
-from rd2h.domain.protocol import MfMeta, ReadDone, ReadFailed, ReadReadyBatch, ReadRequest
+from rd2h.domain.protocol import ReadRequest
 
 SUFFIX = "-0a1b2c3d"  # vLLM's 9-character engine suffix
 assert len(SUFFIX) == 9
 WAIT = 5.0  # deadline of every wait in these tests (they normally take milliseconds)
 
 
-# ================================================================ fakes
+# ================================================================ the rig
+
+CODEC = MsgpackCodec()  # what the scripted Decode endpoints speak
+# Every Decode endpoint the Prefill worker tests announce to.
+DECODE_EPS = ["tcp://10.0.0.9:31000", "tcp://10.0.0.9:31001", "tcp://10.0.0.9:32000"]
 
 
+@pytest.fixture
+def rig():
+    """The shared rig over the in-memory control network, with a manual clock."""
+    r = Rig(control="memory", clock=ManualClock())
+    yield r
+    r.close()
 
 
+@pytest.fixture
+def scripted(rig):
+    """Scripted Decode endpoints (``DECODE_EPS``) on the rig's network."""
+    def make(default: str = "done") -> ScriptedDecode:
+        decode = ScriptedDecode(rig.net, DECODE_EPS, CODEC, default)
+        rig.on_close(decode.close)
+        return decode
+
+    return make
 
 
-
-
-class ImmediateEvents:
-    """Device events of CPU tensors: complete when recorded."""
-
-    class _Done:
-        def wait(self, timeout: float) -> bool:
-            return True
-
-    def record(self) -> ImmediateEvents._Done:
-        return self._Done()
-
-
-class ScriptedDecode:
-    """``ControlClients`` answering like Decode endpoints would, per endpoint:
-    ``done`` (READ_DONE), ``fail`` (READ_FAILED) or ``hold`` (answer later)."""
-
-    def __init__(self, default: str = "done") -> None:
-        self.codec = MsgpackCodec()
-        self.mode: dict[str, str] = {}
-        self.default = default
-        self.metas: list[str] = []
-        self.batches: list[tuple[str, ReadReadyBatch]] = []
-        self.held: list[tuple[str, int]] = []
-        self.disconnects: list[str] = []
-        self._replies: queue.Queue[tuple[str, bytes]] = queue.Queue()
-        self._cond = threading.Condition()
-
-    def connect(self, endpoint: str) -> None:
-        pass
-
-    def disconnect(self, endpoint: str) -> None:
-        self.disconnects.append(endpoint)
-
-    def send(self, endpoint: str, payload: bytes, timeout: float = 5.0) -> None:
-        msg = self.codec.decode(payload)
-        with self._cond:
-            if isinstance(msg, MfMeta):
-                self.metas.append(endpoint)
-                self._replies.put((endpoint, self.codec.encode_ack()))
-            else:
-                assert isinstance(msg, ReadReadyBatch)
-                self.batches.append((endpoint, msg))
-                mode = self.mode.get(endpoint, self.default)
-                if mode == "done":
-                    self._replies.put((endpoint, self.codec.encode(ReadDone(msg.layer_idx))))
-                elif mode == "fail":
-                    self._replies.put((endpoint, self.codec.encode(
-                        ReadFailed(msg.layer_idx, "destination blocks do not fit"))))
-                else:
-                    self.held.append((endpoint, msg.layer_idx))
-            self._cond.notify_all()
-
-    def answer_held(self, error: str | None = None) -> None:
-        with self._cond:
-            held, self.held = self.held, []
-        for endpoint, layer in held:
-            msg = ReadDone(layer) if error is None else ReadFailed(layer, error)
-            self._replies.put((endpoint, self.codec.encode(msg)))
-
-    def wait_batches(self, n: int) -> list[tuple[str, ReadReadyBatch]]:
-        with self._cond:
-            assert self._cond.wait_for(lambda: len(self.batches) >= n, WAIT), self.batches
-            return list(self.batches)
-
-    def poll(self, timeout: float) -> list[tuple[str, bytes]]:
-        try:
-            out = [self._replies.get(timeout=timeout)]
-        except queue.Empty:
-            return []
-        while True:
-            try:
-                out.append(self._replies.get_nowait())
-            except queue.Empty:
-                return [(ep, p) for ep, p in out if p]
-
-    def reconnected(self) -> list[str]:
-        return []
-
-    def disconnected(self) -> list[str]:
-        return []
-
-    def wake(self) -> None:
-        self._replies.put(("", b""))
-
-    def close(self) -> None:
-        pass
+def _dsched_of(ms: RecordingMetaserver, log: RecordingLog, *, host: str = "10.1.2.3",
+               tp_size: int = 2, **kw: Any) -> DecodeScheduler:
+    """Decode's scheduler role from its container (``kw``: the provider's keywords)."""
+    container = bootstrap(Rd2hSettings(role="decode", host=host, tp_size=tp_size),
+                          metaserver=ms, logger=log)
+    return container.decode_scheduler(**{"base_port": 31004, "engine_id": "decode-engine",
+                                         **kw})
 
 
 # ================================================================ Decode scheduler
@@ -175,9 +113,7 @@ def _admit(sched: DecodeScheduler, counts: dict[str, int]) -> int:
 def dsched():
     ms = RecordingMetaserver()
     log = RecordingLog()
-    sched = DecodeScheduler(metaserver=ms, host="10.1.2.3", base_port=31004, tp_size=2,
-                            engine_id="decode-engine", log=log)
-    return sched, ms, log
+    return _dsched_of(ms, log), ms, log
 
 
 def test_match_reports_the_rest_of_the_prompt_as_async(dsched) -> None:
@@ -208,9 +144,7 @@ def test_match_with_everything_computed_loads_nothing(dsched) -> None:
 
 def test_after_alloc_records_destinations_and_clears_the_flag() -> None:
     ms = RecordingMetaserver()
-    sched = DecodeScheduler(metaserver=ms, host="10.1.2.3", base_port=31004, tp_size=2,
-                            engine_id="decode-engine", log=RecordingLog(), main_group=0,
-                            indexer_group=1)
+    sched = _dsched_of(ms, RecordingLog(), main_group=0, indexer_group=1)
     params = _params()
     sched.get_num_new_matched_tokens(_req(RID, params, 70), 0)
     sched.update_state_after_alloc(_req(RID, params, 70), ([7, 8, 9], [3, 4, 5]), 70)
@@ -294,8 +228,7 @@ def test_a_metaserver_that_is_not_a_url_is_logged_not_posted(dsched) -> None:
 def test_an_unpostable_request_is_logged_and_others_still_post() -> None:
     ms = RecordingMetaserver(fail_with=ValueError("bad URL scheme"))
     log = RecordingLog()
-    sched = DecodeScheduler(metaserver=ms, host="h", base_port=1, tp_size=1, engine_id="e",
-                            log=log)
+    sched = _dsched_of(ms, log, host="h", tp_size=1, base_port=1, engine_id="e")
     params = _params()
     sched.get_num_new_matched_tokens(_req(RID, params, 64), 0)
     sched.update_state_after_alloc(_req(RID, params, 64), ([1, 2],), 64)
@@ -306,8 +239,8 @@ def test_an_unpostable_request_is_logged_and_others_still_post() -> None:
 
 def test_the_scheduler_stamps_match_alloc_admission_and_received_kv(tmp_path) -> None:
     stamps = JsonlTimeline(tmp_path)
-    sched = DecodeScheduler(metaserver=RecordingMetaserver(), host="h", base_port=1,
-                            tp_size=2, engine_id="e", log=RecordingLog(), timeline=stamps)
+    sched = _dsched_of(RecordingMetaserver(), RecordingLog(), host="h", base_port=1,
+                       engine_id="e", timeline=stamps)
     rid = "cmpl-" + "cd" * 16 + "-0" + SUFFIX
     params = _params()
     sched.get_num_new_matched_tokens(_req(rid, params, 70), 0)
@@ -359,8 +292,9 @@ D_PARAMS = {
 
 def _psched(block_size: int = 4, *, indexer_group: int = 0, p_tp: int = 1):
     log = RecordingLog()
-    return PrefillScheduler(block_size=block_size, main_group=0, indexer_group=indexer_group,
-                            p_tp=p_tp, log=log), log
+    container = bootstrap(Rd2hSettings(role="prefill", tp_size=p_tp), logger=log)
+    return container.prefill_scheduler(block_size=block_size, main_group=0,
+                                       indexer_group=indexer_group), log
 
 
 def _track(sched: PrefillScheduler, rid: str, prompt_tokens: int,
@@ -566,33 +500,18 @@ def _send(rid: str, blocks: tuple[int, ...], start: int, final: bool, *,
 
 
 @pytest.fixture
-def pworker():
-    made: list[PrefillWorker] = []
-
-    def make(decode: ScriptedDecode, *, p_rank: int = 0, p_tp: int = 1,
-             buffer_reuse: bool = False, clock: ManualClock | None = None,
+def pworker(rig):
+    """A started Prefill worker role (and its sender) from the rig's container; it
+    announces to the scripted Decode endpoints on the rig's network."""
+    def make(*, p_rank: int = 0, p_tp: int = 1, buffer_reuse: bool = False,
              log: RecordingLog | None = None) -> PrefillWorker:
-        clock = clock or ManualClock()
         layouts = {i: SourceLayout(NAMES[i], (TensorComponent(0x100000 * (i + 1), 64),))
                    for i in NAMES}
-        sender = PrefillSender(
-            clients_factory=lambda: decode, codec=MsgpackCodec(), p_session="p-session",
-            layers=layouts, clock=clock, log=log or RecordingLog(), meta_ack_timeout_s=5,
-            layer_ack_timeout_s=5, event_timeout_s=5,
-        )
-        clock.wakes(sender.wake)  # it sleeps until its next deadline: a jump must wake it
-        worker = PrefillWorker(
-            sender=sender, events=ImmediateEvents(), p_rank=p_rank, p_tp=p_tp,
-            layer_names=NAMES, clock=clock, log=log or RecordingLog(),
-            buffer_reuse=buffer_reuse, reuse_timeout_s=0.05, stop_timeout_s=2,
-        )
-        worker.start()
-        made.append(worker)
-        return worker
+        return rig.prefill_worker(
+            layouts, "p-session", log=log, reuse_timeout_s=0.05,
+            settings={"tp_size": p_tp, "tp_rank": p_rank, "buffer_reuse": buffer_reuse})
 
-    yield make
-    for w in made:
-        w.shutdown()
+    return make
 
 
 def _sender(worker: PrefillWorker) -> PrefillSender:
@@ -615,9 +534,9 @@ def _write_all_layers(worker: PrefillWorker) -> list[bool]:
     return [_announced(worker, NAMES[i]) for i in range(LAYERS)]
 
 
-def test_each_layer_is_announced_once_per_step(pworker) -> None:
-    decode = ScriptedDecode()
-    worker = pworker(decode)
+def test_each_layer_is_announced_once_per_step(pworker, scripted) -> None:
+    decode = scripted()
+    worker = pworker()
     rid = "a" + SUFFIX
     worker.bind_connector_metadata(StepPlan(sends=(_send(rid, (4, 5), 0, False),)))
     assert _announced(worker, NAMES[0]) is True
@@ -635,9 +554,9 @@ def test_each_layer_is_announced_once_per_step(pworker) -> None:
     assert worker.layers_announced == 4
 
 
-def test_a_step_without_sends_and_unknown_layers_announce_nothing(pworker) -> None:
-    decode = ScriptedDecode()
-    worker = pworker(decode)
+def test_a_step_without_sends_and_unknown_layers_announce_nothing(pworker, scripted) -> None:
+    decode = scripted()
+    worker = pworker()
     worker.bind_connector_metadata(StepPlan())
     assert _write_all_layers(worker) == [False, False, False]
     worker.bind_connector_metadata(StepPlan(sends=(_send("a" + SUFFIX, (1,), 0, True),)))
@@ -645,9 +564,9 @@ def test_a_step_without_sends_and_unknown_layers_announce_nothing(pworker) -> No
     assert worker.layers_announced == 0 and decode.batches == []
 
 
-def test_done_only_on_the_last_layer_of_the_final_chunk(pworker) -> None:
-    decode = ScriptedDecode()
-    worker = pworker(decode)
+def test_done_only_on_the_last_layer_of_the_final_chunk(pworker, scripted) -> None:
+    decode = scripted()
+    worker = pworker()
     rid = "fin" + SUFFIX
     worker.bind_connector_metadata(StepPlan(sends=(_send(rid, (1,), 0, False),)))
     _write_all_layers(worker)
@@ -658,9 +577,9 @@ def test_done_only_on_the_last_layer_of_the_final_chunk(pworker) -> None:
     assert batches[5].read_reqs == (ReadRequest("fin", (2, 3), (2, 3), 1, 1),)
 
 
-def test_a_final_chunk_without_blocks_sends_only_the_done_marker(pworker) -> None:
-    decode = ScriptedDecode()
-    worker = pworker(decode)
+def test_a_final_chunk_without_blocks_sends_only_the_done_marker(pworker, scripted) -> None:
+    decode = scripted()
+    worker = pworker()
     worker.bind_connector_metadata(StepPlan(sends=(_send("cached" + SUFFIX, (), 2, True),)))
     assert _write_all_layers(worker) == [False, False, True]
     (_, batch), = decode.wait_batches(1)
@@ -673,10 +592,10 @@ def test_a_final_chunk_without_blocks_sends_only_the_done_marker(pworker) -> Non
      (2, 1, 1, 31000, 1, 2),  # ratio 2: P rank 1 -> D rank 0, second contributor
      (4, 2, 2, 31001, 0, 2)],
 )
-def test_endpoint_is_the_mapped_decode_rank_port(pworker, p_tp, p_rank, d_tp, port, member,
-                                                 ratio) -> None:
-    decode = ScriptedDecode()
-    worker = pworker(decode, p_rank=p_rank, p_tp=p_tp)
+def test_endpoint_is_the_mapped_decode_rank_port(pworker, scripted, p_tp, p_rank, d_tp, port,
+                                                 member, ratio) -> None:
+    decode = scripted()
+    worker = pworker(p_rank=p_rank, p_tp=p_tp)
     worker.bind_connector_metadata(StepPlan(sends=(_send("a" + SUFFIX, (1,), 0, True,
                                                          d_tp=d_tp),)))
     _write_all_layers(worker)
@@ -685,9 +604,9 @@ def test_endpoint_is_the_mapped_decode_rank_port(pworker, p_tp, p_rank, d_tp, po
     assert {(b.group_member_idx, b.tp_ratio) for _, b in batches} == {(member, ratio)}
 
 
-def test_requests_for_two_decode_instances_go_to_two_endpoints(pworker) -> None:
-    decode = ScriptedDecode()
-    worker = pworker(decode)
+def test_requests_for_two_decode_instances_go_to_two_endpoints(pworker, scripted) -> None:
+    decode = scripted()
+    worker = pworker()
     worker.bind_connector_metadata(StepPlan(sends=(
         _send("a" + SUFFIX, (1,), 0, True, port=31000),
         _send("b" + SUFFIX, (2,), 0, True, port=32000),
@@ -699,9 +618,9 @@ def test_requests_for_two_decode_instances_go_to_two_endpoints(pworker) -> None:
     assert by_ep["tcp://10.0.0.9:32000"].done_ext_ids == ("b", "c")
 
 
-def test_finished_only_once_every_announcement_was_answered(pworker) -> None:
-    decode = ScriptedDecode(default="hold")
-    worker = pworker(decode)
+def test_finished_only_once_every_announcement_was_answered(pworker, scripted) -> None:
+    decode = scripted(default="hold")
+    worker = pworker()
     rid = "slow" + SUFFIX
     worker.bind_connector_metadata(StepPlan(sends=(_send(rid, (1, 2), 0, True),)))
     _write_all_layers(worker)
@@ -717,9 +636,9 @@ def test_finished_only_once_every_announcement_was_answered(pworker) -> None:
                                  "open_tickets": 0}
 
 
-def test_answered_but_not_finished_by_vllm_is_not_reported(pworker) -> None:
-    decode = ScriptedDecode()
-    worker = pworker(decode)
+def test_answered_but_not_finished_by_vllm_is_not_reported(pworker, scripted) -> None:
+    decode = scripted()
+    worker = pworker()
     rid = "a" + SUFFIX
     worker.bind_connector_metadata(StepPlan(sends=(_send(rid, (1,), 0, False),)))
     _write_all_layers(worker)
@@ -729,10 +648,10 @@ def test_answered_but_not_finished_by_vllm_is_not_reported(pworker) -> None:
     assert _released(worker, {rid}) == {rid}
 
 
-def test_failed_announcements_also_release_the_request(pworker) -> None:
-    decode = ScriptedDecode(default="fail")
+def test_failed_announcements_also_release_the_request(pworker, scripted) -> None:
+    decode = scripted(default="fail")
     log = RecordingLog()
-    worker = pworker(decode, log=log)
+    worker = pworker(log=log)
     rid = "bad" + SUFFIX
     worker.bind_connector_metadata(StepPlan(sends=(_send(rid, (1,), 0, True),)))
     _write_all_layers(worker)
@@ -744,33 +663,32 @@ def test_failed_announcements_also_release_the_request(pworker) -> None:
     assert len(warned) == 1 and "do not fit" in warned[0]["error"]
 
 
-def test_expired_announcements_release_the_request(pworker) -> None:
-    decode = ScriptedDecode(default="hold")
-    clock = ManualClock()
-    worker = pworker(decode, clock=clock)
+def test_expired_announcements_release_the_request(rig, pworker, scripted) -> None:
+    decode = scripted(default="hold")
+    worker = pworker()
     rid = "lost" + SUFFIX
     worker.bind_connector_metadata(StepPlan(sends=(_send(rid, (1,), 0, True),)))
     _write_all_layers(worker)
     decode.wait_batches(3)
     assert _released(worker, {rid}) == set()
-    clock.advance(60)  # past the acknowledgement deadline
+    rig.clock.advance(60)  # past the acknowledgement deadline
     assert _sender(worker).drain(WAIT)
     assert _released(worker, set()) == {rid}
     assert worker.requests_failed == 1
-    assert decode.disconnects == ["tcp://10.0.0.9:31000"]  # the silent endpoint is dropped
+    decode.wait_for(lambda d: d.disconnects)  # the silent endpoint is dropped
+    assert decode.disconnects == ["tcp://10.0.0.9:31000"]
 
 
-def test_a_slow_decode_instance_holds_back_only_its_own_requests(pworker) -> None:
-    decode = ScriptedDecode()
+def test_a_slow_decode_instance_holds_back_only_its_own_requests(pworker, scripted) -> None:
+    decode = scripted()
     decode.mode["tcp://10.0.0.9:32000"] = "hold"
-    worker = pworker(decode)
+    worker = pworker()
     worker.bind_connector_metadata(StepPlan(sends=(
         _send("a" + SUFFIX, (1,), 0, True, port=31000),
         _send("b" + SUFFIX, (2,), 0, True, port=32000))))
     worker.save_kv_layer(NAMES[2])
     decode.wait_batches(2)
-    with decode._cond:
-        assert decode._cond.wait_for(lambda: decode.held, WAIT)
+    decode.wait_for(lambda d: d.held)
     assert _sender(worker).drain(0.05) is False  # b's layer is still pending
     # Tickets are per (layer, endpoint): b's blocks wait for its slow Decode instance,
     # a's do not wait for it.
@@ -782,8 +700,7 @@ def test_a_slow_decode_instance_holds_back_only_its_own_requests(pworker) -> Non
 
 
 def test_a_dead_sender_fails_the_layer_without_stranding_the_request(pworker) -> None:
-    decode = ScriptedDecode()
-    worker = pworker(decode)
+    worker = pworker()
     assert _sender(worker).stop(2)
     rid = "orphan" + SUFFIX
     worker.bind_connector_metadata(StepPlan(sends=(_send(rid, (1,), 0, True),)))
@@ -793,9 +710,9 @@ def test_a_dead_sender_fails_the_layer_without_stranding_the_request(pworker) ->
     assert worker.requests_failed == 1
 
 
-def test_buffer_reuse_gate_waits_for_decode(pworker) -> None:
-    decode = ScriptedDecode(default="hold")
-    worker = pworker(decode, buffer_reuse=True)
+def test_buffer_reuse_gate_waits_for_decode(pworker, scripted) -> None:
+    decode = scripted(default="hold")
+    worker = pworker(buffer_reuse=True)
     worker.bind_connector_metadata(StepPlan(sends=(_send("a" + SUFFIX, (1,), 0, True),)))
     worker.save_kv_layer(NAMES[0])
     decode.wait_batches(1)
@@ -807,9 +724,9 @@ def test_buffer_reuse_gate_waits_for_decode(pworker) -> None:
     worker.wait_for_layer_load(NAMES[0])  # answered: may be written
 
 
-def test_without_buffer_reuse_the_layer_hook_does_not_wait(pworker) -> None:
-    decode = ScriptedDecode(default="hold")
-    worker = pworker(decode, buffer_reuse=False)
+def test_without_buffer_reuse_the_layer_hook_does_not_wait(pworker, scripted) -> None:
+    decode = scripted(default="hold")
+    worker = pworker(buffer_reuse=False)
     worker.bind_connector_metadata(StepPlan(sends=(_send("a" + SUFFIX, (1,), 0, True),)))
     worker.save_kv_layer(NAMES[0])
     decode.wait_batches(1)
@@ -818,9 +735,9 @@ def test_without_buffer_reuse_the_layer_hook_does_not_wait(pworker) -> None:
         worker.wait_for_layer_reuse(0)  # the explicit gate still guards the buffer
 
 
-def test_a_failed_layer_raises_at_the_reuse_gate(pworker) -> None:
-    decode = ScriptedDecode(default="fail")
-    worker = pworker(decode, buffer_reuse=True)
+def test_a_failed_layer_raises_at_the_reuse_gate(pworker, scripted) -> None:
+    decode = scripted(default="fail")
+    worker = pworker(buffer_reuse=True)
     worker.bind_connector_metadata(StepPlan(sends=(_send("a" + SUFFIX, (1,), 0, True),)))
     worker.save_kv_layer(NAMES[0])
     decode.wait_batches(1)
@@ -846,45 +763,27 @@ LAYER = "model.layers.0.self_attn.attn"
 
 
 @pytest.fixture
-def pd(tmp_path):
-    """A Prefill worker and a Decode worker (one layer, one main tensor) sharing an
-    in-memory control channel and the inproc transport; both stamp a timeline under
-    ``tmp_path / "timeline"``."""
+def pd(rig, tmp_path):
+    """A Prefill worker and a Decode worker (one layer, one main tensor), each from its
+    container, sharing the rig's in-memory control network and the inproc transport; both
+    stamp a timeline under ``tmp_path / "timeline"``."""
     stamps = JsonlTimeline(tmp_path / "timeline")
-    net = MemoryNetwork()
-    clock = ManualClock()
-    p_engine, d_engine = InprocTransferEngine(), InprocTransferEngine()
+    p_engine, d_engine = rig.engine(), rig.engine()
     p_buf = np.random.default_rng(1).integers(1, 255, (NB, BPB), dtype=np.uint8)
     d_buf = np.zeros((NB, BPB), dtype=np.uint8)
     p_engine.register_memory(p_buf.ctypes.data, p_buf.nbytes)
     d_engine.register_memory(d_buf.ctypes.data, d_buf.nbytes)
-    receiver = DecodeReceiver(
-        server_factory=lambda: net.server(D_EP), codec=MsgpackCodec(), transfer=d_engine,
-        destinations={LAYER: DestinationLayout(LAYER, (DestTensor(d_buf.ctypes.data, BPB, NB),))},
-        d_rank=0, d_tp=1, clock=clock, log=RecordingLog(), request_timeout_s=30,
-        main_shared=False, timeline=stamps,
-    )
     d_log = RecordingLog()
-    dworker = DecodeWorker(receiver=receiver, exchange=InMemoryExchangeGroup(1).member(0),
-                           log=d_log, exchange_timeout_s=WAIT, stop_timeout_s=2,
-                           timeline=stamps, idle_wait_s=IDLE_WAIT)
-    sender = PrefillSender(
-        clients_factory=net.clients, codec=MsgpackCodec(),
-        p_session=p_engine.session_id,
-        layers={0: SourceLayout(LAYER, (TensorComponent(p_buf.ctypes.data, BPB, 1, 0, NB),))},
-        clock=clock, log=RecordingLog(), meta_ack_timeout_s=WAIT, layer_ack_timeout_s=WAIT,
-    )
-    clock.wakes(sender.wake, receiver.wake)  # both sleep until their next deadline
-    pworker = PrefillWorker(sender=sender, events=ImmediateEvents(), p_rank=0, p_tp=1,
-                            layer_names={0: LAYER}, clock=clock, log=RecordingLog(),
-                            timeline=stamps)
-    assert dworker.start() == D_EP
-    pworker.start()
-    yield pworker, dworker, clock, p_buf, d_buf, d_log
-    pworker.shutdown()
-    dworker.shutdown()
-    p_engine.close()
-    d_engine.close()
+    dworker = rig.decode_worker(
+        {LAYER: DestinationLayout(LAYER, (DestTensor(d_buf.ctypes.data, BPB, NB),))}, d_engine,
+        settings={"host": "10.0.0.9", "kv_port": 31000,
+                  "deadlines": {"request_s": 30, "tp_exchange_s": WAIT}},
+        log=d_log, overrides={"timeline": stamps}, idle_wait_s=IDLE_WAIT)
+    assert rig.net.endpoints == {D_EP}
+    pworker = rig.prefill_worker(
+        {0: SourceLayout(LAYER, (TensorComponent(p_buf.ctypes.data, BPB, 1, 0, NB),))},
+        p_engine.session_id, overrides={"timeline": stamps})
+    yield pworker, dworker, rig.clock, p_buf, d_buf, d_log
 
 
 def test_decode_worker_admits_each_load_and_reports_it_once(pd) -> None:

@@ -15,8 +15,9 @@ from fakes.logs import RecordingLogger
 from rd2h.adapters.inproc import InprocTransferEngine
 from rd2h.adapters.msgpack import MsgpackCodec
 from rd2h.adapters.torch.exchange import InMemoryExchangeGroup
-from rd2h.app.decode import DecodeReceiver
-from rd2h.app.prefill import LayerTarget, PrefillSender
+from rd2h.app.container import bootstrap
+from rd2h.app.prefill import LayerTarget
+from rd2h.app.settings import Deadlines, Rd2hSettings
 from rd2h.domain.errors import LayerSendError
 from rd2h.domain.layout import DestinationLayout, DestTensor, SourceLayout, TensorComponent
 from rd2h.domain.protocol import ACK, MfMeta, ReadReadyBatch, ReadRequest
@@ -144,11 +145,12 @@ class SteppedServer:
 def test_the_sender_wakes_only_for_input_and_at_its_deadlines() -> None:
     clock = ManualClock()
     clients = SteppedClients(clock)
-    sender = PrefillSender(
-        clients_factory=lambda: clients, codec=CODEC, p_session="p",
-        layers={0: SourceLayout(NAME, (TensorComponent(0x100000, 64),))}, clock=clock,
-        log=RecordingLogger(), meta_ack_timeout_s=10, layer_ack_timeout_s=30,
-        event_timeout_s=20, idle_link_s=300)
+    deadlines = Deadlines(meta_ack_s=10, layer_ack_s=30, device_event_s=20, idle_link_s=300)
+    container = bootstrap(Rd2hSettings(role="prefill", deadlines=deadlines), clock=clock,
+                          control_clients=lambda: clients, codec=CODEC,
+                          logger=RecordingLogger())
+    sender = container.prefill_sender(
+        p_session="p", layers={0: SourceLayout(NAME, (TensorComponent(0x100000, 64),))})
     steps = clients.stepper
     sender.start()
     try:
@@ -179,11 +181,12 @@ def test_the_receiver_expires_requests_at_their_deadline_without_a_worker_step()
     clock = ManualClock()
     server = SteppedServer(clock)
     transfer = InprocTransferEngine()
-    receiver = DecodeReceiver(
-        server_factory=lambda: server, codec=CODEC, transfer=transfer,
-        destinations={NAME: DestinationLayout(NAME, (DestTensor(0x900000, 64, 8),))},
-        d_rank=0, d_tp=1, clock=clock, log=RecordingLogger(), request_timeout_s=10,
-        main_shared=False)
+    container = bootstrap(Rd2hSettings(role="decode", deadlines=Deadlines(request_s=10)),
+                          clock=clock, control_server=lambda: server, codec=CODEC,
+                          transport=transfer, logger=RecordingLogger())
+    receiver = container.decode_receiver(
+        destinations={NAME: DestinationLayout(NAME, (DestTensor(0x900000, 64, 8),))})
+    assert not receiver.main_shared  # each rank its own main cache (vLLM's)
     steps = server.stepper
     receiver.start()
     try:

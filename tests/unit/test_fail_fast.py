@@ -12,8 +12,9 @@ from fakes.logs import RecordingLogger
 from fakes.metaserver import RecordingMetaserver
 
 from rd2h.adapters.http.proxy_outcomes import DispatchFailures, WatchError
-from rd2h.app.connector.decode_scheduler import DecodeScheduler
 from rd2h.app.connector.roles import RequestFacts
+from rd2h.app.container import bootstrap
+from rd2h.app.settings import Rd2hSettings
 from rd2h.domain.decode_session import DecodeSession, Read, SendAck
 from rd2h.domain.layout import DestinationLayout, DestTensor, SourceLayout, TensorComponent
 from rd2h.domain.protocol import MfMeta, ReadReadyBatch, ReadRequest
@@ -87,8 +88,9 @@ def test_bad_watch_requests_are_refused(body) -> None:
 def test_the_scheduler_hands_failed_dispatches_to_the_workers_once() -> None:
     ms = RecordingMetaserver()
     log = RecordingLogger()
-    sched = DecodeScheduler(metaserver=ms, host="10.1.2.3", base_port=31004, tp_size=1,
-                            engine_id="decode-engine", log=log)
+    container = bootstrap(Rd2hSettings(role="decode", host="10.1.2.3"), metaserver=ms,
+                          logger=log)
+    sched = container.decode_scheduler(base_port=31004, engine_id="decode-engine")
     rid = "cmpl-" + "ab" * 16 + "-0" + X9
     params = {"do_remote_prefill": True, "metaserver": "http://proxy:8000/v1/metaserver"}
     request = RequestFacts(rid, 64, 64, 0, params)

@@ -14,8 +14,8 @@ from fakes.logs import RecordingLogger
 
 from rd2h.adapters.msgpack import MsgpackCodec
 from rd2h.app.connector.plans import DecodeEndpoint, PrefillSend, StepPlan
-from rd2h.app.connector.prefill_worker import PrefillWorker
-from rd2h.app.prefill import PrefillSender
+from rd2h.app.container import bootstrap
+from rd2h.app.settings import Deadlines, Rd2hSettings
 from rd2h.domain.layout import SourceLayout, TensorComponent
 from rd2h.domain.prefill_state import GATE_SLACK_S, PrefillTimeouts
 from rd2h.domain.protocol import ACK, MfMeta, ReadDone, ReadReadyBatch
@@ -106,15 +106,15 @@ def test_a_slow_but_healthy_decode_answering_inside_the_deadlines_never_raises()
     # Each phase ends just inside its own deadline: device event 0.25 s of 0.3, the ACK
     # 0.2 s of 0.3, the reply 0.35 s of 0.4. Together about 0.8 s: more than the reuse
     # wait used to allow (layer + MF_META ack = 0.7 s), well inside the session's bound.
-    t = dict(event_timeout_s=0.3, meta_ack_timeout_s=0.3, layer_ack_timeout_s=0.4)
-    clock = ManualClock()
-    sender = PrefillSender(
-        clients_factory=lambda: SlowDecode(ack_s=0.2, reply_s=0.35), codec=CODEC,
-        p_session="p", layers={0: SourceLayout(NAME, (TensorComponent(0x100000, 64),))},
-        clock=clock, log=RecordingLogger(), **t)
-    worker = PrefillWorker(sender=sender, events=SlowEvents(0.25), p_rank=0, p_tp=1,
-                           layer_names={0: NAME}, clock=clock, log=RecordingLogger(),
-                           buffer_reuse=True, stop_timeout_s=2)
+    deadlines = Deadlines(device_event_s=0.3, meta_ack_s=0.3, layer_ack_s=0.4, stop_s=2)
+    container = bootstrap(
+        Rd2hSettings(role="prefill", buffer_reuse=True, deadlines=deadlines),
+        clock=ManualClock(), logger=RecordingLogger(), codec=CODEC,
+        control_clients=lambda: SlowDecode(ack_s=0.2, reply_s=0.35),
+        device_events=SlowEvents(0.25))
+    sender = container.prefill_sender(
+        p_session="p", layers={0: SourceLayout(NAME, (TensorComponent(0x100000, 64),))})
+    worker = container.prefill_worker(sender=sender, layer_names={0: NAME})
     assert worker.reuse_timeout_s == sender.timeouts.gate_budget_s == worker.settle_timeout_s
     old_formula = 0.4 + 0.3
     worker.start()

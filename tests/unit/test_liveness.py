@@ -11,15 +11,15 @@ import time
 
 import numpy as np
 import pytest
+from fakes.logs import RecordingLogger
 from fakes.net import wait_until
 
 from rd2h.adapters.inproc import InprocTransferEngine
-from rd2h.adapters.logging import make_logger
 from rd2h.adapters.msgpack import MsgpackCodec
 from rd2h.adapters.torch.exchange import InMemoryExchangeGroup
-from rd2h.app.clock import MonotonicClock
-from rd2h.app.decode import DecodeReceiver
+from rd2h.app.container import bootstrap
 from rd2h.app.prefill import LayerTarget, PrefillSender
+from rd2h.app.settings import Rd2hSettings
 from rd2h.domain.contributors import PeerContributions
 from rd2h.domain.errors import LayerSendError
 from rd2h.domain.layout import DestinationLayout, DestTensor, SourceLayout, TensorComponent
@@ -194,10 +194,9 @@ class NeverEvent:
 def _sender(clients: FakeClients, layers: int = 2, **deadlines: float) -> PrefillSender:
     srcs = {n: SourceLayout(f"model.layers.{n}.attn", (TensorComponent(4096 * (n + 1), 64, 1),))
             for n in range(layers)}
-    sender = PrefillSender(
-        clients_factory=lambda: clients, codec=CODEC, p_session="s", layers=srcs,
-        clock=MonotonicClock(), log=make_logger("prefill", 0), **deadlines,
-    )
+    container = bootstrap(Rd2hSettings(role="prefill"), control_clients=lambda: clients,
+                          codec=CODEC, logger=RecordingLogger())
+    sender = container.prefill_sender(p_session="s", layers=srcs, **deadlines)
     sender.start()
     return sender
 
@@ -381,11 +380,9 @@ def test_decode_fails_the_requests_of_a_vanished_prefill_peer() -> None:
     src = SourceLayout(name, (TensorComponent(src_arr.ctypes.data, bpb, 1),))
     dst = DestinationLayout(name, (DestTensor(dst_arr.ctypes.data, bpb, nb),))
     server = FakeServer()
-    receiver = DecodeReceiver(
-        server_factory=lambda: server, codec=CODEC, transfer=d_engine,
-        destinations={name: dst}, d_rank=0, d_tp=1, clock=MonotonicClock(),
-        log=make_logger("decode", 0),
-    )
+    container = bootstrap(Rd2hSettings(role="decode"), control_server=lambda: server,
+                          codec=CODEC, transport=d_engine, logger=RecordingLogger())
+    receiver = container.decode_receiver(destinations={name: dst})
     receiver.start()
     try:
         receiver.admit("a" + X9, [1], [])
@@ -429,15 +426,14 @@ def test_stopping_the_sender_fails_pending_layers_naming_their_endpoints() -> No
 def test_heartbeat_deadlines_are_validated_and_wired() -> None:
     import pydantic
 
-    from rd2h.app.container import build_container
-    from rd2h.app.settings import Deadlines, Rd2hSettings
+    from rd2h.app.settings import Deadlines
 
     with pytest.raises(pydantic.ValidationError, match="heartbeat_timeout_s 2 must exceed"):
         Deadlines(heartbeat_ivl_s=3, heartbeat_timeout_s=2)
     Deadlines(heartbeat_ivl_s=0, heartbeat_timeout_s=1)  # 0: heartbeats off
     settings = Rd2hSettings(role="prefill", deadlines=Deadlines(heartbeat_ivl_s=0.5,
                                                                 heartbeat_timeout_s=2))
-    clients = build_container(settings).control_clients()
+    clients = bootstrap(settings).control_clients()
     try:
         assert clients._heartbeat == (0.5, 2.0)
     finally:

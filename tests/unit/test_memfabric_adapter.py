@@ -21,7 +21,7 @@ from rd2h.adapters.memfabric import (
     start_config_store,
 )
 from rd2h.adapters.memfabric.library import error_tap
-from rd2h.app.container import build_container
+from rd2h.app.container import bootstrap
 from rd2h.app.settings import Rd2hSettings
 from rd2h.domain.errors import TransferError, TransportBindingError, TransportLibraryError
 
@@ -428,14 +428,13 @@ def test_container_builds_the_memfabric_engine_from_settings(
         role="prefill", transport="memfabric", memfabric_store_url=STORE,
         memfabric_device_id=5, memfabric_transfer_type="HOST_RDMA", host="127.0.0.1",
     )
-    container = build_container(settings)
-    with container.memfabric_library.override(lib):
-        engine = container.transport()
-        try:
-            assert isinstance(engine, MemFabricTransferEngine)
-            assert container.transport() is engine
-            init = _engine_calls(lib, "initialize")[0]
-            assert init.args[2:5] == ("Prefill", 5, TransDataOpType.HOST_RDMA)
-            assert engine.session_id.startswith("127.0.0.1:")
-        finally:
-            engine.close()
+    container = bootstrap(settings, memfabric_library=lib)
+    engine = container.transport()
+    try:
+        assert isinstance(engine, MemFabricTransferEngine)
+        assert container.transport() is engine
+        init = _engine_calls(lib, "initialize")[0]
+        assert init.args[2:5] == ("Prefill", 5, TransDataOpType.HOST_RDMA)
+        assert engine.session_id.startswith("127.0.0.1:")
+    finally:
+        engine.close()

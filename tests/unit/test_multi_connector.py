@@ -297,11 +297,11 @@ class RecordingSender:
 
 
 def _rd2h_with_sink(accept: bool) -> tuple[Any, Any, RecordingSender]:
-    from rd2h.adapters.logging import make_logger
-    from rd2h.adapters.torch.events import CpuDeviceEvents
-    from rd2h.app.clock import MonotonicClock
+    from fakes.logs import RecordingLogger
+
     from rd2h.app.connector.plans import DecodeEndpoint, PrefillSend, StepPlan
-    from rd2h.app.connector.prefill_worker import PrefillWorker
+    from rd2h.app.container import bootstrap
+    from rd2h.app.settings import Rd2hSettings
 
     rd2h = {"kv_connector": "SfaRemoteD2HConnector",
             "kv_connector_module_path": "rd2h.entry.connector",
@@ -311,9 +311,9 @@ def _rd2h_with_sink(accept: bool) -> tuple[Any, Any, RecordingSender]:
     assert type(provider).__name__ == "SfaRemoteD2HConnector"
     sender = RecordingSender()
     names = {i: f"model.layers.{i}.self_attn" for i in range(4)}
-    worker = PrefillWorker(sender=sender, events=CpuDeviceEvents(), p_rank=0, p_tp=1,  # type: ignore[arg-type]
-                           layer_names=names, clock=MonotonicClock(),
-                           log=make_logger("prefill", 0), buffer_reuse=True)
+    container = bootstrap(Rd2hSettings(role="prefill", buffer_reuse=True, device_events="cpu"),
+                          logger=RecordingLogger())
+    worker = container.prefill_worker(sender=sender, layer_names=names)
     provider._role = worker  # the role register_kv_caches builds on a real engine
     worker.bind_connector_metadata(StepPlan(sends=(PrefillSend(
         "r-1", "r", DecodeEndpoint("127.0.0.1", 30000, 1), (1, 2), (1, 2), 0, 0,

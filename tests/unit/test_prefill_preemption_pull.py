@@ -3,13 +3,14 @@ request's blocks are reused, every announcement covering them is answered or fai
 Decode never completes from reused storage").
 
 A real ``PrefillScheduler`` and ``PrefillWorker`` (with its ``PrefillSender``) and a real
-``DecodeReceiver`` / ``DecodeWorker`` share an in-memory control network and the inproc
-transport. The test plays vLLM's engine: it schedules steps, calls the hooks in vLLM's
-order (``requests_preempted`` + ``build_connector_meta`` on the scheduler;
-``handle_preemptions``, ``bind_connector_metadata``, the forward, ``save_kv_layer``,
-``get_transfer_results`` on the worker) and writes each request's "KV" into the Prefill cache:
-a block's bytes depend only on the request, the block's position and the layer, so a
-recomputed block is byte-identical, and another request's block is not.
+``DecodeReceiver`` / ``DecodeWorker``, built by the shared rig through the container,
+share an in-memory control network and the inproc transport. The test plays vLLM's
+engine: it schedules steps, calls the hooks in vLLM's order (``requests_preempted`` +
+``build_connector_meta`` on the scheduler; ``handle_preemptions``,
+``bind_connector_metadata``, the forward, ``save_kv_layer``, ``get_transfer_results`` on
+the worker) and writes each request's "KV" into the Prefill cache: a block's bytes depend
+only on the request, the block's position and the layer, so a recomputed block is
+byte-identical, and another request's block is not.
 
 Decode's reads go through ``GatedTransfer``: a read waits until the test opens the gate,
 which is how a read that is still in flight when vLLM preempts looks.
@@ -23,19 +24,12 @@ import time
 import numpy as np
 import pytest
 from fakes.clock import ManualClock
-from fakes.control import MemoryNetwork
 from fakes.logs import RecordingLogger
+from fakes.rig import Rig
 
 from rd2h.adapters.inproc import InprocTransferEngine
-from rd2h.adapters.msgpack import MsgpackCodec
-from rd2h.adapters.torch.exchange import InMemoryExchangeGroup
-from rd2h.app.connector.decode_worker import DecodeWorker
 from rd2h.app.connector.plans import DecodeLoad, StepPlan
-from rd2h.app.connector.prefill_scheduler import PrefillScheduler
-from rd2h.app.connector.prefill_worker import PrefillWorker
 from rd2h.app.connector.roles import RequestFacts, ScheduledRequest, TransferResults
-from rd2h.app.decode import DecodeReceiver
-from rd2h.app.prefill import PrefillSender
 from rd2h.domain.errors import CompletionError, TransferError
 from rd2h.domain.layout import DestinationLayout, DestTensor, SourceLayout, TensorComponent
 
@@ -123,14 +117,15 @@ class GatedTransfer:
         self._engine.close()
 
 
-class Rig:
-    """vLLM's side of one Prefill engine and one Decode engine, driven by the test."""
+class Engines:
+    """vLLM's side of one Prefill engine and one Decode engine, driven by the test; their
+    connector roles come from the shared rig (each from its container, over the rig's
+    in-memory control network and manual clock)."""
 
-    def __init__(self, *, settle_timeout_s: float | None = None) -> None:
-        self.clock = ManualClock()
-        self.net = MemoryNetwork()
+    def __init__(self, rig: Rig, *, settle_timeout_s: float | None = None) -> None:
+        self.clock = rig.clock
         self.p_log, self.d_log = RecordingLogger(), RecordingLogger()
-        self.p_engine, d_engine = InprocTransferEngine(), InprocTransferEngine()
+        self.p_engine, d_engine = rig.engine(), rig.engine()
         self.p_bufs = [np.zeros((NB, BPB), dtype=np.uint8) for _ in NAMES]
         self.d_bufs = [np.zeros((NB, BPB), dtype=np.uint8) for _ in NAMES]
         for buf in self.p_bufs:
@@ -139,41 +134,22 @@ class Rig:
             d_engine.register_memory(buf.ctypes.data, buf.nbytes)
         self.transfer = GatedTransfer(d_engine)
         self.events = ImmediateEvents()
-        receiver = DecodeReceiver(
-            server_factory=lambda: self.net.server(f"tcp://127.0.0.1:{D_EP_PORT}"),
-            codec=MsgpackCodec(), transfer=self.transfer,
-            destinations={NAMES[i]: DestinationLayout(
+        self.decode = rig.decode_worker(
+            {NAMES[i]: DestinationLayout(
                 NAMES[i], (DestTensor(self.d_bufs[i].ctypes.data, BPB, NB),)) for i in NAMES},
-            d_rank=0, d_tp=1, clock=self.clock, log=self.d_log, request_timeout_s=30,
-            main_shared=False,
-        )
-        self.decode = DecodeWorker(receiver=receiver, exchange=InMemoryExchangeGroup(1).member(0),
-                                   log=self.d_log, exchange_timeout_s=WAIT, stop_timeout_s=2)
-        self.sender = PrefillSender(
-            clients_factory=self.net.clients, codec=MsgpackCodec(),
-            p_session=self.p_engine.session_id,
-            layers={i: SourceLayout(NAMES[i], (TensorComponent(
+            self.transfer, log=self.d_log,
+            settings={"kv_port": D_EP_PORT,
+                      "deadlines": {"request_s": 30, "tp_exchange_s": WAIT}})
+        self.worker = rig.prefill_worker(
+            {i: SourceLayout(NAMES[i], (TensorComponent(
                 self.p_bufs[i].ctypes.data, BPB, 1, 0, NB),)) for i in NAMES},
-            clock=self.clock, log=self.p_log, meta_ack_timeout_s=WAIT,
-            layer_ack_timeout_s=WAIT, event_timeout_s=WAIT,
-        )
-        self.clock.wakes(self.sender.wake, receiver.wake)  # both sleep until a deadline
-        self.sched = PrefillScheduler(block_size=BS, main_group=0, indexer_group=0, p_tp=1,
-                                      log=self.p_log)
-        self.worker = PrefillWorker(
-            sender=self.sender, events=self.events, p_rank=0, p_tp=1, layer_names=NAMES,
-            clock=self.clock, log=self.p_log, settle_timeout_s=settle_timeout_s,
-        )
-        self.decode.start()
-        self.worker.start()
+            self.p_engine.session_id, log=self.p_log,
+            overrides={"device_events": self.events}, settle_timeout_s=settle_timeout_s)
+        self.sender = self.worker.sender
+        self.sched = rig.container("prefill", logger=self.p_log).prefill_scheduler(
+            block_size=BS, main_group=0, indexer_group=0)
+        rig.on_close(self.transfer.open_gate)  # first: no read may wait at the gate then
         self.tables: dict[str, list[int]] = {}
-
-    def close(self) -> None:
-        self.transfer.open_gate()
-        self.worker.shutdown()
-        self.decode.shutdown()
-        self.p_engine.close()
-        self.transfer.close()
 
     # -- vLLM's engines
     def admit(self, rid: str, prompt_len: int, d_blocks: tuple[int, ...]) -> None:
@@ -233,9 +209,9 @@ class Rig:
 def rig():
     made: list[Rig] = []
 
-    def make(**kw) -> Rig:
-        made.append(Rig(**kw))
-        return made[-1]
+    def make(**kw) -> Engines:
+        made.append(Rig(control="memory", clock=ManualClock()))
+        return Engines(made[-1], **kw)
 
     yield make
     for r in made:
@@ -246,7 +222,7 @@ A, B = "a" + SUFFIX, "local-b" + SUFFIX  # A goes to Decode; B is a local reques
 A_DEST = (0, 1, 2, 3, 4)  # Decode's blocks for A's 5 blocks (18 tokens, partial last)
 
 
-def _open_later(rig: Rig, delay: float) -> threading.Thread:
+def _open_later(rig: Engines, delay: float) -> threading.Thread:
     t = threading.Timer(delay, rig.transfer.open_gate)
     t.start()
     return t

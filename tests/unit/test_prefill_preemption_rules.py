@@ -15,6 +15,8 @@ from fakes.metaserver import RecordingMetaserver
 from rd2h.app.connector.plans import DecodeEndpoint, PrefillSend
 from rd2h.app.connector.prefill_scheduler import PrefillScheduler
 from rd2h.app.connector.roles import RequestFacts, ScheduledRequest
+from rd2h.app.container import bootstrap
+from rd2h.app.settings import Rd2hSettings
 
 SUFFIX = "-0a1b2c3d"
 A, C = "a" + SUFFIX, "c" + SUFFIX
@@ -23,8 +25,8 @@ PARAMS = {"do_remote_decode": True, "remote_host": "10.0.0.9", "remote_port": 31
 
 
 def _sched(log: RecordingLogger | None = None) -> PrefillScheduler:
-    return PrefillScheduler(block_size=4, main_group=0, indexer_group=0, p_tp=1,
-                            log=log or RecordingLogger())
+    container = bootstrap(Rd2hSettings(role="prefill"), logger=log or RecordingLogger())
+    return container.prefill_scheduler(block_size=4, main_group=0, indexer_group=0)
 
 
 def _track(s: PrefillScheduler, rid: str, prompt_tokens: int) -> None:
@@ -103,6 +105,7 @@ def test_preempted_after_its_final_chunk_is_not_announced_again() -> None:
 vllm = pytest.importorskip("vllm")
 
 import torch  # noqa: E402
+from dependency_injector import providers  # noqa: E402
 from vllm.config import KVTransferConfig, VllmConfig  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
 from vllm.sampling_params import SamplingParams  # noqa: E402
@@ -120,7 +123,7 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
 )
 from vllm.v1.request import Request  # noqa: E402
 
-import rd2h.adapters.http.metaserver as metaserver_module  # noqa: E402
+from rd2h.app import assembly  # noqa: E402
 from rd2h.entry.connector import SfaRemoteD2HConnector  # noqa: E402
 
 
@@ -146,8 +149,13 @@ def _output(new: list[Any], counts: dict[str, int], preempted: set[str]) -> Sche
 
 
 @pytest.fixture
-def no_metaserver(monkeypatch):
-    monkeypatch.setattr(metaserver_module, "MetaserverClient", RecordingMetaserver)
+def no_metaserver():
+    """The scheduler roles' containers post through a recording metaserver (no HTTP)."""
+    def recording(container, settings) -> None:
+        container.metaserver.override(providers.Callable(RecordingMetaserver))
+
+    with assembly.customizing(recording):
+        yield
 
 
 @pytest.mark.parametrize(("kv_role", "delivers"), [("kv_producer", True),

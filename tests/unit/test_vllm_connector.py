@@ -45,7 +45,6 @@ from vllm.v1.kv_cache_interface import (
 from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.request import Request
 
-import rd2h.adapters.http.metaserver as metaserver_module
 from rd2h.adapters.vllm.stats import Rd2hConnectorStats, delta
 from rd2h.app import assembly
 from rd2h.app.connector.plans import DecodeEndpoint, DecodeLoad, PrefillSend
@@ -126,10 +125,18 @@ def cached_reqs(entries: list[tuple[str, tuple[list[int], ...] | None, int]],
 
 
 @pytest.fixture
-def metaserver(monkeypatch):
+def metaserver():
+    """Every scheduler role's container posts through a ``RecordingMetaserver`` (no HTTP),
+    made when the role asks for its poster and given the endpoint's settings; the list of
+    those made."""
     RecordingMetaserver.made = []
-    monkeypatch.setattr(metaserver_module, "MetaserverClient", RecordingMetaserver)
-    return RecordingMetaserver.made
+
+    def recording(container, settings) -> None:
+        container.metaserver.override(providers.Callable(RecordingMetaserver,
+                                                         settings=settings))
+
+    with assembly.customizing(recording):
+        yield RecordingMetaserver.made
 
 
 # ================================================================ configuration
@@ -179,7 +186,10 @@ def test_decode_scheduler_posts_after_every_rank_admitted(metaserver) -> None:
         vllm_config("kv_consumer", {"host": "10.9.8.7", "metaserver_retries": 5}, tp=2),
         KVConnectorRole.SCHEDULER, kv_cache_config())
     (ms,) = metaserver
-    assert ms.kwargs["retries"] == 5 and ms.kwargs["timeout_s"] == 5.0
+    # the connector's options reach the poster's settings (the client is built from them:
+    # test_connector_options)
+    settings = ms.kwargs["settings"]
+    assert (settings.metaserver_retries, settings.metaserver_timeout_s) == (5, 5.0)
     rid = "cmpl-7-0" + SUFFIX_D
     req = request(rid, 70, {"do_remote_prefill": True, "metaserver": URL})
     # 32 tokens hit D's local prefix cache: the rest is loaded asynchronously
