@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from rd2h.adapters.vllm.caches import main_views, region_of
+from rd2h.adapters.torch.tensors import main_views, region_of
 from rd2h.domain.errors import LayoutMismatch
 from rd2h.domain.layout import DestinationLayout, DestTensor
 

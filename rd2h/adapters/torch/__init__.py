@@ -1,1 +1,1 @@
-"""torch adapters: device events and the Decode TP group exchange."""
+"""torch adapters: device events, the Decode TP group exchange and cache-tensor geometry."""
