@@ -176,16 +176,18 @@ class DecodeReceiver(LoopThread):
     def fail_loads(self, reasons: Mapping[str, str]) -> list[str]:
         """Fail these requests (internal id -> reason) now: their KV will not come (the
         proxy could not dispatch them to Prefill). Returns those that were still waiting."""
-        failed: list[str] = []
+        failed: dict[str, str] = {}
         with self._lock:
             for internal_id, reason in reasons.items():
-                failed += self._session.fail_loads((internal_id,), reason)
+                for ext in self._session.fail_loads((internal_id,), reason):
+                    failed[ext] = reason
+        for ext, reason in failed.items():  # each with its own reason
+            self._log.warning("failing a request whose KV will not come", request=ext,
+                              reason=reason)
         if failed:
-            self._log.warning("failing requests whose KV will not come", requests=failed,
-                              reason=next(iter(reasons.values())))
             self.stats.failed_fast += len(failed)
             self._progress.set()
-        return failed
+        return list(failed)
 
     def wait_for_progress(self, timeout: float) -> bool:
         """Block until a request reached a terminal state on this rank since the last
