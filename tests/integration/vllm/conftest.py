@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import stall
 from fakes.net import free_port
 from servers import MLA_ARGS, Server, running, vllm_server
 
@@ -49,3 +50,31 @@ def mla_reference(
     server = vllm_server("MLA reference engine", mla_model, free_port(), log, args=MLA_ARGS)
     with running(server):
         yield server
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    """A failing test's report shows what every process did while its requests were
+    late (``stall.py``): the summary of each capture taken since its setup began."""
+    if call.when == "setup":
+        item.stash[_FIRST_CAPTURE] = len(stall.captures)
+    outcome = yield
+    report = outcome.get_result()
+    first = item.stash.get(_FIRST_CAPTURE, len(stall.captures))
+    for cap in stall.captures[first:]:
+        cap.nodeid = cap.nodeid or item.nodeid
+        if report.failed:
+            report.sections.append((f"stall capture: {cap.label}, {cap.late_s:.0f} s late "
+                                    f"(whole: {cap.path})", cap.summary))
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    """Every late request of the session, passed or not, one line each."""
+    if stall.captures:
+        terminalreporter.section("late real-engine requests (stall captures)")
+        for cap in stall.captures:
+            terminalreporter.write_line(f"{cap.nodeid or '?'}: {cap.label} unanswered after "
+                                        f"{cap.late_s:.0f} s -> {cap.path}")
+
+
+_FIRST_CAPTURE = pytest.StashKey[int]()

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+import stall
 
 VENV_BIN = Path(sys.executable).parent
 STARTUP_S = float(os.environ.get("RD2H_VLLM_STARTUP_S", "420"))
@@ -39,12 +40,14 @@ class Server:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self) -> Server:
-        env = {**os.environ, **self.env}
+        # Every process stamps its timeline where a stall capture looks (stall.py).
+        env = {**os.environ, "RD2H_TIMELINE_DIR": str(stall.timeline_dir()), **self.env}
         self._fh = open(self.log, "ab")  # noqa: SIM115 (closed in stop)
         self.proc = subprocess.Popen(
             self.cmd, stdout=self._fh, stderr=subprocess.STDOUT, env=env,
             start_new_session=True,
         )
+        stall.live[id(self)] = self
         return self
 
     def wait_ready(self, path: str, deadline: float) -> None:
@@ -76,6 +79,7 @@ class Server:
             self.proc.wait(10)
 
     def stop(self) -> None:
+        stall.live.pop(id(self), None)
         self.kill(signal.SIGTERM)
         self.kill(signal.SIGKILL)
         fh = getattr(self, "_fh", None)

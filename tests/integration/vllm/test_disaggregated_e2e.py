@@ -18,6 +18,7 @@ import time
 
 import httpx
 import pytest
+import stall
 
 # Sibling helpers: pytest puts this directory on sys.path (it is deliberately not a
 # package: a package named "vllm" under tests/ would shadow the real vLLM).
@@ -48,7 +49,7 @@ PROMPT_LIST = [_prompt(33, 6), _prompt(90, 7), _prompt(48, 8)]
 def _complete(url: str, model: str, prompt, timeout: float = 120.0) -> httpx.Response:
     body = {"model": model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
             "return_token_ids": True}
-    return httpx.post(url + "/v1/completions", json=body, timeout=timeout)
+    return stall.post(url + "/v1/completions", body, timeout)
 
 
 def _tokens(resp: httpx.Response) -> list[list[int]]:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import httpx
 import pytest
+import stall
 from fakes.net import free_port, quiet_ports
 from float64_reference import Float64Greedy
 from servers import MLA_ARGS, proxy_server, rd2h_kv, running, vllm_server
@@ -51,7 +52,7 @@ PROMPT_LIST = [_prompt(40, 8), _prompt(48, 9), _prompt(150, 10)]
 def _post(url: str, model: str, prompt, timeout: float = 180.0) -> dict:
     body = {"model": model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
             "return_token_ids": True}
-    resp = httpx.post(url + "/v1/completions", json=body, timeout=timeout)
+    resp = stall.post(url + "/v1/completions", body, timeout)
     assert resp.status_code == 200, resp.text
     return resp.json()
 

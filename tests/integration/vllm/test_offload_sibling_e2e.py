@@ -21,6 +21,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import stall
 from fakes.net import free_port, quiet_ports
 from servers import proxy_server, rd2h_kv, running, vllm_server
 
@@ -49,7 +50,7 @@ def _aligned(n: int) -> int:
 def _complete(url: str, model: str, prompt) -> list[list[int]]:
     body = {"model": model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
             "return_token_ids": True}
-    resp = httpx.post(url + "/v1/completions", json=body, timeout=180)
+    resp = stall.post(url + "/v1/completions", body, 180)
     assert resp.status_code == 200, resp.text
     return [list(c["token_ids"]) for c in sorted(resp.json()["choices"],
                                                   key=lambda c: c["index"])]

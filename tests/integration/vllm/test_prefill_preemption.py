@@ -31,6 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
+import stall
 from fakes.net import free_port, quiet_ports
 from servers import proxy_server, rd2h_kv, running, vllm_server
 
@@ -62,7 +63,7 @@ def _complete(url: str, model: str, prompts: list[list[int]],
               timeout: float = 180.0) -> httpx.Response:
     body = {"model": model, "prompt": prompts, "max_tokens": MAX_TOKENS, "temperature": 0,
             "return_token_ids": True}
-    return httpx.post(url + "/v1/completions", json=body, timeout=timeout)
+    return stall.post(url + "/v1/completions", body, timeout)
 
 
 @pytest.fixture(scope="module")

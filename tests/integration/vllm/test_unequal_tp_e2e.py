@@ -34,6 +34,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import stall
 from fakes.net import free_port, quiet_ports
 from servers import MLA_ARGS, Server, proxy_server, rd2h_kv, vllm_server
 
@@ -96,7 +97,7 @@ def _engine(name: str, model: Path, log: Path, kv: dict, tp: int) -> Server:
 def _complete(url: str, model: str, prompt, timeout: float = 180.0) -> httpx.Response:
     body = {"model": model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
             "return_token_ids": True}
-    return httpx.post(url + "/v1/completions", json=body, timeout=timeout)
+    return stall.post(url + "/v1/completions", body, timeout)
 
 
 def _tokens(resp: httpx.Response) -> list[list[int]]:
