@@ -269,8 +269,12 @@ class DecodeReceiver(LoopThread):
                 outs = self._session.reject(identity, exc)
         else:
             now = self._clock.now()
-            if self.stats.first_ready_at is None and isinstance(message, ReadReadyBatch):
-                self.stats.first_ready_at = now
+            if isinstance(message, ReadReadyBatch):
+                if self.stats.first_ready_at is None:
+                    self.stats.first_ready_at = now
+                self._log.debug("announcement received", layer=message.layer_idx,
+                                requests=len(message.read_reqs),
+                                done=len(message.done_ext_ids))
             with self._lock:
                 outs = self._session.receive(identity, message, now)
         self._perform(outs)

@@ -97,6 +97,8 @@ class _Thread:
     ticks: int
     wchan: str
     switches: str
+    cpus: str
+    sched: str
 
 
 def _threads(pid: int) -> dict[int, _Thread]:
@@ -114,8 +116,14 @@ def _threads(pid: int) -> dict[int, _Thread]:
                         if ln.startswith("voluntary_ctxt_switches")), "?")
             inv = next((ln.split()[1] for ln in status.splitlines()
                         if ln.startswith("nonvoluntary_ctxt_switches")), "?")
+            cpus = next((ln.split()[1] for ln in status.splitlines()
+                         if ln.startswith("Cpus_allowed_list")), "?")
+            # nice (stat field 19) and scheduling policy (field 41: 0 normal, 1 FIFO,
+            # 2 RR, 3 batch, 5 idle)
+            sched = f"nice={rest[16]} policy={rest[38]}" if len(rest) > 38 else "?"
             out[int(tid)] = _Thread(int(tid), name, rest[0], int(rest[11]) + int(rest[12]),
-                                    _read(f"{base}/wchan") or "-", f"{vol}/{inv}")
+                                    _read(f"{base}/wchan") or "-", f"{vol}/{inv}", cpus,
+                                    sched)
     return out
 
 
@@ -169,6 +177,7 @@ def snapshot(label: str, late_s: float) -> Capture:
             continue
         for pid in _group_pids(proc.pid):
             pids[pid] = getattr(server, "name", "?")
+    queued = _sockets(set(pids))  # first: the rest takes seconds on a loaded machine
     sys0, before = _system(), {pid: _threads(pid) for pid in pids}
     t0 = time.monotonic()
     time.sleep(1.0)
@@ -194,19 +203,63 @@ def snapshot(label: str, late_s: float) -> Capture:
         for tid, t in sorted(threads.items(), key=lambda kv: -share[kv[0]]):
             header, frames = stacks.get(tid, ("", []))
             line = (f"  {tid} {t.name!r} {t.state} {share[tid]:.0f}% wchan={t.wchan} "
-                    f"cs={t.switches} {header}")
+                    f"cs={t.switches} cpus={t.cpus} {t.sched} {header}")
             full.append(line)
             full += [f"      {f}" for f in frames]
             if share[tid] >= 5 or "rd2h" in " ".join([header, *frames, t.name]):
                 summary.append(line + (f" | {frames[0]}" if frames else ""))
+        full += _io_threads(pid, threads)
         full += ["  -- py-spy dump", *("    " + ln for ln in dumps[pid].splitlines())]
-    full += _rd2h_state(servers)
+    full += queued + _rd2h_state(servers)
     path = capture_dir() / f"stall-{os.getpid()}-{int(time.time() * 1000)}.txt"
     path.write_text("\n".join(full) + "\n")
     cap = Capture(label, late_s, path, "\n".join(summary))
     with _lock:
         captures.append(cap)
     return cap
+
+
+def _io_threads(pid: int, threads: dict[int, _Thread]) -> list[str]:
+    """Each ZeroMQ I/O thread's current system call (an ``epoll_wait``: its timeout is
+    the last argument) and what its epoll set watches: ``events`` 0x1 is POLLIN, 0x4
+    POLLOUT; a TCP socket missing from the set, or with neither, is not being served."""
+    out = []
+    for tid, t in threads.items():
+        if not t.name.startswith("ZMQbg/IO"):
+            continue
+        call = _read(f"/proc/{pid}/task/{tid}/syscall").split()
+        out.append(f"  -- {t.name} {tid} syscall {' '.join(call[:5])}")
+        if len(call) < 2 or call[0] not in ("232", "281", "441"):  # epoll_wait/pwait/pwait2
+            continue
+        epfd = int(call[1], 16)
+        for line in _read(f"/proc/{pid}/fdinfo/{epfd}").splitlines():
+            if not line.startswith("tfd:"):
+                continue
+            tfd = line.split()[1]
+            try:
+                target = os.readlink(f"/proc/{pid}/fd/{tfd}")
+            except OSError:
+                target = "?"
+            out.append(f"      {line.strip()} -> {target}")
+    return out
+
+
+def _sockets(pids: set[int]) -> list[str]:
+    """The servers' TCP connections with bytes queued in the kernel (``ss``): data
+    waiting in a receive queue was not read by its process's ZeroMQ I/O thread; in a
+    send queue, not taken by the peer."""
+    try:
+        done = subprocess.run(["ss", "-tnpeH"], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return [f"== sockets: ss failed ({exc})"]
+    out = ["== TCP connections of these processes with bytes queued (Recv-Q Send-Q)"]
+    for line in done.stdout.splitlines():
+        cols = line.split()
+        if len(cols) < 5 or (cols[1] == "0" and cols[2] == "0"):
+            continue
+        if any(f"pid={pid}," in line for pid in pids):
+            out.append("  " + " ".join(cols))
+    return out
 
 
 def _rd2h_state(servers: list) -> list[str]:

@@ -64,9 +64,10 @@ STARTUP_S = 600.0
 # got so little CPU that the connections were dropped (by the 5 s heartbeat, by
 # layer_ack_s 20 s, and with these values by the 30 s heartbeat), and the storm ended as
 # Decode failed the requests. Never with Prefill TP 2, nor with TP 4 on a quiet machine.
-EXTRA = {"transport": "cma", "log_level": "INFO",
+EXTRA = {"transport": "cma", "log_level": os.environ.get("RD2H_TEST_LOG_LEVEL", "INFO"),
          "deadlines": {"request_s": 120.0, "layer_ack_s": 60.0, "meta_ack_s": 30.0,
-                       "heartbeat_timeout_s": 30.0}}
+                       "heartbeat_timeout_s": 30.0,
+                       "heartbeat_ivl_s": float(os.environ.get("RD2H_TEST_HEARTBEAT_IVL", "1"))}}
 
 
 def _prompt(n: int, seed: int) -> list[int]:
