@@ -94,7 +94,11 @@ class Proc:
         self._t0 = time.monotonic()
         self.proc = subprocess.Popen(
             self.cmd, stdout=self._fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            env={**os.environ, **self.env}, start_new_session=True,
+            # A process group of its own (stopped as one), in the benchmark's session:
+            # the kernel's autogroup makes each session one scheduling group, which
+            # starved an engine's threads beside its own spinning workers (README
+            # "Tests on a loaded machine").
+            env={**os.environ, **self.env}, process_group=0,
         )
 
     def poll_ready(self) -> bool:

@@ -45,7 +45,13 @@ class Server:
         self._fh = open(self.log, "ab")  # noqa: SIM115 (closed in stop)
         self.proc = subprocess.Popen(
             self.cmd, stdout=self._fh, stderr=subprocess.STDOUT, env=env,
-            start_new_session=True,
+            # Its own process group (killed as one at teardown), but the test's session:
+            # with the kernel's autogroup (sched_autogroup_enabled, on by default),
+            # every session is a scheduling group of its own, and an engine alone in a
+            # session shares one group's CPU between vLLM's spinning worker loops and
+            # every other thread of the engine (rd2h's and vLLM's own): requests then
+            # stalled for seconds, up to 37 s (README "Tests on a loaded machine").
+            process_group=0,
         )
         stall.live[id(self)] = self
         return self
