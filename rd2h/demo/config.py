@@ -68,6 +68,9 @@ class DemoConfig:
 
     def validate(self) -> None:
         check_topology(self.prefill_tp, self.decode_tp)
+        if self.decode_tp > self.prefill_tp:  # the demo's shared pool splits main by TP
+            raise ValueError(f"the demo needs --prefill-tp ({self.prefill_tp}) to be a "
+                             f"multiple of --decode-tp ({self.decode_tp})")
         if self.auth_secret is not None and len(self.auth_secret) < MIN_SECRET_CHARS:
             raise ValueError(f"--auth-secret must have at least {MIN_SECRET_CHARS} characters")
         for name in ("layers", "requests", "prompt_tokens", "block_size", "chunks"):

@@ -4,6 +4,11 @@ A layer has up to two main tensors (vanilla vLLM MLA: one latent tensor; the
 Ascend layout: K and V), an optional indexer and an optional LIC8 scale that
 follows the indexer's block layout. One external block of a tensor occupies
 ``block_len * block_size_scale`` bytes.
+
+Head-split extension (README "Head-split main KV"): when both sides state the KV
+heads their main tensors hold (``HeadRange``) and a block is head-major (each head's
+bytes contiguous inside it), a Prefill rank holding a part of Decode's heads fills
+its slice of each Decode block: ``main_slices`` gives the byte offset per tensor.
 """
 
 from __future__ import annotations
@@ -14,6 +19,27 @@ from rd2h.domain.errors import LayoutMismatch
 from rd2h.domain.protocol import LayerMetadata
 
 MAX_MAIN_TENSORS = 2
+
+
+@dataclass(frozen=True)
+class HeadRange:
+    """KV heads ``[first, first + count)`` of a model's ``total``, held by one rank."""
+
+    first: int
+    count: int
+    total: int
+
+    def __post_init__(self) -> None:
+        if not (self.total >= 1 and self.first >= 0 and self.count >= 1
+                and self.first + self.count <= self.total):
+            raise ValueError(f"invalid head range {self.first}+{self.count} of {self.total}")
+
+    def within(self, other: HeadRange) -> bool:
+        return (self.total == other.total and other.first <= self.first
+                and self.first + self.count <= other.first + other.count)
+
+    def __str__(self) -> str:
+        return f"[{self.first}, {self.first + self.count}) of {self.total}"
 
 
 @dataclass(frozen=True)
@@ -43,6 +69,7 @@ class SourceLayout:
     main: tuple[TensorComponent, ...]
     indexer: TensorComponent | None = None
     scale: TensorComponent | None = None
+    heads: HeadRange | None = None  # the KV heads of the main tensors (head-major blocks)
 
     def __post_init__(self) -> None:
         if len(self.main) > MAX_MAIN_TENSORS:
@@ -80,6 +107,8 @@ class SourceLayout:
             has_indexer=self.indexer is not None,
             # all or nothing: a partly advertised layer stays in the legacy shape
             num_blocks=() if None in sizes else sizes,  # type: ignore[arg-type]
+            main_heads=None if self.heads is None else (
+                self.heads.first, self.heads.count, self.heads.total),
         )
 
     @classmethod
@@ -106,6 +135,7 @@ class SourceLayout:
             )
             for i in range(count)
         ]
+        heads = None if meta.main_heads is None else HeadRange(*meta.main_heads)
         extra = tensors[mc:]
         if not meta.has_indexer:
             if extra:
@@ -113,7 +143,7 @@ class SourceLayout:
                     layer_name, "indexer",
                     f"{len(extra)} tensors beyond the main ones but has_indexer is false",
                 )
-            return cls(layer_name, tuple(tensors[:mc]))
+            return cls(layer_name, tuple(tensors[:mc]), heads=heads)
         if not extra:
             raise LayoutMismatch(layer_name, "indexer", "has_indexer is true but no indexer tensor")
         if len(extra) > 2:
@@ -121,7 +151,7 @@ class SourceLayout:
                 layer_name, "scale", f"{len(extra)} tensors after main (indexer + scale at most)"
             )
         scale = extra[1] if len(extra) == 2 else None
-        return cls(layer_name, tuple(tensors[:mc]), extra[0], scale)
+        return cls(layer_name, tuple(tensors[:mc]), extra[0], scale, heads)
 
 
 @dataclass(frozen=True)
@@ -141,6 +171,7 @@ class DestinationLayout:
     main: tuple[DestTensor, ...]
     indexer: DestTensor | None = None
     scale: DestTensor | None = None
+    heads: HeadRange | None = None  # the KV heads of the main tensors (head-major blocks)
 
 
 def per_block_bytes_from_rows(row_bytes: int, rows: int, num_blocks: int) -> int:
@@ -163,6 +194,54 @@ def _check_bytes(layer: str, component: str, src: TensorComponent, dst: DestTens
         )
 
 
+@dataclass(frozen=True)
+class MainSlice:
+    """Head split: which bytes of a source block go where in a destination block."""
+
+    src_offset: int
+    dst_offset: int
+    nbytes: int
+
+
+def main_slices(src: SourceLayout, dst: DestinationLayout) -> tuple[MainSlice, ...] | None:
+    """Head split: per main tensor, the part of each source block that fills a part of
+    each destination block; None when both hold the same heads or either side does not
+    state them (then blocks must match whole). The side holding fewer heads is read or
+    written whole: a Prefill rank holding part of Decode's heads fills its slice (Prefill
+    TP above Decode TP), a Decode rank holding part of Prefill's heads reads its slice
+    (Decode TP above Prefill TP). Raises ``LayoutMismatch`` when neither range holds the
+    other or the bytes per head differ."""
+    sh, dh = src.heads, dst.heads
+    if sh is None or dh is None or sh == dh:
+        return None
+    layer = dst.layer_name
+    if not (sh.within(dh) or dh.within(sh)):
+        raise LayoutMismatch(layer, "main", f"prefill holds KV heads {sh}, decode holds {dh}: "
+                             "not a part of them")
+    if len(src.main) != len(dst.main):
+        raise LayoutMismatch(
+            layer, "main",
+            f"prefill advertises {len(src.main)} main tensors, decode expects {len(dst.main)}",
+        )
+    out = []
+    for s, d in zip(src.main, dst.main):
+        if d.bytes_per_block % dh.count or d.bytes_per_block <= 0:
+            raise LayoutMismatch(layer, "main", f"a {d.bytes_per_block}-byte destination "
+                                 f"block does not split into {dh.count} heads")
+        per_head = d.bytes_per_block // dh.count
+        if s.bytes_per_block != per_head * sh.count:
+            raise LayoutMismatch(
+                layer, "main",
+                f"source block is {s.bytes_per_block} bytes for {sh.count} heads, "
+                f"destination holds {per_head} bytes per head",
+            )
+        if sh.within(dh):
+            out.append(MainSlice(0, (sh.first - dh.first) * per_head, s.bytes_per_block))
+        else:
+            out.append(MainSlice((dh.first - sh.first) * per_head, 0, d.bytes_per_block))
+    return tuple(out)
+
+
 def validate_layout(src: SourceLayout, dst: DestinationLayout) -> None:
     """Raise ``LayoutMismatch`` naming the layer and the first mismatching component."""
     layer = dst.layer_name
@@ -171,8 +250,9 @@ def validate_layout(src: SourceLayout, dst: DestinationLayout) -> None:
             layer, "main",
             f"prefill advertises {len(src.main)} main tensors, decode expects {len(dst.main)}",
         )
-    for s, d in zip(src.main, dst.main):
-        _check_bytes(layer, "main", s, d)
+    if main_slices(src, dst) is None:
+        for s, d in zip(src.main, dst.main):
+            _check_bytes(layer, "main", s, d)
     for component in ("indexer", "scale"):
         s = getattr(src, component)
         d = getattr(dst, component)

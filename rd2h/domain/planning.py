@@ -25,8 +25,10 @@ from rd2h.domain.errors import PlanningError
 from rd2h.domain.layout import (
     DestinationLayout,
     DestTensor,
+    MainSlice,
     SourceLayout,
     TensorComponent,
+    main_slices,
     validate_layout,
 )
 from rd2h.domain.plan_memo import PlanMemo
@@ -189,26 +191,39 @@ def _check_range(hi: int, lo: int, dst: DestTensor, layer: str, what: str) -> No
 
 
 def _descriptors(
-    groups: Sequence[tuple[_Component, Sequence[tuple[TensorComponent, DestTensor]], str]],
+    groups: Sequence[tuple[_Component, Sequence[tuple[TensorComponent, DestTensor]], str,
+                           Sequence[MainSlice] | None]],
     layer: str,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Descriptors of every tensor of every component, written straight into three
-    preallocated arrays (runs of consecutive blocks become one descriptor)."""
+    preallocated arrays (runs of consecutive blocks become one descriptor). A component
+    with ``slices`` (head split) copies one slice per block (``MainSlice``): one
+    descriptor per block."""
     parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
     edges = []
     at = 0
-    for comp, pairs, what in groups:
+    for comp, pairs, what, slices in groups:
         if comp.src.size == 0 or not pairs:
             continue
         for _, dst in pairs:
             _check_range(comp.dst_hi, comp.dst_lo, dst, layer, what)
-        p_start, d_start, length = comp.runs
+        if slices is None:
+            p_start, d_start, length = comp.runs
+        else:  # slices of blocks are not contiguous on Decode: no runs
+            p_start, d_start = comp.src, comp.dst
+            length = np.ones(p_start.shape[0], dtype=np.int64)
         # Every tensor of the component at once: row t is tensor t's descriptors.
         size = np.array([src.bytes_per_block for src, _ in pairs], dtype=np.int64)[:, None]
+        stride = np.array([dst.bytes_per_block for _, dst in pairs], dtype=np.int64)[:, None]
         d_base = np.array([dst.base_addr for _, dst in pairs], dtype=np.int64)[:, None]
         p_base = np.array([src.base_addr for src, _ in pairs], dtype=np.int64)[:, None]
-        parts.append(((d_start * size + d_base).ravel(), (p_start * size + p_base).ravel(),
-                      (length * size).ravel()))
+        nbytes = size
+        if slices is not None:
+            d_base = d_base + np.array([x.dst_offset for x in slices], dtype=np.int64)[:, None]
+            p_base = p_base + np.array([x.src_offset for x in slices], dtype=np.int64)[:, None]
+            nbytes = np.array([x.nbytes for x in slices], dtype=np.int64)[:, None]
+        parts.append(((d_start * stride + d_base).ravel(), (p_start * size + p_base).ravel(),
+                      (length * nbytes).ravel()))
         m = p_start.shape[0]
         for _ in pairs:
             at += m
@@ -249,6 +264,7 @@ def _block_plan(
     d_rank: int,
     d_tp: int,
     main_shared: bool,
+    head_split: bool = False,
 ) -> BlockPlan:
     layer = batch.layer_name
     member, ratio = batch.group_member_idx, max(1, batch.tp_ratio)
@@ -270,7 +286,9 @@ def _block_plan(
     zeros = np.zeros(n, dtype=np.int64)
     main = _Component(_EMPTY, _EMPTY, zeros)
     index = _Component(_EMPTY, _EMPTY, zeros)
-    if member == 0 and has_main and n:
+    # Main is read from member 0 alone when every member holds all of it (replicated,
+    # e.g. MLA's latent); with a head split each member holds its own heads of it.
+    if (member == 0 or head_split) and has_main and n:
         main = _own(
             layer, "main", reqs, main_lists, main_lens,
             list(map(attrgetter("main_block_ids"), dests)),
@@ -303,7 +321,9 @@ def plan_reads(
 ) -> ReadPlan:
     """Plan this Decode rank's share of a READ_READY_BATCH.
 
-    Main K/V is read only by contributor member 0 and split over the Decode TP
+    Main K/V is read only by contributor member 0 (every member of a group holds all
+    of it), or, with a head split (``main_slices``), by every member into its heads'
+    slice of each Decode block, and split over the Decode TP
     ranks (rotated by the chunk's start); the indexer and LIC8 scale are split
     over the contributor members so every Decode rank ends with a full copy.
     With ``main_shared=False`` (each Decode rank has its own main cache) this rank
@@ -314,16 +334,18 @@ def plan_reads(
     Raises ``LayoutMismatch`` or ``PlanningError``; either fails the whole layer.
     """
     validate_layout(src, dst)
+    slices = main_slices(src, dst)
     layer = batch.layer_name
     reqs = batch.read_reqs
     dests = tuple(map(destinations.get, map(attrgetter("ext_req_id"), reqs)))
     has_main, has_indexer = bool(src.main), src.indexer is not None
     key = (reqs, batch.group_member_idx, batch.tp_ratio, has_main, has_indexer, d_rank, d_tp,
-           main_shared)
+           main_shared, slices is not None)
     blocks = memo.get(owner, key, dests) if memo is not None else None
     if blocks is None:
         blocks = _block_plan(batch, dests, has_main=has_main, has_indexer=has_indexer,
-                             d_rank=d_rank, d_tp=d_tp, main_shared=main_shared)
+                             d_rank=d_rank, d_tp=d_tp, main_shared=main_shared,
+                             head_split=slices is not None)
         if memo is not None:
             memo.put(owner, key, dests, blocks)
     main, index = blocks.main, blocks.index
@@ -347,7 +369,8 @@ def plan_reads(
         if src.scale is not None and dst.scale is not None:
             idx_pairs.append((src.scale, dst.scale))
     local, remote, lengths = _descriptors(
-        [(main, list(zip(src.main, dst.main)), "main"), (index, idx_pairs, "indexer")], layer
+        [(main, list(zip(src.main, dst.main)), "main", slices),
+         (index, idx_pairs, "indexer", None)], layer
     )
     return ReadPlan(
         local, remote, lengths, blocks.ext_ids, main.counts, index.counts, built,

@@ -16,6 +16,22 @@ from typing import Any
 
 from rd2h.domain.compat import Compat, compat_at, compat_field
 from rd2h.domain.errors import ProtocolError, UnknownMessageType
+from rd2h.domain.layer_meta import (  # noqa: F401 (re-exported: the protocol's names)
+    LAYER_METADATA_KEYS,
+    MAIN_HEADS_KEY,
+    NUM_BLOCKS_KEY,
+    LayerMetadata,
+    decode_layer_map,
+    decode_layer_metadata,
+)
+from rd2h.domain.wire_values import (  # noqa: F401 (re-exported)
+    MAX_ERROR_CHARS,
+    MAX_WIRE_INT,
+    clip,
+)
+from rd2h.domain.wire_values import as_int as _int
+from rd2h.domain.wire_values import as_seq as _seq
+from rd2h.domain.wire_values import as_str as _str
 
 # Type tags are msgpack bin (bytes), never str.
 MF_META = b"mf_meta"
@@ -26,57 +42,9 @@ READ_FAILED = b"read_failed"
 ACK = b"ACK"
 
 _INT_ONLY = {int}
-# Block ids, start offsets and group positions feed int64 arrays on Decode: a value
-# above this is malformed (the planner never sees a number numpy cannot hold).
-MAX_WIRE_INT = (1 << 63) - 1
 # The most significant byte of each item of a packed uint64 array.
 _PACKED_U64 = array("Q").itemsize == 8
 _TOP_BYTES = slice(7, None, 8) if sys.byteorder == "little" else slice(0, None, 8)
-# Longest error text Decode puts in a READ_FAILED or a log line about a hostile value.
-MAX_ERROR_CHARS = 1024
-
-LAYER_METADATA_KEYS = (
-    "base_addrs",
-    "block_len",
-    "block_size_scale",
-    "tensor_group_idx",
-    "main_tensor_count",
-    "has_indexer",
-)
-# Optional key (an extension: older peers neither send nor need it): blocks in each
-# tensor's advertised region, so Decode can refuse reads beyond it.
-NUM_BLOCKS_KEY = "num_blocks"
-
-
-@dataclass(frozen=True)
-class LayerMetadata:
-    """One layer's source tensors as Prefill advertises them (spec 4.1).
-
-    Tensors are ordered main first, then indexer, then LIC8 scale. ``num_blocks``
-    (one per tensor, or empty when not advertised) bounds the source block ids
-    Decode may read; an empty tuple is the legacy shape and leaves the map unchanged.
-    """
-
-    base_addrs: tuple[int, ...]
-    block_len: tuple[int, ...]
-    block_size_scale: tuple[int, ...]
-    tensor_group_idx: tuple[int, ...]
-    main_tensor_count: int
-    has_indexer: bool
-    num_blocks: tuple[int, ...] = ()
-
-    def to_map(self) -> dict[str, Any]:
-        out: dict[str, Any] = {
-            "base_addrs": list(self.base_addrs),
-            "block_len": list(self.block_len),
-            "block_size_scale": list(self.block_size_scale),
-            "tensor_group_idx": list(self.tensor_group_idx),
-            "main_tensor_count": self.main_tensor_count,
-            "has_indexer": self.has_indexer,
-        }
-        if self.num_blocks:
-            out[NUM_BLOCKS_KEY] = list(self.num_blocks)
-        return out
 
 
 @dataclass(frozen=True)
@@ -143,40 +111,6 @@ Message = MfMeta | ReadReadyBatch | ReadDone | ReadFailed
 # ---------------------------------------------------------------- helpers
 
 
-def clip(text: str, limit: int = MAX_ERROR_CHARS) -> str:
-    """``text`` cut to ``limit`` characters: hostile values must not become huge replies."""
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-def _int(
-    value: Any,
-    what: str,
-    layer_idx: int | None = None,
-    *,
-    minimum: int | None = None,
-    maximum: int | None = None,
-) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ProtocolError(f"{what} must be an int, got {type(value).__name__}", layer_idx)
-    if minimum is not None and value < minimum:
-        raise ProtocolError(f"{what} must be >= {minimum}, got {value}", layer_idx)
-    if maximum is not None and value > maximum:
-        raise ProtocolError(f"{what} must be <= {maximum}, got {value}", layer_idx)
-    return value
-
-
-def _str(value: Any, what: str, layer_idx: int | None = None) -> str:
-    if not isinstance(value, str):
-        raise ProtocolError(f"{what} must be a str, got {type(value).__name__}", layer_idx)
-    return value
-
-
-def _seq(value: Any, what: str, layer_idx: int | None = None) -> Sequence[Any]:
-    if not isinstance(value, (list, tuple)):
-        raise ProtocolError(f"{what} must be an array, got {type(value).__name__}", layer_idx)
-    return value
-
-
 def _seq_field(fields: Sequence[Any], index: int, layer_idx: int | None) -> int | None:
     """The optional announcement id at ``index``: absent (older peers) -> None, and so is
     a value of another type there (e.g. the signature envelope of a signing peer read
@@ -213,54 +147,6 @@ def _block_ids(value: Any, what: str, layer_idx: int) -> tuple[int, ...]:
 
 
 # ---------------------------------------------------------------- decoding
-
-
-def decode_layer_metadata(name: Any, value: Any) -> LayerMetadata:
-    """Validate one entry of MF_META's layer map."""
-    layer = clip(repr(_str(name, "MF_META layer name")), 80)
-    if not isinstance(value, Mapping):
-        raise ProtocolError(f"MF_META layer {layer} must be a map, got {type(value).__name__}")
-    missing = [k for k in LAYER_METADATA_KEYS if k not in value]
-    if missing:
-        raise ProtocolError(f"MF_META layer {layer} lacks {', '.join(missing)}")
-    lists = {}
-    for key in ("base_addrs", "block_len", "block_size_scale", "tensor_group_idx"):
-        items = _seq(value[key], f"MF_META {layer} {key}")
-        lists[key] = tuple(_int(v, f"MF_META {layer} {key} item", minimum=0) for v in items)
-    sizes = {len(v) for v in lists.values()}
-    if len(sizes) != 1:
-        raise ProtocolError(f"MF_META layer {layer}: per-tensor lists differ in length")
-    num_blocks: tuple[int, ...] = ()
-    if NUM_BLOCKS_KEY in value:
-        items = _seq(value[NUM_BLOCKS_KEY], f"MF_META {layer} {NUM_BLOCKS_KEY}")
-        num_blocks = tuple(
-            _int(v, f"MF_META {layer} {NUM_BLOCKS_KEY} item", minimum=0, maximum=MAX_WIRE_INT)
-            for v in items
-        )
-        if len(num_blocks) != len(lists["base_addrs"]):
-            raise ProtocolError(
-                f"MF_META layer {layer}: {NUM_BLOCKS_KEY} has {len(num_blocks)} items "
-                f"for {len(lists['base_addrs'])} tensors"
-            )
-    main_count = _int(value["main_tensor_count"], f"MF_META {layer} main_tensor_count", minimum=0)
-    has_indexer = value["has_indexer"]
-    if not isinstance(has_indexer, bool):
-        raise ProtocolError(f"MF_META {layer} has_indexer must be a bool")
-    return LayerMetadata(
-        base_addrs=lists["base_addrs"],
-        block_len=lists["block_len"],
-        block_size_scale=lists["block_size_scale"],
-        tensor_group_idx=lists["tensor_group_idx"],
-        main_tensor_count=main_count,
-        has_indexer=has_indexer,
-        num_blocks=num_blocks,
-    )
-
-
-def decode_layer_map(value: Any) -> dict[str, LayerMetadata]:
-    if not isinstance(value, Mapping):
-        raise ProtocolError(f"MF_META layer metadata must be a map, got {type(value).__name__}")
-    return {name: decode_layer_metadata(name, meta) for name, meta in value.items()}
 
 
 def decode_read_request(entry: Any, layer_idx: int) -> ReadRequest:

@@ -23,7 +23,12 @@ def _check_size(name: str, value: int) -> None:
 
 @dataclass(frozen=True)
 class TpMapping:
-    """Where one Prefill rank sends, and which contributor it is there (spec 8)."""
+    """Where one Prefill rank sends, and which contributor it is there (spec 8).
+
+    Prefill TP = ratio x Decode TP: one Decode rank (``d_rank``), as member ``member``
+    of a group of ``ratio``. Decode TP = fan-out x Prefill TP (an extension, README
+    "Topologies"): ``d_ranks`` are the fan-out Decode ranks this rank alone serves, as
+    member 0 of a group of 1 each."""
 
     p_tp: int
     d_tp: int
@@ -31,38 +36,49 @@ class TpMapping:
     ratio: int
     d_rank: int
     member: int
+    d_ranks: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.d_ranks:
+            object.__setattr__(self, "d_ranks", (self.d_rank,))
 
 
 def check_topology(p_tp: int, d_tp: int) -> int:
-    """Validate a P/D TP pair and return ``ratio = p_tp // d_tp``."""
+    """Validate a P/D TP pair and return ``ratio = p_tp // d_tp`` (1 when Decode TP is a
+    multiple of Prefill TP: each Prefill rank then serves ``fanout`` Decode ranks)."""
     _check_size("p_tp", p_tp)
     _check_size("d_tp", d_tp)
-    if p_tp < d_tp:
+    if p_tp % d_tp != 0 and d_tp % p_tp != 0:
         raise TopologyError(
-            f"unsupported topology: prefill TP {p_tp} < decode TP {d_tp} "
-            "(rd2h needs p_tp >= d_tp and p_tp % d_tp == 0)"
+            f"unsupported topology: prefill TP {p_tp} and decode TP {d_tp} (one must be a "
+            "multiple of the other)"
         )
-    if p_tp % d_tp != 0:
-        raise TopologyError(
-            f"unsupported topology: prefill TP {p_tp} is not a multiple of decode TP {d_tp}"
-        )
-    return p_tp // d_tp
+    return max(1, p_tp // d_tp)
+
+
+def fanout(p_tp: int, d_tp: int) -> int:
+    """How many Decode ranks each Prefill rank serves (1 unless Decode TP is larger)."""
+    check_topology(p_tp, d_tp)
+    return max(1, d_tp // p_tp)
 
 
 def compute_mapping(p_tp: int, d_tp: int, p_rank: int) -> TpMapping:
-    """Map Prefill rank ``p_rank`` to its Decode rank and contributor member index."""
+    """Map Prefill rank ``p_rank`` to its Decode rank(s) and contributor member index."""
     ratio = check_topology(p_tp, d_tp)
     if isinstance(p_rank, bool) or not isinstance(p_rank, int):
         raise TopologyError(f"p_rank must be an int, got {type(p_rank).__name__}")
     if not 0 <= p_rank < p_tp:
         raise TopologyError(f"prefill rank {p_rank} is outside [0, {p_tp})")
+    f = max(1, d_tp // p_tp)
+    first = p_rank * f if f > 1 else p_rank // ratio
     return TpMapping(
         p_tp=p_tp,
         d_tp=d_tp,
         p_rank=p_rank,
         ratio=ratio,
-        d_rank=p_rank // ratio,
+        d_rank=first,
         member=p_rank % ratio,
+        d_ranks=tuple(range(first, first + f)),
     )
 
 
@@ -71,6 +87,9 @@ def contributor_group(p_tp: int, d_tp: int, d_rank: int) -> tuple[int, ...]:
     ratio = check_topology(p_tp, d_tp)
     if isinstance(d_rank, bool) or not isinstance(d_rank, int) or not 0 <= d_rank < d_tp:
         raise TopologyError(f"decode rank {d_rank!r} is outside [0, {d_tp})")
+    f = max(1, d_tp // p_tp)
+    if f > 1:
+        return (d_rank // f,)
     return tuple(range(d_rank * ratio, (d_rank + 1) * ratio))
 
 

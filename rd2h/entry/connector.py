@@ -149,7 +149,8 @@ class SfaRemoteD2HConnector(KVConnectorBase_V1, SupportsHMA):
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         tp_group = self._on_worker()
         if self.side == "prefill":
-            layouts, regions = source_layouts(kv_caches, self._facts.num_blocks)
+            layouts, regions = source_layouts(kv_caches, self._facts.num_blocks,
+                                              self._facts.kv_heads())
             self._role = build_prefill_worker(self.options, self._facts, layouts, regions)
             return
         if self.options.destinations != "vllm":
@@ -158,7 +159,8 @@ class SfaRemoteD2HConnector(KVConnectorBase_V1, SupportsHMA):
                 "use register_sparse_kv_pool() from the Ascend integration"
             )
         self._role = build_decode_worker(
-            self.options, self._facts, VllmCacheDestinations(kv_caches, self._facts.num_blocks),
+            self.options, self._facts,
+            VllmCacheDestinations(kv_caches, self._facts.num_blocks, self._facts.kv_heads()),
             tp_group=tp_group,
         )
 

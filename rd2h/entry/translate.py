@@ -49,8 +49,18 @@ def engine(vllm_config: Any, kv_cache_config: Any) -> tuple[Rd2hOptions, EngineF
         num_blocks=kv_cache_config.num_blocks if kv_cache_config is not None else 0,
         compat=compat(vllm_config, groups[0].kv_cache_spec if groups else None, options, side,
                       int(block_size)),
+        total_kv_heads=split_kv_heads(vllm_config),
     )
     return options, facts
+
+
+def split_kv_heads(vllm_config: Any) -> int | None:
+    """The model's total KV heads when TP splits them over its ranks (GQA, MHA); None
+    for MLA (one latent, the same on every rank) or without a model config."""
+    model = getattr(vllm_config, "model_config", None)
+    if model is None or bool(getattr(model, "use_mla", False)):
+        return None
+    return int(model.get_total_num_kv_heads())
 
 
 def compat(vllm_config: Any, spec: Any, options: Rd2hOptions, side: str,

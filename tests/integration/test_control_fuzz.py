@@ -175,6 +175,10 @@ def fuzz(request: pytest.FixtureRequest) -> Iterator[Fuzz]:
 
 
 def admit_fuzz_targets(d: DSide) -> None:
+    """Admit the targets afresh: an earlier hostile example may have completed or
+    failed one (a terminal request is skipped by later announcements until a worker
+    step reports it, and this rig runs no steps), so their old state goes first."""
+    d.receiver.abandon([internal(ext) for ext in FUZZ_TARGETS])
     for ext, (main, idx) in FUZZ_TARGETS.items():
         d.receiver.admit(internal(ext), main, idx)
 

@@ -91,8 +91,8 @@ def test_cli_demo_with_a_shared_secret_verifies() -> None:
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["--prefill-tp", "3", "--decode-tp", "2"], "not a multiple"),
-        (["--prefill-tp", "2", "--decode-tp", "4"], "p_tp >= d_tp"),
+        (["--prefill-tp", "3", "--decode-tp", "2"], "one must be a multiple"),
+        (["--prefill-tp", "2", "--decode-tp", "4"], "to be a multiple of --decode-tp"),
         (["--shared-buffers", "99"], "--shared-buffers"),
         (["--block-size", "0"], "--block-size"),
         (["--auth-secret", "too-short"], "--auth-secret"),

@@ -479,11 +479,16 @@ def test_bad_contact_info_is_rejected_naming_the_key(change, match) -> None:
         decode_endpoint({**D_PARAMS, **change}, 1)
 
 
-def test_decode_tp_larger_than_prefill_tp_is_rejected() -> None:
-    with pytest.raises(TopologyError, match="prefill TP 1 < decode TP 2"):
-        decode_endpoint({**D_PARAMS, "remote_tp_size": 2}, 1)
-    sched, _ = _psched(p_tp=1)
-    assert _track(sched, "r" + SUFFIX, 8, {**D_PARAMS, "remote_tp_size": 2}) == 0
+def test_tp_sizes_that_do_not_divide_are_rejected() -> None:
+    with pytest.raises(TopologyError, match="prefill TP 2 and decode TP 3"):
+        decode_endpoint({**D_PARAMS, "remote_tp_size": 3}, 2)
+    sched, _ = _psched(p_tp=2)
+    assert _track(sched, "r" + SUFFIX, 8, {**D_PARAMS, "remote_tp_size": 3}) == 0
+
+
+def test_decode_tp_above_prefill_tp_is_accepted() -> None:
+    """Decode TP 2 behind a Prefill TP 1 (fan-out 2: README "Topologies")."""
+    assert decode_endpoint({**D_PARAMS, "remote_tp_size": 2}, 1)[0].tp_size == 2
 
 
 # ================================================================ Prefill worker

@@ -16,6 +16,7 @@ from rd2h.domain.topology import (
     check_topology,
     compute_mapping,
     contributor_group,
+    fanout,
     owned_range,
     plan_ports,
     remote_port,
@@ -50,6 +51,7 @@ def test_compute_mapping_table(p_tp, d_tp, p_rank, d_rank, member):
     assert m == TpMapping(
         p_tp=p_tp, d_tp=d_tp, p_rank=p_rank, ratio=p_tp // d_tp, d_rank=d_rank, member=member
     )
+    assert m.d_ranks == (d_rank,)
 
 
 @pytest.mark.parametrize(
@@ -62,14 +64,14 @@ def test_check_topology_returns_ratio(p_tp, d_tp, ratio):
 @pytest.mark.parametrize(
     ("p_tp", "d_tp"),
     [
-        (4, 8),  # p_tp < d_tp
+        (4, 6),  # neither a multiple of the other
+        (2, 3),
         (8, 3),  # not a multiple
         (0, 1),  # size < 1
         (1, 0),
         (-8, 4),
         (8, -4),
         (6, 4),
-        (2, 16),
         (True, 1),  # bool is not a size
         (8, 4.0),
         ("8", 4),
@@ -86,9 +88,9 @@ def test_unsupported_topologies_are_rejected(p_tp, d_tp):
 
 def test_topology_error_is_a_value_error_and_rd2h_error():
     with pytest.raises(ValueError):
-        check_topology(4, 8)
+        check_topology(4, 6)
     with pytest.raises(Rd2hError):
-        check_topology(4, 8)
+        check_topology(4, 6)
 
 
 @pytest.mark.parametrize(
@@ -356,3 +358,18 @@ def test_prefill_reaches_the_port_its_decode_rank_binds(kv_port, dp, ratio, d_tp
     m = compute_mapping(p_tp, d_tp, p_rank)
     # D advertises base_port; P adds its mapped D rank.
     assert remote_port(plan.base_port, m.d_rank) == plan.rank_port(m.d_rank)
+
+
+@pytest.mark.parametrize(
+    ("p_tp", "d_tp", "p_rank", "d_ranks"),
+    [(1, 2, 0, (0, 1)), (2, 4, 1, (2, 3)), (4, 8, 3, (6, 7)), (1, 4, 0, (0, 1, 2, 3)),
+     (2, 16, 1, tuple(range(8, 16)))],
+)
+def test_decode_tp_above_prefill_tp_fans_each_prefill_rank_out(p_tp, d_tp, p_rank, d_ranks):
+    """Decode TP = fan-out x Prefill TP: Prefill rank p serves Decode ranks
+    [p * fan-out, (p + 1) * fan-out), as the one member (0) of a group of 1 each."""
+    m = compute_mapping(p_tp, d_tp, p_rank)
+    assert (m.d_ranks, m.d_rank, m.member, m.ratio) == (d_ranks, d_ranks[0], 0, 1)
+    assert check_topology(p_tp, d_tp) == 1 and fanout(p_tp, d_tp) == d_tp // p_tp
+    for d in d_ranks:
+        assert contributor_group(p_tp, d_tp, d) == (p_rank,)

@@ -17,7 +17,13 @@ from rd2h.adapters.vllm.caches import (
     source_layouts,
 )
 from rd2h.domain.errors import LayoutMismatch
-from rd2h.domain.layout import DestinationLayout, DestTensor, SourceLayout, TensorComponent
+from rd2h.domain.layout import (
+    DestinationLayout,
+    DestTensor,
+    HeadRange,
+    SourceLayout,
+    TensorComponent,
+)
 
 NB, BS = 6, 4
 
@@ -214,3 +220,42 @@ def test_sparse_pool_reads_only_the_documented_attributes() -> None:
     )
     lay = SparseKvPoolDestinations(mgr).layouts()["model.layers.0.attn"]
     assert lay.main == (DestTensor(0x7000_0000, 8, NB),)  # the transfer engine's view
+
+
+# ---------------------------------------------------------------- head split
+def test_head_major_blocks_are_recognised() -> None:
+    from rd2h.adapters.torch.tensors import head_major
+
+    cpu = torch.zeros(10, 2, 16, 16)  # vLLM's CPU cache: [blocks, heads, block, 2 x dim]
+    assert head_major(cpu, 10, 2) and not head_major(cpu, 10, 4)
+    assert head_major(torch.zeros(2, 10, 2, 16, 8), 10, 2)  # behind a K/V axis
+    assert not head_major(torch.zeros(10, 16, 2, 8), 10, 2)  # heads inside each token row
+    padded = torch.zeros(10, 3, 16, 16)[:, :2]  # a view that does not fill its blocks
+    assert not head_major(padded, 10, 2)
+
+
+def test_layouts_state_their_heads_only_for_head_major_blocks() -> None:
+    heads = HeadRange(1, 1, 2)
+    caches = {"l0": torch.zeros(6, 1, 16, 16)}
+    layouts, _ = source_layouts(caches, 6, heads)
+    assert layouts["l0"].heads == heads
+    assert source_layouts(caches, 6)[0]["l0"].heads is None
+    token_major = {"l0": torch.zeros(6, 16, 1, 16)}
+    assert source_layouts(token_major, 6, heads)[0]["l0"].heads is None
+    dest = VllmCacheDestinations({"l0": torch.zeros(6, 2, 16, 16)}, 6, HeadRange(0, 2, 2))
+    assert dest.layouts()["l0"].heads == HeadRange(0, 2, 2)
+
+
+@pytest.mark.parametrize(("total", "tp", "rank", "want"), [
+    (2, 2, 1, HeadRange(1, 1, 2)),
+    (4, 2, 1, HeadRange(2, 2, 4)),
+    (2, 1, 0, HeadRange(0, 2, 2)),
+    (2, 4, 3, HeadRange(1, 1, 2)),  # fewer heads than ranks: ranks 2 and 3 share head 1
+    (3, 2, 0, None),  # vLLM does not split 3 heads over 2 ranks
+    (None, 2, 0, None),  # MLA or unknown
+])
+def test_engine_facts_name_the_heads_of_their_rank(total, tp, rank, want) -> None:
+    from rd2h.app.connector.facts import EngineFacts
+
+    facts = EngineFacts("prefill", 1000, 0, tp, rank, "e", 16, (), total_kv_heads=total)
+    assert facts.kv_heads() == want

@@ -25,6 +25,21 @@ def main_views(name: str, tensor: Any, num_blocks: int) -> list[tuple[int, int]]
     )
 
 
+def head_major(tensor: Any, num_blocks: int, heads: int) -> bool:
+    """Whether each block of ``tensor`` holds ``heads`` KV heads one after another (the
+    dimension after the block one is the head one, and the heads fill the block), so a
+    rank holding some of them fills one contiguous slice of a block holding more (vLLM's
+    CPU cache: ``[num_blocks, heads, block_size, 2 * head_size]``)."""
+    shape, stride = tuple(tensor.shape), tuple(tensor.stride())
+    if shape and shape[0] == num_blocks:
+        dim = 1
+    elif len(shape) >= 2 and shape[1] == num_blocks and shape[0] in (1, 2):
+        dim = 2
+    else:
+        return False
+    return len(shape) > dim and shape[dim] == heads and stride[dim] * heads == stride[dim - 1]
+
+
 def region_of(tensor: Any) -> tuple[int, int]:
     """The tensor's whole storage span, to register with a transport."""
     storage = tensor.untyped_storage()

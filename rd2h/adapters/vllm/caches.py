@@ -10,23 +10,38 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from rd2h.adapters.torch.tensors import main_views, region_of
-from rd2h.domain.layout import DestinationLayout, DestTensor, SourceLayout, TensorComponent
+from rd2h.adapters.torch.tensors import head_major, main_views, region_of
+from rd2h.domain.layout import (
+    DestinationLayout,
+    DestTensor,
+    HeadRange,
+    SourceLayout,
+    TensorComponent,
+)
 
 __all__ = ["VllmCacheDestinations", "main_views", "region_of", "source_layouts"]
 
 
+def _heads(tensor: Any, num_blocks: int, heads: HeadRange | None) -> HeadRange | None:
+    """``heads`` when the tensor's blocks are head-major with that many heads (only then
+    may a part of them fill a slice of another rank's block), else None."""
+    return heads if heads is not None and head_major(tensor, num_blocks, heads.count) else None
+
+
 def source_layouts(
-    kv_caches: Mapping[str, Any], num_blocks: int
+    kv_caches: Mapping[str, Any], num_blocks: int, heads: HeadRange | None = None
 ) -> tuple[dict[str, SourceLayout], list[tuple[int, int]]]:
-    """Prefill: one ``SourceLayout`` per cache layer, and the regions to expose."""
+    """Prefill: one ``SourceLayout`` per cache layer, and the regions to expose.
+    ``heads``: the KV heads this rank holds (stated per layer where blocks are
+    head-major: the head-split extension)."""
     layouts: dict[str, SourceLayout] = {}
     regions: dict[tuple[int, int], None] = {}
     for name, tensor in kv_caches.items():
         views = main_views(name, tensor, num_blocks)
         # Advertise the region size so Decode refuses block ids beyond the cache.
         layouts[name] = SourceLayout(
-            name, tuple(TensorComponent(b, n, num_blocks=num_blocks) for b, n in views)
+            name, tuple(TensorComponent(b, n, num_blocks=num_blocks) for b, n in views),
+            heads=_heads(tensor, num_blocks, heads),
         )
         regions[region_of(tensor)] = None
     return layouts, list(regions)
@@ -38,13 +53,15 @@ class VllmCacheDestinations:
 
     main_sharing = "rank_local"
 
-    def __init__(self, kv_caches: Mapping[str, Any], num_blocks: int) -> None:
+    def __init__(self, kv_caches: Mapping[str, Any], num_blocks: int,
+                 heads: HeadRange | None = None) -> None:
         self._layouts: dict[str, DestinationLayout] = {}
         regions: dict[tuple[int, int], None] = {}
         for name, tensor in kv_caches.items():
             views = main_views(name, tensor, num_blocks)
             self._layouts[name] = DestinationLayout(
-                name, tuple(DestTensor(b, n, num_blocks) for b, n in views)
+                name, tuple(DestTensor(b, n, num_blocks) for b, n in views),
+                heads=_heads(tensor, num_blocks, heads),
             )
             regions[region_of(tensor)] = None
         self._regions = list(regions)

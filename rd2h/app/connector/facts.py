@@ -8,6 +8,7 @@ from typing import Literal
 
 from rd2h.app.settings import Rd2hOptions, Rd2hSettings
 from rd2h.domain.compat import Compat
+from rd2h.domain.layout import HeadRange
 
 
 @dataclass(frozen=True)
@@ -26,9 +27,26 @@ class EngineFacts:
     num_blocks: int = 0
     # What this engine states in MF_META's compatibility map (None: nothing, as before).
     compat: Compat | None = None
+    # The model's KV heads over all TP ranks when they are split over the ranks (a GQA
+    # or MHA model; None for MLA's one latent "head" or when unknown).
+    total_kv_heads: int | None = None
 
     def on_rank(self, tp_rank: int, tp_size: int, local_rank: int) -> EngineFacts:
         return replace(self, tp_rank=tp_rank, tp_size=tp_size, local_rank=local_rank)
+
+    def kv_heads(self) -> HeadRange | None:
+        """The KV heads this TP rank holds, as vLLM splits them: ``total / tp`` each when
+        they divide, one head shared by ``tp / total`` ranks when there are fewer heads
+        than ranks; None when unknown (MLA) or split some other way."""
+        total, tp, rank = self.total_kv_heads, self.tp_size, self.tp_rank
+        if not total or tp < 1:
+            return None
+        if total % tp == 0:
+            count = total // tp
+            return HeadRange(rank * count, count, total)
+        if tp % total == 0:
+            return HeadRange(rank * total // tp, 1, total)
+        return None
 
     def settings(self, options: Rd2hOptions) -> Rd2hSettings:
         return Rd2hSettings.for_rank(

@@ -134,7 +134,6 @@ class PrefillWorker(ConnectorRole):
         names: dict[str, list[tuple[str, str]]] = {}
         for s in self._sends:
             m = compute_mapping(self._p_tp, s.decode.tp_size, self._p_rank)
-            endpoint = tcp_endpoint(s.decode.host, remote_port(s.decode.base_port, m.d_rank))
             req = None
             if s.main_block_ids or s.indexer_block_ids:
                 req = ReadRequest(s.ext_id, s.main_block_ids, s.indexer_block_ids,
@@ -142,8 +141,12 @@ class PrefillWorker(ConnectorRole):
             done = s.final and idx == self._last_layer
             if req is None and not done:
                 continue
-            targets.append(LayerTarget(endpoint, req, done, m.member, m.ratio, s.ext_id))
-            names.setdefault(endpoint, []).append((s.internal_id, s.ext_id))
+            # One Decode rank, or (Decode TP above Prefill TP) each of the fan-out ranks
+            # this rank alone serves: each is announced to and answers separately.
+            for d_rank in m.d_ranks:
+                endpoint = tcp_endpoint(s.decode.host, remote_port(s.decode.base_port, d_rank))
+                targets.append(LayerTarget(endpoint, req, done, m.member, m.ratio, s.ext_id))
+                names.setdefault(endpoint, []).append((s.internal_id, s.ext_id))
         if not targets:
             return
         ticket = next(self._ticket_ids)

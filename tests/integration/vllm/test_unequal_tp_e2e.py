@@ -1,13 +1,16 @@
-"""Unequal tensor parallelism on real vLLM engines (spec 8): Prefill TP = k x Decode TP.
+"""Unequal tensor parallelism on real vLLM engines (spec 8): Prefill TP = k x Decode TP,
+and beyond the design, Decode TP = k x Prefill TP.
 
-Every topology of the design runs: Prefill TP 2 and TP 4 engines, each serving Decode
-engines at TP 1 and TP 2 in turn, each Decode engine behind its own ``rd2h proxy``:
-ratio 2 and 4 (the Prefill ranks of a contributor group send to one Decode rank,
-member 0 pulls main) and ratio 1 and 2 with two Decode ranks (the Decode ranks resolve
-completions over vLLM's own TP group). Greedy tokens through the proxy must equal the
-plain TP 1 reference engine's, nothing may stay pending, and the logs must show each
-Prefill rank p talking to Decode rank p // ratio. ``RD2H_UNEQUAL_PREFILL_TPS`` and
-``RD2H_UNEQUAL_DECODE_TPS`` (comma lists, default ``2,4`` and ``1,2``) narrow the set.
+Every topology runs: Prefill TP 1, 2 and 4 engines, each serving Decode engines at TP 1
+and TP 2 in turn, each Decode engine behind its own ``rd2h proxy``: ratio 2 and 4 (the
+Prefill ranks of a contributor group send to one Decode rank, member 0 pulls main),
+ratio 1 and 2 with two Decode ranks (the Decode ranks resolve completions over vLLM's
+own TP group), and Prefill TP 1 -> Decode TP 2 (the Prefill rank announces every layer
+to both Decode ranks, each pulls the whole replicated latent). Greedy tokens through
+the proxy must equal the plain TP 1 reference engine's, nothing may stay pending, and
+the logs must show each Prefill rank p talking to Decode rank p // ratio (or to its
+fan-out ranks). ``RD2H_UNEQUAL_PREFILL_TPS`` and
+``RD2H_UNEQUAL_DECODE_TPS`` (comma lists, default ``1,2,4`` and ``1,2``) narrow the set.
 
 These cases were opt-in until 2026-12-02: requests stalled for 20-30 s (one failed)
 while the machine was loaded. The stall captures (``stall.py``) traced that to the
@@ -15,12 +18,11 @@ kernel's autogroup: each engine ran in a session of its own, and its spinning TP
 workers starved its other threads; the harness now keeps the engines in the test's
 session (``servers.py``, README "Tests on a loaded machine").
 
-The model is the tiny DeepSeek-V2 (MLA), not the tiny Llama: rd2h's ownership rules
-(spec 2, 5) take main KV to be replicated on every Prefill rank, which holds for MLA's
-latent cache. A Llama's KV heads are split over the Prefill ranks: at Prefill TP 2 ->
-Decode TP 1 each Prefill rank holds one of the two KV heads, and Decode refuses every
-layer ("main layout mismatch: source block is 16384 x 1 = 16384 bytes, destination block
-is 32768 bytes") and fails the request, rather than completing it from member 0's half.
+The model is the tiny DeepSeek-V2 (MLA): rd2h's ownership rules (spec 2, 5) take main
+KV to be replicated on every Prefill rank, which holds for MLA's latent cache. A
+Llama's KV heads are split over the Prefill ranks instead; that case needs the
+head-split extension and has its own module (``test_head_split_e2e.py``).
+
 The model has no sparse indexer (none runs on CPU), so the members' disjoint indexer
 ranges are left to the demo (tests/integration/test_demo.py).
 
@@ -44,11 +46,12 @@ from fakes.net import free_port, quiet_ports
 from servers import MLA_ARGS, Server, proxy_server, rd2h_kv, vllm_server
 
 from rd2h.demo.tiny_model import VOCAB
+from rd2h.domain.topology import compute_mapping, contributor_group
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(1800)]
 
 PREFILL_TPS = tuple(
-    int(tp) for tp in os.environ.get("RD2H_UNEQUAL_PREFILL_TPS", "2,4").split(",")
+    int(tp) for tp in os.environ.get("RD2H_UNEQUAL_PREFILL_TPS", "1,2,4").split(",")
 )
 DECODE_TPS = tuple(
     int(tp) for tp in os.environ.get("RD2H_UNEQUAL_DECODE_TPS", "1,2").split(",")
@@ -186,21 +189,23 @@ _STORED = re.compile(r"peer metadata stored\s+.*?rank=(\d+) role=decode session=
 
 
 def test_each_decode_rank_hears_from_its_contributor_group(cluster):
-    """Spec 8 on the real engines: Prefill rank p sends to Decode rank p // ratio, and
-    every Decode rank stores the metadata of exactly its ``ratio`` contributors."""
+    """Spec 8 on the real engines: Prefill rank p sends to Decode rank p // ratio (with
+    Decode TP above Prefill TP: to each of its fan-out ranks), and every Decode rank
+    stores the metadata of exactly its contributors."""
     model, proxy, d_tp, kv_port = (cluster["model"], cluster["proxy"], cluster["d_tp"],
                                    cluster["kv_port"])
     assert len(_tokens(_complete(proxy.url, model, PROMPTS["multi-block"]))[0]) == MAX_TOKENS
     p_tp = cluster["p_tp"]
-    ratio = p_tp // d_tp
     p_log = cluster["prefill"].log.read_text(errors="replace")
     d_log = cluster["decode"].log.read_text(errors="replace")
     sent = {(int(rank), int(port) - kv_port) for port, rank in _ACKED.findall(p_log)
             if 0 <= int(port) - kv_port < d_tp}
-    assert sent == {(p, p // ratio) for p in range(p_tp)}, _logs(cluster)
+    assert sent == {(p, d) for p in range(p_tp)
+                    for d in compute_mapping(p_tp, d_tp, p).d_ranks}, _logs(cluster)
     stored: dict[int, set[str]] = {}
     for rank, session in _STORED.findall(d_log):
         stored.setdefault(int(rank), set()).add(session)
-    assert {r: len(s) for r, s in stored.items()} == dict.fromkeys(range(d_tp), ratio), stored
+    assert {r: len(s) for r, s in stored.items()} == {
+        d: len(contributor_group(p_tp, d_tp, d)) for d in range(d_tp)}, stored
     for bad in ("layer read failed", "request failed to receive its KV"):
         assert bad not in d_log, _logs(cluster)
