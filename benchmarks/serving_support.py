@@ -391,3 +391,55 @@ def passed(report: dict[str, Any]) -> bool:
                and r["outputs_equal"] == r["outputs_total"] > 0
                and r["pending"] == 0 and not any(r["error_lines"].values())
                for r in runs)
+
+
+# ---- vLLM's own connectors and process CPU (serving_vs_peers.py)
+
+def nixl_kv(options: dict | None = None) -> dict:
+    """vLLM's NixlConnector on a CPU engine: its KV buffer is host memory (the only kind
+    it supports on CPU); ``options``: ``kv_connector_extra_config`` keys."""
+    return {"kv_connector": "NixlConnector", "kv_role": "kv_both",
+            "kv_buffer_device": "cpu", "kv_connector_extra_config": dict(options or {})}
+
+
+def mooncake_kv(role: str) -> dict:
+    """vLLM's MooncakeConnector (``role``: kv_producer / kv_consumer)."""
+    return {"kv_connector": "MooncakeConnector", "kv_role": role,
+            "kv_connector_extra_config": {}}
+
+
+def peer_proxy(prefill: Proc, decode: Proc, log: Path) -> Proc:
+    """``nixl_proxy.py``: Prefill first (remote decode, one token), then Decode with the
+    returned ``kv_transfer_params``."""
+    port = free_port()
+    script = Path(__file__).resolve().parent / "nixl_proxy.py"
+    cmd = [PYTHON, str(script), "--port", str(port), "--prefill", prefill.url,
+           "--decode", decode.url]
+    return Proc("peer proxy", cmd, port, log, {}, ready_path="/healthcheck")
+
+
+_CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+def group_cpu_s(pgid: int) -> float:
+    """CPU seconds (user + system, every thread) of the live processes in group ``pgid``."""
+    total = 0
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        # fields[0] is the state (field 3); pgrp is field 5, utime 14, stime 15.
+        if int(fields[2]) == pgid:
+            total += int(fields[11]) + int(fields[12])
+    return total / _CLK_TCK
+
+
+def idle_cores(procs: list[Proc], seconds: float = 5.0) -> dict[str, float]:
+    """Each process group's CPU over ``seconds`` of idle time, in cores."""
+    groups = {p.name: p.proc.pid for p in procs if p.proc is not None}
+    before = {k: group_cpu_s(g) for k, g in groups.items()}
+    time.sleep(seconds)
+    return {k: round((group_cpu_s(g) - before[k]) / seconds, 3) for k, g in groups.items()}

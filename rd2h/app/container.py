@@ -34,6 +34,7 @@ from rd2h.app.connector.prefill_worker import PrefillWorker
 from rd2h.app.decode import DecodeReceiver
 from rd2h.app.prefill import PrefillSender
 from rd2h.app.settings import Rd2hSettings
+from rd2h.app.timeline import read_stamper
 from rd2h.domain.errors import Rd2hError
 from rd2h.domain.topology import plan_ports
 from rd2h.ports.codec import WireCodec
@@ -214,6 +215,7 @@ class Container(containers.DeclarativeContainer):
             lambda d: d == "sparse_kv_pool", config.destinations),
         max_peers=limits.max_peers, max_orphans_per_peer=limits.max_orphans_per_peer,
         max_orphans=limits.max_orphans, timeline=timeline,
+        on_read=providers.Callable(read_stamper, timeline),
     )
     prefill_scheduler = providers.Factory(PrefillScheduler, p_tp=config.tp_size, log=logger,
                                           timeline=timeline)

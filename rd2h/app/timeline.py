@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from rd2h.ports.runtime import HopName
+from rd2h.ports.runtime import NO_TIMELINE, HopName
 
 
 @dataclass(frozen=True)
@@ -66,6 +66,8 @@ SIDE_HOPS: tuple[Hop, ...] = (
     Hop(HopName.PREFILL_RELEASED, "rd2h", "Prefill: every announcement answered, blocks freed"),
     Hop(HopName.PROXY_PREFILL_ANSWERED, "vLLM", "Prefill's HTTP answer reached the proxy"),
     Hop(HopName.DECODE_FAILED, "rd2h", "Decode failed the request's KV"),
+    Hop(HopName.DECODE_LAYER_READ, "rd2h", "Decode read one layer of the request (stamped "
+        "at each read's end, with the request's bytes in it)"),
 )
 KNOWN_HOPS = frozenset(h.name for h in PATH + SIDE_HOPS)
 _KEY = re.compile(r"[0-9a-f]{32}")
@@ -186,3 +188,103 @@ def render(b: Breakdown) -> str:
 
 def _ms(v: float) -> str:
     return "-" if math.isnan(v) else f"{v:.1f}"
+
+
+# ---- how much of each request's pull was done before Prefill's last layer was ready
+
+
+def load_reads(directory: str | Path) -> dict[str, list[tuple[float, int]]]:
+    """Every request's reads on Decode, ``(end time, bytes)``, from the stamps with bytes
+    (``decode.layer_read``) under ``directory``."""
+    reads: dict[str, list[tuple[float, int]]] = {}
+    for path in sorted(Path(directory).glob("*.jsonl")):
+        with open(path, encoding="utf-8") as fh:
+            for line in fh:
+                if '"bytes"' not in line:
+                    continue
+                try:
+                    rec = json.loads(line)
+                    if rec["hop"] != HopName.DECODE_LAYER_READ:
+                        continue
+                    t, n = float(rec["t"]), int(rec["bytes"])
+                    key = request_key(str(rec["id"]))
+                except (ValueError, KeyError, TypeError):
+                    continue
+                reads.setdefault(key, []).append((t, n))
+    return reads
+
+
+@dataclass(frozen=True)
+class PullOverlap:
+    """Over the requests that have both Decode reads and Prefill's last-layer stamp
+    (``prefill.announced_all``: the prompt's last layer written and announced): the share
+    of each request's bytes whose read had ended by then, and how long the pull went on
+    after it."""
+
+    requests: int
+    bytes_p50: float  # bytes pulled per request
+    before_last_p50: float  # fraction of a request's bytes read before its last layer
+    before_last_min: float
+    before_last_all: float  # over all bytes of all requests
+    after_last_p50_ms: float  # last layer ready -> last read ended
+    after_last_p99_ms: float
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def pull_overlap(requests: Mapping[str, Mapping[str, float]],
+                 reads: Mapping[str, Sequence[tuple[float, int]]]) -> PullOverlap | None:
+    """``None`` when no request has both (another connector, or no timeline)."""
+    shares, sizes, tails = [], [], []
+    before_all = total_all = 0
+    for key, hops in requests.items():
+        last = hops.get(HopName.PREFILL_ANNOUNCED_ALL)
+        got = reads.get(key)
+        if last is None or not got:
+            continue
+        total = sum(n for _, n in got)
+        if total <= 0:
+            continue
+        before = sum(n for t, n in got if t <= last)
+        shares.append(before / total)
+        sizes.append(float(total))
+        tails.append(max(0.0, (max(t for t, _ in got) - last) * 1e3))
+        before_all += before
+        total_all += total
+    if not shares:
+        return None
+    return PullOverlap(len(shares), percentile(sizes, 50), percentile(shares, 50),
+                       min(shares), before_all / total_all, percentile(tails, 50),
+                       percentile(tails, 99))
+
+
+def render_overlap(o: PullOverlap | None) -> str:
+    if o is None:
+        return "pull overlap: no request with both Decode reads and Prefill's last layer"
+    return (f"pull overlap: {o.requests} requests, {o.bytes_p50 / 2**20:.1f} MiB each (p50); "
+            f"read before Prefill's last layer was ready: p50 {o.before_last_p50:.1%}, "
+            f"min {o.before_last_min:.1%}, all bytes {o.before_last_all:.1%}; "
+            f"pull went on {o.after_last_p50_ms:.1f} ms (p50) / {o.after_last_p99_ms:.1f} ms "
+            "(p99) after it")
+
+
+def read_stamper(timeline: Any) -> Any:
+    """``DecodeReceiver``'s ``on_read`` that stamps each read's bytes per request on
+    ``timeline`` (``None`` when there is no timeline). A read's bytes are apportioned to
+    its requests by their blocks (exact when every block of the read is the same size,
+    as in a vLLM cache without an indexer)."""
+    if timeline is None or timeline is NO_TIMELINE:
+        return None
+
+    def on_read(p_session: str, plan: Any) -> None:
+        blocks = (plan.main_blocks + plan.indexer_blocks).tolist()
+        count = sum(blocks)
+        if count <= 0:
+            return
+        total = plan.total_bytes
+        for rid, b in zip(plan.ext_req_ids, blocks):
+            if b:
+                timeline.stamp_bytes(rid, HopName.DECODE_LAYER_READ, total * b // count)
+
+    return on_read

@@ -6,7 +6,15 @@ import argparse
 import json
 from pathlib import Path
 
-from rd2h.app.timeline import breakdown, load, render, select
+from rd2h.app.timeline import (
+    breakdown,
+    load,
+    load_reads,
+    pull_overlap,
+    render,
+    render_overlap,
+    select,
+)
 
 _DESCRIPTION = """\
 Merge the per-request stamps that the proxy and the engines' rd2h connectors write
@@ -15,7 +23,9 @@ print, for each hop of a request's path (proxy -> Decode admission -> metaserver
 -> Prefill -> announcements and reads -> Decode's first token), the p50 and p99 of
 the time since the previous hop, the p50 of the time since the proxy received the
 request, and who owns that interval ("vLLM": vLLM's own engine loop, IPC or API
-server; "rd2h": the connector's waits; "proxy"; "model": the Prefill forward)."""
+server; "rd2h": the connector's waits; "proxy"; "model": the Prefill forward).
+Then the pull overlap: the share of each request's bytes that Decode had read when
+Prefill's last layer of the prompt was ready, and how long the pull went on after."""
 
 
 def add_timeline_parser(sub: argparse._SubParsersAction) -> None:
@@ -40,5 +50,12 @@ def _run(args: argparse.Namespace) -> int:
         print(f"rd2h timeline: no stamped requests in {args.directory}")
         return 1
     b = breakdown(requests)
-    print(json.dumps(b.to_json()) if args.json else render(b))
+    overlap = pull_overlap(requests, load_reads(args.directory))
+    if args.json:
+        out = b.to_json()
+        out["pull_overlap"] = overlap.to_json() if overlap is not None else None
+        print(json.dumps(out))
+    else:
+        print(render(b))
+        print(render_overlap(overlap))
     return 0

@@ -91,6 +91,41 @@ def make_tiny_llama(path: str | os.PathLike[str], seed: int = 1234) -> Path:
     return _save(LlamaForCausalLM(cfg).to(torch.bfloat16), out, LLAMA_MARKER)
 
 
+KV_HEAVY_MARKER = "rd2h-kv-heavy-llama-v1"
+# The KV-heavy Llama's shape: KV per token (float32) = layers x 2 x kv_heads x head_dim x 4
+# bytes = 16 KiB, so a 4,096-token prompt holds 64 MiB of KV, a transfer of tens of
+# milliseconds, while its prefill stays within seconds on one CPU thread.
+KV_HEAVY = {"layers": 8, "kv_heads": 4, "head_dim": 64, "max_positions": 8192}
+
+
+def kv_bytes_per_token(dtype_bytes: int = 4, **shape: int) -> int:
+    """KV bytes per token of the KV-heavy Llama (or of ``shape``'s overrides)."""
+    s = {**KV_HEAVY, **shape}
+    return s["layers"] * 2 * s["kv_heads"] * s["head_dim"] * dtype_bytes
+
+
+def make_kv_heavy_llama(path: str | os.PathLike[str], seed: int = 1234) -> Path:
+    """A Llama whose KV per token is large for its compute (``KV_HEAVY``: 8 layers, as
+    many KV heads as query heads, head dim 64, 8,192 positions), for serving benchmarks
+    at long prompts; saved in float32 (vLLM serves it with ``--dtype float32``)."""
+    out = Path(path)
+    if _built(out, KV_HEAVY_MARKER):
+        return out
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    heads = KV_HEAVY["kv_heads"]
+    cfg = LlamaConfig(
+        vocab_size=VOCAB, hidden_size=heads * KV_HEAVY["head_dim"], intermediate_size=512,
+        num_hidden_layers=KV_HEAVY["layers"], num_attention_heads=heads,
+        num_key_value_heads=heads, head_dim=KV_HEAVY["head_dim"],
+        max_position_embeddings=KV_HEAVY["max_positions"], initializer_range=0.2,
+        torch_dtype="float32", bos_token_id=0, eos_token_id=1, tie_word_embeddings=False,
+    )
+    return _save(LlamaForCausalLM(cfg).to(torch.float32), out, KV_HEAVY_MARKER)
+
+
 TOKENIZER_MARKER = "rd2h-word-tokenizer-v1"
 BOS, EOS, UNK = "<s>", "</s>", "<unk>"  # ids 0, 1, 2 (the checkpoints' bos 0 / eos 1)
 

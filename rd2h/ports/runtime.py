@@ -77,6 +77,7 @@ class HopName(StrEnum):
     PREFILL_RELEASED = "prefill.released"
     PROXY_PREFILL_ANSWERED = "proxy.prefill_answered"
     DECODE_FAILED = "decode.failed"
+    DECODE_LAYER_READ = "decode.layer_read"
 
 
 class Timeline(Protocol):
@@ -85,11 +86,18 @@ class Timeline(Protocol):
     def stamp(self, request_id: str, hop: HopName) -> None:
         """Record that ``request_id`` passed ``hop`` now."""
 
+    def stamp_bytes(self, request_id: str, hop: HopName, nbytes: int) -> None:
+        """Record that ``nbytes`` of ``request_id`` passed ``hop`` now (a hop that a
+        request passes many times, each with its bytes: one layer's read)."""
+
 
 class NoTimeline:
     """The timeline when none is configured: stamps nothing."""
 
     def stamp(self, request_id: str, hop: HopName) -> None:
+        return None
+
+    def stamp_bytes(self, request_id: str, hop: HopName, nbytes: int) -> None:
         return None
 
 

@@ -9,7 +9,18 @@ import math
 import pytest
 
 from rd2h.adapters.logging.timeline import JsonlTimeline, timeline
-from rd2h.app.timeline import PATH, breakdown, load, percentile, render, request_key, select
+from rd2h.app.timeline import (
+    PATH,
+    breakdown,
+    load,
+    load_reads,
+    percentile,
+    pull_overlap,
+    render,
+    render_overlap,
+    request_key,
+    select,
+)
 from rd2h.cli.main import main
 from rd2h.ports.runtime import NO_TIMELINE
 
@@ -113,3 +124,70 @@ def test_the_command_prints_the_breakdown(tmp_path, capsys) -> None:
     assert main(["timeline", str(tmp_path), "--since", "1000"]) == 1
     assert "no stamped requests" in capsys.readouterr().out
     assert main(["timeline", str(tmp_path / "missing")]) == 2
+
+
+# ---- the pull overlap: bytes read before Prefill's last layer was ready
+
+def _plan(ids, main, indexer, lengths):
+    import numpy as np
+
+    from rd2h.domain.read_plan import ReadPlan
+
+    n = len(lengths)
+    return ReadPlan(np.zeros(n, np.uint64), np.zeros(n, np.uint64),
+                    np.array(lengths, np.uint64), tuple(ids), np.array(main, np.int64),
+                    np.array(indexer, np.int64), np.array(main, np.int64), sum(main))
+
+
+def test_the_read_stamper_stamps_each_request_its_share_of_a_read(tmp_path) -> None:
+    from rd2h.app.timeline import read_stamper
+
+    assert read_stamper(NO_TIMELINE) is None
+    writer = JsonlTimeline(tmp_path)
+    on_read = read_stamper(writer)
+    other = "f" * 32
+    # 3 blocks of RID and 1 of the other in one read of 4 x 1000 bytes; a request that
+    # owns nothing of this read gets no stamp.
+    on_read("p0", _plan([f"cmpl-{RID}-0-1", other, "nothing"], [3, 1, 0], [0, 0, 0],
+                        [1000] * 4))
+    on_read("p0", _plan([RID], [2], [0], [2000]))
+    writer.close()
+    reads = load_reads(tmp_path)
+    assert sorted(reads) == sorted([RID, other])
+    assert [n for _, n in reads[RID]] == [3000, 2000]
+    assert [n for _, n in reads[other]] == [1000]
+
+
+def test_pull_overlap_counts_the_bytes_read_by_the_last_layer(tmp_path) -> None:
+    last = 100.0
+    with open(tmp_path / "stamps-h-1.jsonl", "w") as fh:
+        for rid, t, n in ((RID, 99.0, 600), (RID, 99.5, 300), (RID, 100.02, 100),
+                          ("a" * 32, 99.0, 50), ("a" * 32, 100.5, 50)):
+            fh.write(json.dumps({"id": rid, "hop": "decode.layer_read", "t": t, "pid": 1,
+                                 "bytes": n}) + "\n")
+        fh.write('{"id": "x", "hop": "decode.layer_read", "t": 1, "bytes": "many"}\n')
+    _write(tmp_path / "stamps-h-2.jsonl",
+           [(RID, "prefill.announced_all", last), ("a" * 32, "prefill.announced_all", last),
+            ("b" * 32, "prefill.announced_all", last)])  # no reads: not counted
+    o = pull_overlap(load(tmp_path), load_reads(tmp_path))
+    assert o is not None and o.requests == 2
+    assert o.before_last_min == pytest.approx(0.5)
+    assert o.before_last_p50 == pytest.approx((0.9 + 0.5) / 2)
+    assert o.before_last_all == pytest.approx(950 / 1100)
+    assert o.after_last_p50_ms == pytest.approx((20 + 500) / 2)
+    assert "pull overlap: 2 requests" in render_overlap(o)
+    assert pull_overlap(load(tmp_path), {}) is None
+    assert "no request" in render_overlap(None)
+
+
+def test_the_command_prints_the_pull_overlap(tmp_path, capsys) -> None:
+    _write(tmp_path / "s.jsonl", [(RID, "proxy.received", 1.0),
+                                  (RID, "prefill.announced_all", 2.0)])
+    with open(tmp_path / "s.jsonl", "a") as fh:
+        fh.write(json.dumps({"id": RID, "hop": "decode.layer_read", "t": 1.5, "pid": 1,
+                             "bytes": 10}) + "\n")
+    assert main(["timeline", str(tmp_path), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["pull_overlap"]["before_last_all"] == 1.0
+    assert main(["timeline", str(tmp_path)]) == 0
+    assert "read before Prefill's last layer was ready: p50 100.0%" in capsys.readouterr().out

@@ -2,7 +2,8 @@
 
 Every process that stamps (the proxy, each engine's scheduler and workers) appends
 ``{"id": <request id>, "hop": <hop>, "t": <unix time>, "pid": <pid>}`` lines to
-``<dir>/stamps-<host>-<pid>.jsonl``. Lines are written whole (line-buffered, one
+``<dir>/stamps-<host>-<pid>.jsonl``; a stamp with bytes (``stamp_bytes``: one layer's
+read of a request on Decode) adds ``"bytes": <n>``. Lines are written whole (line-buffered, one
 ``write`` each, under a lock), so a process killed at any moment leaves only whole
 lines. ``rd2h timeline <dir>`` merges the files into a per-hop breakdown. Wall-clock
 time is used so that processes on different hosts compare (keep their clocks synced).
@@ -38,14 +39,20 @@ class JsonlTimeline:
         self._fh: Any = None
 
     def stamp(self, request_id: str, hop: str) -> None:
-        now = time.time()
+        self._write({"id": request_id, "hop": hop, "t": time.time(), "pid": self._pid})
+
+    def stamp_bytes(self, request_id: str, hop: str, nbytes: int) -> None:
+        self._write({"id": request_id, "hop": hop, "t": time.time(), "pid": self._pid,
+                     "bytes": int(nbytes)})
+
+    def _write(self, rec: dict[str, Any]) -> None:
         with self._lock:
             if self._fh is None or self._pid != os.getpid():  # opened lazily, anew after fork
                 self._pid = os.getpid()
                 self.path = self.directory / f"stamps-{socket.gethostname()}-{self._pid}.jsonl"
                 self._fh = open(self.path, "a", buffering=1, encoding="utf-8")  # noqa: SIM115
-            self._fh.write(json.dumps({"id": request_id, "hop": hop, "t": now,
-                                       "pid": self._pid}) + "\n")
+            rec["pid"] = self._pid
+            self._fh.write(json.dumps(rec) + "\n")
 
     def close(self) -> None:
         with self._lock:
