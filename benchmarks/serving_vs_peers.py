@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import signal
 import statistics
@@ -248,11 +249,34 @@ def one_round(args, model: Path, run: Path, name: str, rnd: int) -> dict[str, An
     except (RuntimeError, TimeoutError, OSError) as e:
         out["error"] = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300]}"
         out["log_tail"] = {k: p.tail(15) for k, p in procs.items()}
-        progress(f"round {rnd} {name}: failed: {out['error']}")
+        out["root_cause"] = root_cause(procs)
+        progress(f"round {rnd} {name}: failed: {out['error']}"
+                 + (f"; first error in the logs: {out['root_cause']}" if out["root_cause"]
+                    else ""))
     finally:
         sp.stop_all(list(procs.values())[::-1])
         guardian.release()
     return out
+
+
+def root_cause(procs: dict[str, sp.Proc]) -> str | None:
+    """The first exception line in the targets' logs that is not vLLM's generic "Engine
+    core initialization failed" (which only says that one happened)."""
+    for p in procs.values():
+        try:
+            lines = p.log.read_text(errors="replace").splitlines()
+        except OSError:
+            continue
+        for ln in lines:
+            if " WARNING " in ln or " INFO " in ln:
+                continue
+            m = _EXC_LINE.search(ln)
+            if m and "Engine core initialization failed" not in ln:
+                return f"{p.name}: {m.group(0)[:300]}"
+    return None
+
+
+_EXC_LINE = re.compile(r"\b[A-Z]\w*(Error|Exception): .*")
 
 
 # ---- figures
@@ -449,6 +473,8 @@ def main(argv: list[str] | None = None) -> int:
     for r in rounds:
         if r["error"]:
             print(f"\nround {r['round']} {r['target']} failed: {r['error']}")
+            if r.get("root_cause"):
+                print(f"first error in the logs: {r['root_cause']}")
             for k, tail in (r.get("log_tail") or {}).items():
                 print(f"-- {k} log tail\n{tail}")
     ok = passed(args, rounds, summary) and not report.get("error")
@@ -457,7 +483,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(svp.finite(report), indent=1, default=str))
-    if ok and not args.keep_logs:
+    if ok and not args.keep_logs and not any(r["error"] for r in rounds):
         shutil.rmtree(run, ignore_errors=True)
         progress("PASSED (run folder removed; --keep-logs keeps it)")
     else:
