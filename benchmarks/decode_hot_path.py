@@ -11,7 +11,9 @@ the last chunk carries the "done" ids.
 Stages (CPU microseconds per message; ``time.thread_time`` of the thread doing the
 work, median over ``--repeat`` repeats of the whole 32-message sequence):
 
-- ``decode``: ``MsgpackCodec.decode`` of one frame.
+- ``decode``: ``MsgpackCodec.decode`` of one frame on its connection (the layers after
+  a chunk's first carry the same read entries, byte for byte: the codec reuses the
+  entries it checked, so only the first layer of each chunk checks every id).
 - ``plan``: ``plan_reads`` alone, without a memo: every message planned in full.
 - ``receive``: ``DecodeSession.receive`` (validation, planning, book-keeping); the
   session's ``PlanMemo`` reuses a peer's block ownership for the next layer of the

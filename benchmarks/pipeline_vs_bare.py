@@ -8,6 +8,10 @@ starting together; the order alternates per round (pipeline first, bare first, .
 A ratio compares two measurements taken moments apart, so a noisy neighbour moves both.
 An in-process memcpy of the same size is the ceiling. Rates are in 10^9 bytes/s.
 
+Each round also reports the CPU both sides spent per byte moved, counting the same
+processes (every thread of every Decode and Prefill rank; Prefill idles during a
+replay) and its pipeline/bare ratio, per round and as a median (issue #24: <= 1.25).
+
 Cases (``--case`` to pick; all by default):
   defaults   4 Prefill -> 2 Decode ranks, 8 layers x 8 requests x 8000 tokens, cma
              target: pipeline >= 0.8x bare in every round
@@ -78,11 +82,13 @@ def _print_case(case: str, res: DemoResult, target: str, met: bool | None) -> No
           f"{res.layers} layers x {res.requests} requests x {res.prompt_tokens} tokens, "
           f"{res.bytes / 2**20:.1f} MiB per round"
           + (f", {res.layer_compute_ms:g} ms compute per layer" if res.layer_compute_ms else ""))
-    print("  round  order           pipeline s  pipeline GB/s  bare s  bare GB/s  ratio")
+    print("  round  order           pipeline s  pipeline GB/s  bare s  bare GB/s  ratio  "
+          "CPU/byte pipeline/bare")
     for r in res.rounds:
         print(f"  {r['round']:5d}  {r['order']:14s}  {_fmt(r.get('seconds'), 3):>10s}  "
               f"{_fmt(r.get('gbps')):>13s}  {_fmt(r.get('bare_seconds'), 3):>6s}  "
-              f"{_fmt(r.get('bare_gbps')):>9s}  {_fmt(r.get('ratio'))}")
+              f"{_fmt(r.get('bare_gbps')):>9s}  {_fmt(r.get('ratio')):>5s}  "
+              f"{_fmt(r.get('cpu_per_byte', {}).get('ratio')):>22s}")
     print(f"  median: pipeline {_fmt(res.gbps)} GB/s, bare {_fmt(res.raw_gbps)} GB/s, "
           f"memcpy ceiling {_fmt(res.memcpy_gbps)} GB/s; ratio median "
           f"{_fmt(res.ratio_median)} (min {_fmt(res.ratio_min)}, max {_fmt(res.ratio_max)})")
@@ -92,12 +98,20 @@ def _print_case(case: str, res: DemoResult, target: str, met: bool | None) -> No
               f"{c['pipeline'] * 1e3:.0f} ms = Decode user {c['decode_user'] * 1e3:.0f} + "
               f"Decode kernel {c['decode_sys'] * 1e3:.0f} + Prefill {c['prefill'] * 1e3:.0f}"
               + (f"; bare {c['bare'] * 1e3:.0f} ms" if "bare" in c else "")
+              + (f" (Prefill idle {c['bare_prefill'] * 1e3:.1f})" if "bare_prefill" in c else "")
               + f"; {res.cores} core(s): the CPU spent allows a ratio of at most "
               f"{_fmt(res.cpu_ratio_ceiling)}")
+    if res.cpu_per_byte.get("ratio"):
+        c = res.cpu_per_byte
+        print(f"  CPU per byte moved (median): pipeline {c['pipeline']:.3f} ns, bare "
+              f"{c['bare']:.3f} ns (Prefill's idle CPU during the replay included); "
+              f"pipeline/bare {_fmt(c['ratio'])} (target <= 1.25)")
     if res.layer_compute_ms:
+        tail_x = (res.tail_ms_p50 / res.bare_layer_ms if res.tail_ms_p50 is not None
+                  and res.bare_layer_ms else None)
         print(f"  tail: p50 {_fmt(res.tail_ms_p50)} ms, p99 {_fmt(res.tail_ms_p99)} ms; bare "
-              f"read of that layer {_fmt(res.bare_layer_ms)} ms; layer ack p50 "
-              f"{_fmt(res.layer_ack_p50_ms)} ms")
+              f"read of that layer {_fmt(res.bare_layer_ms)} ms (p50 {_fmt(tail_x)}x); "
+              f"layer ack p50 {_fmt(res.layer_ack_p50_ms)} ms")
     verdict = {True: "met", False: "NOT met", None: "not measured"}[met]
     print(f"  target ({target}): {verdict}; verified: {'yes' if res.verified else 'NO'}")
     for e in res.errors[:5]:

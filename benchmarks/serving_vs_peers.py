@@ -51,6 +51,7 @@ import serving_support as sp
 import serving_vs_plain as svp
 
 from rd2h.demo.tiny_model import (
+    KV_HEAVY,
     kv_bytes_per_token,
     make_kv_heavy_llama,
     make_tiny_llama,
@@ -142,8 +143,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def build_model(args) -> Path:
     model = args.workdir / ("model-kv-heavy" if args.model == "kv-heavy" else "model-tiny")
-    (make_kv_heavy_llama if args.model == "kv-heavy" else make_tiny_llama)(model)
-    make_word_tokenizer(model)
+    if args.model == "kv-heavy":
+        make_kv_heavy_llama(model)
+        make_word_tokenizer(model, max_length=KV_HEAVY["max_positions"])
+    else:
+        make_tiny_llama(model)
+        make_word_tokenizer(model)
     return model
 
 

@@ -33,6 +33,24 @@ def process_cpu(since: dict[str, float] | None = None) -> dict[str, float]:
     return {k: v - since[k] for k, v in now.items()} if since else now
 
 
+def threads_cpu(pid: int) -> float | None:
+    """CPU seconds every live thread of process ``pid`` ran so far (Linux
+    ``/proc/PID/task/*/schedstat``: nanoseconds, user and kernel together); None when
+    unreadable. Lets the parent measure a rank that is not reporting (idle)."""
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return None
+    total = 0
+    for tid in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                total += int(f.read().split()[0])
+        except (OSError, ValueError, IndexError):
+            continue  # a thread that ended meanwhile
+    return total / 1e9
+
+
 def killed() -> None:
     """An injected kill: no cleanup, no goodbye (sockets close with the process)."""
     os._exit(KILLED_EXIT_CODE)

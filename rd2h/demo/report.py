@@ -64,6 +64,8 @@ class DemoResult:
     cores: int = 1
     cpu: dict[str, float] = field(default_factory=dict)  # median CPU s per round
     cpu_ratio_ceiling: float | None = None  # bare s / (pipeline CPU s / cores)
+    # ns of CPU per byte moved, medians over rounds: pipeline, bare, ratio (pipeline / bare)
+    cpu_per_byte: dict[str, float] = field(default_factory=dict)
 
 
 def memcpy_gbps(nbytes: int) -> float:
@@ -142,6 +144,12 @@ def summary_text(res: DemoResult) -> str:
             f" Prefill {c['prefill'] * 1e3:.0f})"
             + (f", bare {c['bare'] * 1e3:.0f} ms" if "bare" in c else "")
             + f" on {res.cores} core(s): ratio ceiling {f(res.cpu_ratio_ceiling)}")
+    if res.cpu_per_byte.get("ratio"):
+        c = res.cpu_per_byte
+        lines.append(f"  CPU per byte (median): pipeline {c['pipeline']:.3f} ns, bare "
+                     f"{c['bare']:.3f} ns; pipeline/bare {f(c['ratio'])} (per round: "
+                     + ", ".join(f(r.get("cpu_per_byte", {}).get("ratio")) for r in res.rounds)
+                     + ")")
     if res.tail_ms_p50 is not None and res.layer_compute_ms:
         # Without compute every layer is ready at once: the "tail" is the whole pull.
         compute = f"{res.layer_compute_ms:g} ms compute per layer"

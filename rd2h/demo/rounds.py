@@ -34,6 +34,9 @@ class RoundFigures:
     cpu: dict[str, float] = field(default_factory=dict)
     # Best ratio the CPU spent allows on this machine: bare time / (pipeline CPU / cores).
     cpu_ratio_ceiling: float | None = None
+    # CPU per byte moved (ns/byte), median over rounds: "pipeline", "bare" and "ratio"
+    # (pipeline / bare, the median of the per-round ratios).
+    cpu_per_byte: dict[str, float] = field(default_factory=dict)
 
 
 def _median(values: list[float]) -> float | None:
@@ -60,7 +63,7 @@ def summarize(cfg: DemoConfig, alloc: Allocation, msgs: dict[str, dict[str, Any]
             row.update(bare_seconds=span, bare_gbps=nbytes / span / 1e9 if span > 0 else None)
         if row.get("gbps") and row.get("bare_gbps"):
             row["ratio"] = row["gbps"] / row["bare_gbps"]
-        _cpu(row, dec, pre, bare)
+        _cpu(row, dec, pre, bare, msgs.get(f"bare_prefill_cpu/{k}"))
         ready = [p.get("ready_at") or 0.0 for p in pre.values()]
         if len(dec) == cfg.decode_tp and len(pre) == cfg.prefill_tp and all(ready):
             for r in range(cfg.requests):
@@ -84,13 +87,17 @@ def summarize(cfg: DemoConfig, alloc: Allocation, msgs: dict[str, dict[str, Any]
     fig.cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (
         os.cpu_count() or 1)
     with_cpu = [r for r in fig.rounds if "cpu" in r]
-    for key in ("decode_user", "decode_sys", "prefill", "pipeline", "bare"):
+    for key in ("decode_user", "decode_sys", "prefill", "pipeline", "bare", "bare_prefill"):
         values = [r["cpu"][key] for r in with_cpu if key in r["cpu"]]
         if values:
             fig.cpu[key] = _median(values) or 0.0
     ceilings = [r["bare_seconds"] / (r["cpu"]["pipeline"] / fig.cores) for r in with_cpu
                 if r.get("bare_seconds") and r["cpu"].get("pipeline")]
     fig.cpu_ratio_ceiling = _median(ceilings)
+    for key in ("pipeline", "bare", "ratio"):
+        values = [r["cpu_per_byte"][key] for r in fig.rounds if "cpu_per_byte" in r]
+        if values:
+            fig.cpu_per_byte[key] = _median(values) or 0.0
     if fig.raw_seconds:
         start, end, _ = chunk_ranges(cfg, alloc)[-1]
         # Bytes scale with blocks: the final chunk of one layer is this share of a round.
@@ -100,9 +107,14 @@ def summarize(cfg: DemoConfig, alloc: Allocation, msgs: dict[str, dict[str, Any]
 
 
 def _cpu(row: dict[str, Any], dec: dict[str, Any], pre: dict[str, Any],
-         bare: dict[str, Any]) -> None:
+         bare: dict[str, Any], bare_prefill: dict[str, Any] | None = None) -> None:
     """CPU seconds of the round's pipeline (every rank) and bare replay, when every
-    rank reported them."""
+    rank reported them, and the CPU each spent per byte moved.
+
+    Both sides count the same processes, every thread: the Decode ranks, and the
+    Prefill ranks (idle during a replay: ``bare_prefill``, their CPU over the replay
+    as the parent measured it, ``bare_prefill_cpu/K``; a run without it counts the
+    Decode ranks alone on the bare side, which only raises the ratio)."""
     cpu: dict[str, float] = {}
     if dec and pre and all("cpu" in p for p in (*dec.values(), *pre.values())):
         cpu["decode_user"] = sum(p["cpu"]["user"] for p in dec.values())
@@ -111,5 +123,14 @@ def _cpu(row: dict[str, Any], dec: dict[str, Any], pre: dict[str, Any],
         cpu["pipeline"] = cpu["decode_user"] + cpu["decode_sys"] + cpu["prefill"]
     if bare and all("cpu" in b for b in bare.values()):
         cpu["bare"] = sum(b["cpu"]["user"] + b["cpu"]["sys"] for b in bare.values())
+        if bare_prefill:
+            cpu["bare_prefill"] = sum(bare_prefill.values())
+            cpu["bare"] += cpu["bare_prefill"]
     if cpu:
         row["cpu"] = cpu
+    nbytes = row.get("bytes")
+    bare_bytes = sum(b.get("bytes", 0) for b in bare.values()) if bare else 0
+    if cpu.get("pipeline") and cpu.get("bare") and nbytes and bare_bytes:
+        per = {"pipeline": cpu["pipeline"] / nbytes * 1e9, "bare": cpu["bare"] / bare_bytes * 1e9}
+        per["ratio"] = per["pipeline"] / per["bare"]
+        row["cpu_per_byte"] = per  # ns of CPU per byte moved

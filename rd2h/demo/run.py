@@ -36,6 +36,7 @@ from rd2h.app.gateways import network_namespaces
 from rd2h.demo.config import SENTINEL, DemoConfig, internal_id, main_pool_bytes, round_order
 from rd2h.demo.decode_rank import decode_main
 from rd2h.demo.faults import KILLED_EXIT_CODE, may_die
+from rd2h.demo.memory import threads_cpu
 from rd2h.demo.prefill_rank import prefill_main
 from rd2h.demo.report import DemoResult, Progress, memcpy_gbps, percentile
 from rd2h.demo.rounds import RoundFigures, summarize
@@ -233,9 +234,11 @@ class _Run:
                         sig.announce[k].set()  # ... then Prefill announces
                         self._wait(f"decode_done/{k}", decoders, deadline)
                         self._wait(f"prefill_done/{k}", prefills, deadline)
-                    elif cfg.replay:
+                    elif cfg.replay:  # Prefill's (idle) CPU meanwhile counts too
+                        cpu0 = self._cpu(prefills)
                         sig.bare[k].set()
                         self._wait(f"bare/{k}", decoders, deadline)
+                        self.msgs[f"bare_prefill_cpu/{k}"] = self._cpu(prefills, cpu0)
             sig.settle.set()
             self._wait("decode_final", decoders, deadline)
             sig.release.set()
@@ -264,6 +267,14 @@ class _Run:
             shm.close()
             shm.unlink()
         return self._result(started)
+
+    def _cpu(self, names: list[str], since: dict[str, float] | None = None
+             ) -> dict[str, float]:
+        """CPU seconds of these ranks (every thread) so far, or since ``since``."""
+        now = {n: threads_cpu(self.ranks[n].proc.pid) for n in names}
+        if since is None:
+            return {n: c for n, c in now.items() if c is not None}
+        return {n: c - since[n] for n, c in now.items() if c is not None and n in since}
 
     def _require(self, kind: str, names: list[str]) -> None:
         missing = [n for n in names if n not in self.msgs.get(kind, {})]
@@ -382,5 +393,5 @@ class _Run:
             ratio_max=fig.ratio_max, layer_compute_ms=cfg.layer_compute_ms,
             tail_ms_p50=percentile(fig.tail_ms, 50), tail_ms_p99=percentile(fig.tail_ms, 99),
             bare_layer_ms=fig.bare_layer_ms, cores=fig.cores, cpu=fig.cpu,
-            cpu_ratio_ceiling=fig.cpu_ratio_ceiling,
+            cpu_ratio_ceiling=fig.cpu_ratio_ceiling, cpu_per_byte=fig.cpu_per_byte,
         )

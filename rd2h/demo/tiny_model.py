@@ -135,7 +135,8 @@ def word(token_id: int) -> str:
     return f"w{token_id}"
 
 
-def make_word_tokenizer(path: str | os.PathLike[str], vocab: int = VOCAB) -> Path:
+def make_word_tokenizer(path: str | os.PathLike[str], vocab: int = VOCAB,
+                        max_length: int = 2048) -> Path:
     """Save a word-level tokenizer beside the checkpoint at ``path`` (idempotent).
 
     One word per id: ``<s>`` (0, bos), ``</s>`` (1, eos), ``<unk>`` (2), then ``w3`` ..
@@ -143,10 +144,13 @@ def make_word_tokenizer(path: str | os.PathLike[str], vocab: int = VOCAB) -> Pat
     no special tokens are added on encode. So decoding any ids and encoding the text
     again gives the same ids back (as long as no special id is among them), which vLLM's
     random benchmark prompts rely on (they are random ids decoded to text, re-encoded by
-    the server)."""
+    the server). ``max_length``: the longest text it is meant for (the model's
+    positions)."""
     out = Path(path)
     stamp = out / "rd2h-tokenizer-marker.json"
     want = {"marker": TOKENIZER_MARKER, "vocab": vocab}
+    if max_length != 2048:
+        want["max_length"] = max_length
     if stamp.exists() and json.loads(stamp.read_text()) == want:
         return out
     from tokenizers import Tokenizer, models, pre_tokenizers
@@ -160,7 +164,7 @@ def make_word_tokenizer(path: str | os.PathLike[str], vocab: int = VOCAB) -> Pat
     specials = {"bos_token": BOS, "eos_token": EOS, "unk_token": UNK}
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast", **specials,
-        "model_max_length": 2048, "clean_up_tokenization_spaces": False,
+        "model_max_length": max_length, "clean_up_tokenization_spaces": False,
         "add_bos_token": False, "add_eos_token": False,
     }
     (out / "tokenizer_config.json").write_text(json.dumps(config, indent=1))

@@ -472,7 +472,7 @@ def test_malformed_read_ready_batch_is_rejected(value, layer_idx):
 def test_codec_turns_any_decoding_bug_into_a_protocol_error(monkeypatch):
     import rd2h.adapters.msgpack.codec as codec_module
 
-    def broken(fields, decode_nested_metadata=None):
+    def broken(fields, decode_nested_metadata=None, read_requests=None):
         raise KeyError("bug")
 
     monkeypatch.setattr(codec_module, "message_from_fields", broken)

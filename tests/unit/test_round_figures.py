@@ -81,3 +81,52 @@ def test_round_order_alternates_after_round_zero_pulls_first() -> None:
     assert [round_order(k)[0] for k in range(4)] == ["pipeline", "bare", "pipeline", "bare"]
     assert internal_id(3, 0) != internal_id(3, 1)
     assert internal_id(3, 1).endswith(internal_id(3, 0)[-9:])  # vLLM's 9-char suffix
+
+
+def test_cpu_per_byte_counts_the_same_processes_on_both_sides() -> None:
+    msgs, t0 = _msgs()
+    for k in range(3):
+        for d, name in enumerate(("decode 0", "decode 1")):
+            msgs[f"decode_done/{k}"][name]["cpu"] = {"user": 0.02, "sys": 0.08 + 0.01 * d}
+            msgs[f"bare/{k}"][name]["cpu"] = {"user": 0.001, "sys": 0.079}
+        for name in ("prefill 0", "prefill 1"):
+            msgs[f"prefill_done/{k}"][name]["cpu"] = {"user": 0.01, "sys": 0.005}
+        # Prefill idles during the replay; the parent measured its CPU there
+        msgs[f"bare_prefill_cpu/{k}"] = {"prefill 0": 0.001, "prefill 1": 0.003}
+    fig = summarize(CFG, ALLOC, msgs, t0)
+    pipeline = 0.02 * 2 + 0.08 + 0.09 + 0.015 * 2  # 0.24 s for 1e9 bytes
+    bare = 0.08 * 2 + 0.004  # 0.164 s for 1e9 bytes
+    for row in fig.rounds:
+        assert row["cpu"]["bare_prefill"] == pytest.approx(0.004)
+        per = row["cpu_per_byte"]
+        assert per["pipeline"] == pytest.approx(pipeline)  # ns per byte
+        assert per["bare"] == pytest.approx(bare)
+        assert per["ratio"] == pytest.approx(pipeline / bare)
+    assert fig.cpu_per_byte["ratio"] == pytest.approx(pipeline / bare)
+    assert fig.cpu["bare"] == pytest.approx(bare)
+
+
+def test_no_cpu_per_byte_without_both_sides() -> None:
+    msgs, t0 = _msgs()
+    for name in ("decode 0", "decode 1"):
+        msgs["decode_done/0"][name]["cpu"] = {"user": 0.02, "sys": 0.08}
+    for name in ("prefill 0", "prefill 1"):
+        msgs["prefill_done/0"][name]["cpu"] = {"user": 0.01, "sys": 0.005}
+    fig = summarize(CFG, ALLOC, msgs, t0)  # no replay reported its CPU
+    assert "cpu_per_byte" not in fig.rounds[0] and fig.cpu_per_byte == {}
+
+
+def test_threads_cpu_reads_this_process() -> None:
+    import os
+    import time
+
+    from rd2h.demo.memory import threads_cpu
+
+    before = threads_cpu(os.getpid())
+    assert before is not None
+    end = time.thread_time() + 0.02
+    while time.thread_time() < end:
+        pass
+    after = threads_cpu(os.getpid())
+    assert after is not None and after - before >= 0.015
+    assert threads_cpu(2**22 + 12345) is None  # beyond pid_max: no such process

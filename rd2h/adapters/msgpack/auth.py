@@ -151,6 +151,7 @@ class AuthenticatedCodec:
         with self._lock:
             self._proven.pop(conn, None)
             self._unproven.pop(conn, None)
+        self._inner.forget(conn)
 
     @property
     def connections(self) -> int:
@@ -257,7 +258,7 @@ class AuthenticatedCodec:
         reason = self._verify(plain, envelope, conn, first=_is_meta(plain))
         if reason is not None:
             raise AuthenticationError(f"{reason}; {_HINT}", self._layer_of(plain))
-        return self._inner.decode(plain)
+        return self._inner.decode(plain, conn)
 
     def _layer_of(self, frame: bytes) -> int | None:
         """The layer a refused frame names, so Decode can answer READ_FAILED for it

@@ -27,6 +27,15 @@ length exceeds the bytes that follow it, and, for pieces longer than
 ``max_depth * max_items`` bytes, nesting deeper than ``max_depth``. Either way
 open containers hold at most ``min(piece length, max_depth * max_items)`` values
 not charged yet. ``worst_case_decode_bytes`` turns all this into a bound.
+
+Repeated read entries. Every layer of a chunk announces the same requests and blocks,
+byte for byte. Per connection the codec keeps the wire bytes of the last
+READ_READY_BATCH's read entries (when at most ``MEMO_MAX_BYTES``) with the entries
+that were validated from them; a frame whose entries are the same bytes gets those
+(msgpack decoding is deterministic: the same bytes are the same values), skipping
+the per-id checks. The frame is still decoded whole and charged to its budget. At
+most ``MEMO_MAX_CONNECTIONS`` connections are remembered (the oldest goes first);
+``forget`` drops one.
 """
 
 from __future__ import annotations
@@ -38,7 +47,14 @@ import msgpack
 
 from rd2h.domain.compat import NAK, MetaRefused, refusal_fields, refusal_from_fields
 from rd2h.domain.errors import ProtocolError
-from rd2h.domain.protocol import ACK, Message, fields_of, message_from_fields
+from rd2h.domain.protocol import (
+    ACK,
+    READ_READY_BATCH,
+    Message,
+    ReadReadyBatch,
+    fields_of,
+    message_from_fields,
+)
 
 DEFAULT_MAX_FRAME_BYTES = 64 * 1024 * 1024
 # Longest array (a map: half of it, in entries). The largest legitimate arrays are
@@ -54,6 +70,11 @@ DEFAULT_MAX_DEPTH = 8
 # 8 tensors ~70,000). It also draws on the frame's budget.
 DEFAULT_MAX_METADATA_OBJECTS = 1 << 18
 MAX_STR_BYTES = 1 << 20
+
+# The read-entry memo (module docstring): entries longer than this are not kept, and
+# at most this many connections are remembered.
+MEMO_MAX_BYTES = 64 * 1024
+MEMO_MAX_CONNECTIONS = 64
 
 # msgpack's C unpacker refuses nesting deeper than this (its fixed stack size).
 _STACK_LIMIT = 1024
@@ -197,6 +218,8 @@ class MsgpackCodec:
         self._short_limits = {
             key: min(value, _SHORT_PIECE_BYTES) for key, value in self._limits.items()
         }
+        # conn -> (wire bytes of the last READ_READY_BATCH's read entries, their entries)
+        self._entries: dict[Hashable, tuple[bytes, tuple[Any, ...]]] = {}
 
     def worst_case_decode_bytes(self) -> int:
         """``worst_case_decode_bytes`` for this codec's limits."""
@@ -236,7 +259,8 @@ class MsgpackCodec:
         return refusal_from_fields(body)
 
     def forget(self, conn: Hashable) -> None:
-        """Nothing is kept per connection."""
+        """Drop what is kept for the connection (its last read entries)."""
+        self._entries.pop(conn, None)
 
     @staticmethod
     def _pack(value: Any) -> bytes:
@@ -250,12 +274,28 @@ class MsgpackCodec:
         def nested(raw: bytes) -> Any:
             return self._unpack_nested(raw, budget)
 
+        wire = known = None
+        if (conn is not None and type(fields) is list and len(fields) > 3
+                and fields[0] == READ_READY_BATCH):
+            wire = _element_bytes(frame, 3)
+            seen = self._entries.get(conn)
+            if seen is not None and wire is not None and seen[0] == wire:
+                known = seen[1]
         try:
-            return message_from_fields(fields, decode_nested_metadata=nested)
+            message = message_from_fields(fields, decode_nested_metadata=nested,
+                                          read_requests=known)
         except ProtocolError:
             raise
         except Exception as exc:  # a bug-shaped input must still be only a ProtocolError
             raise ProtocolError(f"malformed message: {type(exc).__name__}: {exc}") from exc
+        if (known is None and wire is not None and len(wire) <= MEMO_MAX_BYTES
+                and isinstance(message, ReadReadyBatch)):
+            entries = self._entries
+            entries.pop(conn, None)
+            while len(entries) >= MEMO_MAX_CONNECTIONS:
+                del entries[next(iter(entries))]
+            entries[conn] = (wire, message.read_reqs)
+        return message
 
     def _unpack_nested(self, raw: bytes, budget: _Budget | None = None) -> Any:
         """MF_META's layer map, drawing on ``budget`` (the enclosing frame's)."""
@@ -333,6 +373,23 @@ class MsgpackCodec:
             raise ProtocolError(f"{what} is not valid msgpack: {_detail(exc)}") from exc
         if unpacker.tell() != size + len(prefix):
             raise ProtocolError(f"{what} is not valid msgpack: extra data after the value")
+
+
+def _element_bytes(frame: Any, index: int) -> bytes | None:
+    """The wire bytes of element ``index`` of the array ``frame`` holds (a frame that
+    already decoded whole), or None."""
+    unpacker = msgpack.Unpacker(max_buffer_size=max(len(frame), 1))
+    try:
+        unpacker.feed(frame)
+        if unpacker.read_array_header() <= index:
+            return None
+        for _ in range(index):
+            unpacker.skip()
+        start = unpacker.tell()
+        unpacker.skip()
+    except Exception:  # not what decoded above: no memo for this frame
+        return None
+    return bytes(frame[start:unpacker.tell()])
 
 
 def _detail(exc: BaseException) -> str:
