@@ -70,6 +70,19 @@ def test_forget_drops_a_connection_and_the_memo_is_bounded(monkeypatch) -> None:
     assert codec.decode(codec.encode(batch(0))).read_reqs == REQS  # no connection: no memo
 
 
+def test_a_large_frame_is_not_scanned_again_for_the_memo(monkeypatch) -> None:
+    def scan(frame, index):
+        raise AssertionError("a frame over MEMO_MAX_FRAME_BYTES was scanned again")
+
+    codec = MsgpackCodec()
+    monkeypatch.setattr(codec_module, "_element_bytes", scan)
+    monkeypatch.setattr(codec_module, "MEMO_MAX_FRAME_BYTES", 16)
+    first = codec.decode(codec.encode(batch(0)), b"peer")
+    again = codec.decode(codec.encode(batch(1)), b"peer")
+    assert again.read_reqs == REQS and again.read_reqs is not first.read_reqs
+    assert b"peer" not in codec._entries
+
+
 def test_plain_entries_are_checked_column_wise_like_entry_by_entry() -> None:
     plain = [["a", [1, 2], [3], 4, 5], ["b", [], [6], 0, 0]]
     msg = message_from_fields([READ_READY_BATCH, 1, "l", plain, [], 0, 1])

@@ -30,9 +30,9 @@ not charged yet. ``worst_case_decode_bytes`` turns all this into a bound.
 
 Repeated read entries. Every layer of a chunk announces the same requests and blocks,
 byte for byte. Per connection the codec keeps the wire bytes of the last
-READ_READY_BATCH's read entries (when at most ``MEMO_MAX_BYTES``) with the entries
-that were validated from them; a frame whose entries are the same bytes gets those
-(msgpack decoding is deterministic: the same bytes are the same values), skipping
+READ_READY_BATCH's read entries (at most ``MEMO_MAX_BYTES``, from a frame of at most
+``MEMO_MAX_FRAME_BYTES``) with the entries validated from them; a frame whose entries
+are the same bytes gets those (msgpack decoding is deterministic), skipping
 the per-id checks. The frame is still decoded whole and charged to its budget. At
 most ``MEMO_MAX_CONNECTIONS`` connections are remembered (the oldest goes first);
 ``forget`` drops one.
@@ -74,6 +74,9 @@ MAX_STR_BYTES = 1 << 20
 # The read-entry memo (module docstring): entries longer than this are not kept, and
 # at most this many connections are remembered.
 MEMO_MAX_BYTES = 64 * 1024
+# Frames longer than this are not scanned again for their entries' bytes (the scan
+# would cost as much as a large frame's decode; such frames are never memoised).
+MEMO_MAX_FRAME_BYTES = 2 * MEMO_MAX_BYTES
 MEMO_MAX_CONNECTIONS = 64
 
 # msgpack's C unpacker refuses nesting deeper than this (its fixed stack size).
@@ -275,7 +278,8 @@ class MsgpackCodec:
             return self._unpack_nested(raw, budget)
 
         wire = known = None
-        if (conn is not None and type(fields) is list and len(fields) > 3
+        if (conn is not None and len(frame) <= MEMO_MAX_FRAME_BYTES
+                and type(fields) is list and len(fields) > 3
                 and fields[0] == READ_READY_BATCH):
             wire = _element_bytes(frame, 3)
             seen = self._entries.get(conn)
