@@ -35,7 +35,6 @@ import argparse
 import json
 import os
 import re
-import shutil
 import signal
 import statistics
 import sys
@@ -483,17 +482,9 @@ def main(argv: list[str] | None = None) -> int:
             for k, tail in (r.get("log_tail") or {}).items():
                 print(f"-- {k} log tail\n{tail}")
     ok = passed(args, rounds, summary) and not report.get("error")
-    report["ok"] = ok
-    report["run_dir"] = str(run)
-    if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(svp.finite(report), indent=1, default=str))
-    if ok and not args.keep_logs and not any(r["error"] for r in rounds):
-        shutil.rmtree(run, ignore_errors=True)
-        progress("PASSED (run folder removed; --keep-logs keeps it)")
-    else:
-        progress(f"{'PASSED' if ok else 'FAILED'}; logs and results in {run}")
-    return 0 if ok else 1
+    # A target that failed to start (mooncake) keeps the run folder with its logs.
+    keep = args.keep_logs or any(r["error"] for r in rounds)
+    return svp.finish(report, run, ok, args.json, keep, progress)
 
 
 if __name__ == "__main__":

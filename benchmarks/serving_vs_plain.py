@@ -308,17 +308,24 @@ def main(argv: list[str] | None = None) -> int:
         progress("stopping the engines and the proxy")
         sp.stop_all(list(procs.values())[::-1])
         guardian.release()
+    return finish(report, run, ok, args.json, args.keep_logs, progress)
+
+
+def finish(report: dict[str, Any], run: Path, ok: bool, json_out: Path | None,
+           keep: bool, say) -> int:
+    """Write ``report`` (strict JSON) to ``json_out``, remove the run folder after a
+    clean run unless ``keep``, say where things are; the exit status."""
     report["ok"] = ok
     report["run_dir"] = str(run)
-    if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(finite(report), indent=1, default=str,
-                                        allow_nan=False))
-    if ok and not args.keep_logs:
+    if json_out is not None:
+        json_out.parent.mkdir(parents=True, exist_ok=True)
+        json_out.write_text(json.dumps(finite(report), indent=1, default=str,
+                                       allow_nan=False))
+    if ok and not keep:
         shutil.rmtree(run, ignore_errors=True)
-        progress("PASSED (run folder removed; --keep-logs keeps it)")
+        say("PASSED (run folder removed; --keep-logs keeps it)")
     else:
-        progress(f"{'PASSED' if ok else 'FAILED'}; logs and results in {run}")
+        say(f"{'PASSED' if ok else 'FAILED'}; logs and results in {run}")
     return 0 if ok else 1
 
 

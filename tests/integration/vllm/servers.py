@@ -177,3 +177,27 @@ def running(*servers: Server, startup_s: float = STARTUP_S) -> Iterator[None]:
 # half of q, k_pe after unsqueeze), so only some rows get rotated, at wrong positions.
 MLA_ARGS = ["--attention-backend", "CPU_MLA", "--dtype", "float32", "--block-size", "16",
             "--compilation-config", json.dumps({"custom_ops": ["all", "-rotary_embedding"]})]
+
+
+def run_script(cmd: list[str], log: Path, deadline_s: float) -> int:
+    """Run a benchmark script under ``deadline_s``, its output to ``log``; on expiry
+    SIGTERM it (it stops its own engines), then SIGKILL its group, and fail the test."""
+    import pytest
+
+    with open(log, "wb") as fh:
+        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        try:
+            return proc.wait(deadline_s)
+        except subprocess.TimeoutExpired:
+            os.kill(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(90)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(10)
+            pytest.fail(f"not done within {deadline_s:g} s:\n{log_tail(log)}")
+
+
+def log_tail(log: Path, n: int = 80) -> str:
+    return "\n".join(log.read_text(errors="replace").splitlines()[-n:])

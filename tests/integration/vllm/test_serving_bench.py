@@ -11,13 +11,11 @@ pending, no error-level log line) and that the printed figures exist; never spee
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from servers import log_tail, run_script
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(480)]
 
@@ -29,28 +27,6 @@ FIGURES = ("request_throughput", "output_throughput", "p50_ttft_ms", "p99_ttft_m
            "p50_tpot_ms", "p50_e2el_ms")
 
 
-def _run(cmd: list[str], log: Path) -> int:
-    """Run the script under the deadline; on expiry SIGTERM it (it stops its engines),
-    then SIGKILL its group (the engines die with it: PR_SET_PDEATHSIG)."""
-    with open(log, "wb") as fh:
-        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT,
-                                start_new_session=True)
-        try:
-            return proc.wait(DEADLINE_S)
-        except subprocess.TimeoutExpired:
-            os.kill(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(90)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(10)
-            pytest.fail(f"benchmark not done within {DEADLINE_S:g} s:\n{_tail(log)}")
-
-
-def _tail(log: Path, n: int = 80) -> str:
-    return "\n".join(log.read_text(errors="replace").splitlines()[-n:])
-
-
 def test_serving_benchmark_smoke(tmp_path):
     out = tmp_path / "result.json"
     log = tmp_path / "bench.out"
@@ -58,8 +34,8 @@ def test_serving_benchmark_smoke(tmp_path):
            str(NUM_PROMPTS), "--input-len", "64", "--output-len", str(OUTPUT_LEN),
            "--workdir", str(tmp_path / "work"), "--json", str(out),
            "--startup-timeout", "240", "--run-timeout", "120", "--eager"]
-    rc = _run(cmd, log)
-    assert rc == 0, _tail(log)
+    rc = run_script(cmd, log, DEADLINE_S)
+    assert rc == 0, log_tail(log)
     report = json.loads(out.read_text())
     printed = log.read_text(errors="replace")
     assert report["ok"] is True and not report.get("error"), printed[-4000:]

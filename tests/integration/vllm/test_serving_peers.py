@@ -14,23 +14,17 @@ layers at least). Never speed.
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from servers import log_tail, run_script
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(480)]
 
 SCRIPT = Path(__file__).resolve().parents[3] / "benchmarks" / "serving_vs_peers.py"
 DEADLINE_S = 400.0
 CASES = ((64, 1, 2), (256, 2, 4))
-
-
-def _tail(log: Path, n: int = 80) -> str:
-    return "\n".join(log.read_text(errors="replace").splitlines()[-n:])
 
 
 def test_serving_vs_peers_smoke(tmp_path) -> None:
@@ -40,20 +34,8 @@ def test_serving_vs_peers_smoke(tmp_path) -> None:
            "--chunk", "128", "--output-len", "4", "--eager", "--workdir",
            str(tmp_path / "work"), "--json", str(out), "--startup-timeout", "240",
            "--run-timeout", "120"]
-    with open(log, "wb") as fh:
-        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT,
-                                start_new_session=True)
-        try:
-            rc = proc.wait(DEADLINE_S)
-        except subprocess.TimeoutExpired:
-            os.kill(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(10)
-            pytest.fail(f"not done within {DEADLINE_S:g} s:\n{_tail(log)}")
-    assert rc == 0, _tail(log)
+    rc = run_script(cmd, log, DEADLINE_S)
+    assert rc == 0, log_tail(log)
     report = json.loads(out.read_text())
     printed = log.read_text(errors="replace")
     assert report["ok"] is True, printed[-4000:]
