@@ -81,10 +81,13 @@ def build_prefill_worker(
     for addr, size in regions:
         transport.register_memory(addr, size)
     by_idx = {layer_index(name): lay for name, lay in layouts.items()}
+    groups = facts.layer_groups() or {}
     worker = container.prefill_worker(  # reuse waits: the sender's gate budget
         sender=container.prefill_sender(p_session=transport.session_id, layers=by_idx,
                                         compat=facts.compat),
         layer_names={i: lay.layer_name for i, lay in by_idx.items()}, transport=transport,
+        layer_groups={i: groups[lay.layer_name] for i, lay in by_idx.items()
+                      if lay.layer_name in groups},
     )
     worker.start()
     return worker

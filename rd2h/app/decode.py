@@ -14,7 +14,7 @@ lost connection, ``stop``, or an admission or step that made something due soone
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from rd2h.app.loop import LoopThread
 from rd2h.app.telemetry import DecodeStats, add_sample, report_decode
@@ -137,10 +137,13 @@ class DecodeReceiver(LoopThread):
 
     # ------------------------------------------------------------ engine side
     def admit(self, internal_id: str, main_block_ids: Iterable[int],
-              indexer_block_ids: Iterable[int]) -> str:
+              indexer_block_ids: Iterable[int],
+              group_block_ids: Sequence[Sequence[int]] = ()) -> str:
+        """Destinations of a request: main and indexer lists, and every KV cache group's
+        list (a layer of a group reads into that group's blocks; ``NO_BLOCK``: none)."""
         with self._lock:
             ext = self._session.admit(internal_id, main_block_ids, indexer_block_ids,
-                                      self._clock.now())
+                                      self._clock.now(), group_block_ids)
             self._due_sooner()
             return ext
 

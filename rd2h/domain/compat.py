@@ -39,6 +39,8 @@ KNOWN: dict[str, type] = {
     "mla": bool,
     "main_sharing": str,  # rank_local | shared_pool
     "auth": str,  # the signing envelope version, "none" without a secret
+    "kv_groups": str,  # the KV cache groups rd2h moves: kind, window, block size, layers
+    "spec_decode": str,  # speculative decoding (its draft layers own KV), "none" without
 }
 MAX_KEYS = 32
 MAX_KEY_CHARS = 64

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from rd2h.domain.compat import Compat, compare
@@ -185,8 +185,10 @@ class DecodeSession:
 
     # ------------------------------------------------------------ engine inputs
     def admit(self, internal_id: str, main_block_ids: Iterable[int],
-              indexer_block_ids: Iterable[int], now: float) -> str:
-        return self._book.admit(internal_id, list(main_block_ids), list(indexer_block_ids), now)
+              indexer_block_ids: Iterable[int], now: float,
+              group_block_ids: Sequence[Sequence[int]] = ()) -> str:
+        return self._book.admit(internal_id, list(main_block_ids), list(indexer_block_ids), now,
+                                group_block_ids)
 
     def local_report(self) -> RankReport:
         return self._book.local_report()

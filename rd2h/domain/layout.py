@@ -172,6 +172,9 @@ class DestinationLayout:
     indexer: DestTensor | None = None
     scale: DestTensor | None = None
     heads: HeadRange | None = None  # the KV heads of the main tensors (head-major blocks)
+    # The KV cache group whose block ids address the main tensors (None: the request's
+    # main list): a layer of a second group reads into that group's own blocks.
+    group: int | None = None
 
 
 def per_block_bytes_from_rows(row_bytes: int, rows: int, num_blocks: int) -> int:

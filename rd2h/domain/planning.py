@@ -21,7 +21,9 @@ from operator import attrgetter, getitem
 
 import numpy as np
 
+from rd2h.domain.destination import Destination
 from rd2h.domain.errors import PlanningError
+from rd2h.domain.kv_groups import NO_BLOCK
 from rd2h.domain.layout import (
     DestinationLayout,
     DestTensor,
@@ -42,27 +44,6 @@ __all__ = ["BlockPlan", "Destination", "PlanMemo", "ReadPlan", "RequestOwnership
 _INT64_MAX = (1 << 63) - 1
 _EMPTY = np.zeros(0, dtype=np.int64)
 _EMPTY.setflags(write=False)
-
-
-def _as_ids(values: Sequence[int] | np.ndarray) -> np.ndarray:
-    arr = np.array(values, dtype=np.int64).reshape(-1)
-    arr.setflags(write=False)
-    return arr
-
-
-@dataclass(frozen=True, eq=False)
-class Destination:
-    """Decode's own destination block lists for one request (never leave Decode).
-
-    Stored once as read-only int64 arrays: every layer's plan slices them.
-    """
-
-    main_block_ids: np.ndarray
-    indexer_block_ids: np.ndarray
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "main_block_ids", _as_ids(self.main_block_ids))
-        object.__setattr__(self, "indexer_block_ids", _as_ids(self.indexer_block_ids))
 
 
 @dataclass(frozen=True)
@@ -145,6 +126,15 @@ def _own(
     dst = np.concatenate(
         list(map(getitem, dst_lists, map(slice, (starts + lo).tolist(), (starts + hi).tolist())))
     )
+    held = dst != NO_BLOCK
+    if not held.all():
+        # Positions Decode holds no block for (vLLM's null block outside a sliding
+        # window): nothing is read there, never into the shared null block.
+        owner = np.repeat(np.arange(n, dtype=np.int64), counts)
+        counts = np.bincount(owner[held], minlength=n).astype(np.int64)
+        src, dst = src[held], dst[held]
+        if not src.size:
+            return _Component(_EMPTY, _EMPTY, counts)
     return _Component(src, dst, counts)
 
 
@@ -265,6 +255,7 @@ def _block_plan(
     d_tp: int,
     main_shared: bool,
     head_split: bool = False,
+    group: int | None = None,
 ) -> BlockPlan:
     layer = batch.layer_name
     member, ratio = batch.group_member_idx, max(1, batch.tp_ratio)
@@ -291,7 +282,7 @@ def _block_plan(
     if (member == 0 or head_split) and has_main and n:
         main = _own(
             layer, "main", reqs, main_lists, main_lens,
-            list(map(attrgetter("main_block_ids"), dests)),
+            [d.main_for(group) for d in dests],
             np.fromiter(map(attrgetter("main_start_block"), reqs), dtype=np.int64, count=n),
             # A shared main pool is split over the Decode ranks; a rank-local main
             # cache (vanilla vLLM) needs every main block on every rank.
@@ -340,12 +331,12 @@ def plan_reads(
     dests = tuple(map(destinations.get, map(attrgetter("ext_req_id"), reqs)))
     has_main, has_indexer = bool(src.main), src.indexer is not None
     key = (reqs, batch.group_member_idx, batch.tp_ratio, has_main, has_indexer, d_rank, d_tp,
-           main_shared, slices is not None)
+           main_shared, slices is not None, dst.group)
     blocks = memo.get(owner, key, dests) if memo is not None else None
     if blocks is None:
         blocks = _block_plan(batch, dests, has_main=has_main, has_indexer=has_indexer,
                              d_rank=d_rank, d_tp=d_tp, main_shared=main_shared,
-                             head_split=slices is not None)
+                             head_split=slices is not None, group=dst.group)
         if memo is not None:
             memo.put(owner, key, dests, blocks)
     main, index = blocks.main, blocks.index

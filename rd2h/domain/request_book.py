@@ -93,13 +93,17 @@ class DecodeRequestBook:
         main_block_ids: Sequence[int],
         indexer_block_ids: Sequence[int],
         now: float,
+        group_block_ids: Sequence[Sequence[int]] = (),
     ) -> str:
         ext = external_request_id(internal_id)
         self._seen(now)
         self.orphans.discard(ext)
         self._admitted.pop(ext, None)  # kept in admission order (``next_deadline``)
         self._admitted[ext] = _Admitted(
-            internal_id, Destination(tuple(main_block_ids), tuple(indexer_block_ids)), now
+            internal_id,
+            Destination(tuple(main_block_ids), tuple(indexer_block_ids),
+                        tuple(map(tuple, group_block_ids))),
+            now,
         )
         self._int_to_ext[internal_id] = ext
         return ext
@@ -251,8 +255,7 @@ class DecodeRequestBook:
             if entry is None or ext in self._invalid_reported or ext in busy:
                 continue
             # Destination ids are int64 arrays; vLLM gets plain ints.
-            invalid.update(entry.destination.main_block_ids.tolist())
-            invalid.update(entry.destination.indexer_block_ids.tolist())
+            invalid.update(entry.destination.block_ids())
             self._invalid_reported.add(ext)
         finished: set[str] = set()
         for ext in merged.finished | self._pending_finished | self._deferred:

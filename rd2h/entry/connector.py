@@ -92,7 +92,7 @@ class SfaRemoteD2HConnector(KVConnectorBase_V1, SupportsHMA):
                                                      num_computed_tokens)
 
     def get_loaded_kv_cache_group_ids(self, request: Request) -> tuple[int, ...]:
-        return tuple(range(len(self._facts.group_layer_names)))
+        return self._facts.moved_groups  # every other group refused the engine at start
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
@@ -150,7 +150,7 @@ class SfaRemoteD2HConnector(KVConnectorBase_V1, SupportsHMA):
         tp_group = self._on_worker()
         if self.side == "prefill":
             layouts, regions = source_layouts(kv_caches, self._facts.num_blocks,
-                                              self._facts.kv_heads())
+                                              self._facts.kv_heads(), self._facts.layer_groups())
             self._role = build_prefill_worker(self.options, self._facts, layouts, regions)
             return
         if self.options.destinations != "vllm":
@@ -160,7 +160,8 @@ class SfaRemoteD2HConnector(KVConnectorBase_V1, SupportsHMA):
             )
         self._role = build_decode_worker(
             self.options, self._facts,
-            VllmCacheDestinations(kv_caches, self._facts.num_blocks, self._facts.kv_heads()),
+            VllmCacheDestinations(kv_caches, self._facts.num_blocks, self._facts.kv_heads(),
+                                  self._facts.layer_groups()),
             tp_group=tp_group,
         )
 

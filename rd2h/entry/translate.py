@@ -10,6 +10,26 @@ from rd2h.app.connector.facts import EngineFacts
 from rd2h.app.connector.roles import BlockIds, RequestFacts, ScheduledRequest
 from rd2h.app.settings import ConnectorConfigError, Rd2hOptions
 from rd2h.domain.compat import Compat, compat_of
+from rd2h.domain.kv_groups import (
+    FULL,
+    NO_BLOCK,
+    SLIDING,
+    KvGroup,
+    check_groups,
+    groups_summary,
+)
+
+# vLLM's KV cache spec types by the kind rd2h gives them (exact type names: a subclass
+# vLLM adds later, e.g. a full-attention variant with sink tokens or a gap in its
+# window, is unknown here until it is proven, and refused).
+SPEC_KINDS = {
+    "FullAttentionSpec": FULL,
+    "MLAAttentionSpec": FULL,
+    "SlidingWindowSpec": SLIDING,
+}
+# vLLM's null block: the first block of its block pool, never allocated to a request,
+# handed out for positions a sliding window no longer holds.
+VLLM_NULL_BLOCK = 0
 
 
 def side_of(kv_role: str | None) -> str:
@@ -35,7 +55,8 @@ def engine(vllm_config: Any, kv_cache_config: Any) -> tuple[Rd2hOptions, EngineF
         if getattr(pc, attr, 1) not in (1, None):
             raise ConnectorConfigError(f"rd2h does not support {attr} > 1")
     groups = kv_cache_config.kv_cache_groups if kv_cache_config is not None else []
-    block_size = (groups[0].kv_cache_spec.block_size if groups
+    moved = check_groups(kv_groups(groups)) if groups else ()
+    block_size = (moved[0].block_size if moved
                   else vllm_config.cache_config.block_size)
     facts = EngineFacts(
         side=side,  # type: ignore[arg-type]
@@ -47,11 +68,69 @@ def engine(vllm_config: Any, kv_cache_config: Any) -> tuple[Rd2hOptions, EngineF
         block_size=int(block_size),
         group_layer_names=tuple(tuple(g.layer_names) for g in groups),
         num_blocks=kv_cache_config.num_blocks if kv_cache_config is not None else 0,
-        compat=compat(vllm_config, groups[0].kv_cache_spec if groups else None, options, side,
-                      int(block_size)),
+        compat=compat(vllm_config, _first_spec(groups[moved[0].index]) if moved else None,
+                      options, side, int(block_size)).with_values(
+            kv_groups=_compat_text(groups_summary(moved)) if moved else None,
+            spec_decode=spec_decode(vllm_config)),
+        moved_groups=tuple(g.index for g in moved),
         total_kv_heads=split_kv_heads(vllm_config),
     )
     return options, facts
+
+
+def _spec_kind(spec: Any) -> tuple[str | None, str]:
+    """rd2h's kind of a vLLM KV cache spec, and the spec's type as named in refusals."""
+    name = type(spec).__name__
+    inner = getattr(spec, "kv_cache_specs", None)
+    if isinstance(inner, dict) and inner:  # UniformTypeKVCacheSpecs: one table, many specs
+        kinds = {SPEC_KINDS.get(type(s).__name__) for s in inner.values()}
+        names = sorted({type(s).__name__ for s in inner.values()})
+        kind = kinds.pop() if len(kinds) == 1 else None
+        return kind, f"{name}({', '.join(names)})"
+    return SPEC_KINDS.get(name), name
+
+
+def _first_spec(group: Any) -> Any:
+    spec = group.kv_cache_spec
+    inner = getattr(spec, "kv_cache_specs", None)
+    return next(iter(inner.values())) if isinstance(inner, dict) and inner else spec
+
+
+def kv_groups(groups: Any) -> tuple[KvGroup, ...]:
+    """vLLM's ``KVCacheGroupSpec`` list as rd2h's ``KvGroup`` values."""
+    out = []
+    for i, g in enumerate(groups):
+        kind, spec_type = _spec_kind(g.kv_cache_spec)
+        window = getattr(_first_spec(g), "sliding_window", None) if kind == SLIDING else None
+        out.append(KvGroup(
+            index=i, kind=kind, spec_type=spec_type,
+            block_size=int(g.kv_cache_spec.block_size), layers=tuple(g.layer_names),
+            sliding_window=None if window is None else int(window),
+            transferable=bool(getattr(g, "enable_kv_transfer", True)),
+        ))
+    return tuple(out)
+
+
+def _compat_text(text: str) -> str:
+    """A compatibility value within the map's length limit (a digest past it)."""
+    if len(text) <= 128:
+        return text
+    import hashlib
+
+    return f"sha256:{hashlib.sha256(text.encode()).hexdigest()[:32]}"
+
+
+def spec_decode(vllm_config: Any) -> str:
+    """The speculative-decoding set-up both sides must share (its draft layers own KV):
+    method, draft model and tokens per step; "none" without one."""
+    spec = getattr(vllm_config, "speculative_config", None)
+    if spec is None:
+        return "none"
+    draft = getattr(getattr(spec, "draft_model_config", None), "model", None) or getattr(
+        spec, "model", None)
+    text = (f"{getattr(spec, 'method', None)}:{draft}:"
+            f"{getattr(spec, 'num_speculative_tokens', None)}")
+    return _compat_text(text)
 
 
 def split_kv_heads(vllm_config: Any) -> int | None:
@@ -111,9 +190,18 @@ def request(req: Any) -> RequestFacts:
     )
 
 
+def _ids(group: Any) -> tuple[int, ...]:
+    """One group's block ids, vLLM's null block as ``NO_BLOCK``."""
+    return tuple(NO_BLOCK if (b := int(x)) == VLLM_NULL_BLOCK else b for x in group)
+
+
 def block_ids(blocks: Any) -> BlockIds:
-    """``KVCacheBlocks`` -> one tuple of block ids per cache group."""
-    return tuple(tuple(int(b) for b in group) for group in blocks.get_block_ids())
+    """``KVCacheBlocks`` -> one tuple of block ids per cache group (null: ``NO_BLOCK``)."""
+    return tuple(map(_ids, blocks.get_block_ids()))
+
+
+def _new_ids(ids: Any) -> BlockIds | None:
+    return None if ids is None else tuple(map(_ids, ids))
 
 
 def scheduled(output: Any) -> tuple[ScheduledRequest, ...]:
@@ -121,14 +209,14 @@ def scheduled(output: Any) -> tuple[ScheduledRequest, ...]:
     running ones the blocks added this step; resumed ones replace theirs."""
     counts = output.num_scheduled_tokens
     out = [
-        ScheduledRequest(new.req_id, new.block_ids, new.num_computed_tokens,
+        ScheduledRequest(new.req_id, _new_ids(new.block_ids), new.num_computed_tokens,
                          counts.get(new.req_id, 0), replace_blocks=True)
         for new in output.scheduled_new_reqs
     ]
     cached = output.scheduled_cached_reqs
     resumed = set(getattr(cached, "resumed_req_ids", ()) or ())
     out += [
-        ScheduledRequest(rid, cached.new_block_ids[i], cached.num_computed_tokens[i],
+        ScheduledRequest(rid, _new_ids(cached.new_block_ids[i]), cached.num_computed_tokens[i],
                          counts.get(rid, 0), replace_blocks=rid in resumed)
         for i, rid in enumerate(cached.req_ids)
     ]

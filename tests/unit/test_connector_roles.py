@@ -149,7 +149,8 @@ def test_after_alloc_records_destinations_and_clears_the_flag() -> None:
     sched.get_num_new_matched_tokens(_req(RID, params, 70), 0)
     sched.update_state_after_alloc(_req(RID, params, 70), ([7, 8, 9], [3, 4, 5]), 70)
     assert params["do_remote_prefill"] is False
-    assert sched.build_connector_meta([]).loads == (DecodeLoad(RID, (7, 8, 9), (3, 4, 5)),)
+    assert sched.build_connector_meta([]).loads == (
+        DecodeLoad(RID, (7, 8, 9), (3, 4, 5), ((7, 8, 9), (3, 4, 5))),)
     assert sched.build_connector_meta([]).loads == ()  # handed to the workers once
     assert ms.posts == []  # nothing posted before the workers admitted it
 
@@ -159,7 +160,7 @@ def test_after_alloc_with_one_group_uses_it_for_the_indexer_too(dsched) -> None:
     params = _params()
     sched.get_num_new_matched_tokens(_req(RID, params, 70), 0)
     sched.update_state_after_alloc(_req(RID, params, 70), ([7, 8, 9],), 70)
-    assert sched.build_connector_meta([]).loads == (DecodeLoad(RID, (7, 8, 9), (7, 8, 9)),)
+    assert sched.build_connector_meta([]).loads == (DecodeLoad(RID, (7, 8, 9), (7, 8, 9), ((7, 8, 9),)),)
 
 
 def test_after_alloc_ignores_requests_it_did_not_match(dsched) -> None:
@@ -212,7 +213,7 @@ def test_do_virtual_suppresses_the_post(dsched) -> None:
     params = _params(do_virtual=True)
     sched.get_num_new_matched_tokens(_req(RID, params, 64), 0)
     sched.update_state_after_alloc(_req(RID, params, 64), ([1, 2],), 64)
-    assert sched.build_connector_meta([]).loads == (DecodeLoad(RID, (1, 2), (1, 2)),)  # loaded
+    assert sched.build_connector_meta([]).loads == (DecodeLoad(RID, (1, 2), (1, 2), ((1, 2),)),)  # loaded
     assert _admit(sched, {RID: 2}) == 0 and ms.posts == [] and sched.posts == 0
 
 
@@ -330,7 +331,7 @@ def test_chunked_prefill_announces_completed_blocks_then_the_partial_last_one() 
     ep = DecodeEndpoint("10.0.0.9", 31000, 1, "d0")
     # step 1: 6 tokens -> block 0 complete, block 1 half written
     s1 = _step(sched, rid, ([10, 11],), 0, 6, replace=True)
-    assert s1 == PrefillSend(rid, "chunky", ep, (10,), (10,), 0, 0, False)
+    assert s1 == PrefillSend(rid, "chunky", ep, (10,), (10,), 0, 0, False, groups=((0, (10,)),))
     # step 2: 1 token -> still inside block 1: nothing new completed
     assert _step(sched, rid, None, 6, 1) is None
     # step 3: 5 tokens (12) -> blocks 1, 2 complete

@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, replace
 
+import dataclasses
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -23,6 +25,7 @@ from rd2h.domain.layout import (
     TensorComponent,
     per_block_bytes_from_rows,
 )
+from rd2h.domain.kv_groups import NO_BLOCK
 from rd2h.domain.planning import (
     Destination,
     ReadPlan,
@@ -530,9 +533,42 @@ def test_negative_destination_block_fails() -> None:
     src, dst = make_layout()
     with pytest.raises(PlanningError, match="negative"):
         plan_reads(
-            batch_of(ReadRequest("r", (0,), (0,))), src, dst, {"r": Destination([-1], [2])},
+            batch_of(ReadRequest("r", (0,), (0,))), src, dst, {"r": Destination([-2], [2])},
             d_rank=0, d_tp=1,
         )
+
+
+def test_no_block_destinations_are_not_read() -> None:
+    """NO_BLOCK (vLLM's null block outside a sliding window): that position gets no read,
+    the rest of the request is read; a request with nothing held owns nothing."""
+    src, dst = make_layout(indexer=False)
+    plan = plan_reads(
+        batch_of(ReadRequest("r", (4, 5, 6), ()), ReadRequest("s", (7,), ())), src, dst,
+        {"r": Destination([NO_BLOCK, NO_BLOCK, 9], []), "s": Destination([NO_BLOCK], [])},
+        d_rank=0, d_tp=1, main_shared=False,
+    )
+    assert plan.main_blocks.tolist() == [1, 0]
+    pairs = sorted(zip(plan.remote_addrs.tolist(), plan.local_addrs.tolist()))
+    assert pairs == [(t.base_addr + 6 * t.bytes_per_block, d.base_addr + 9 * d.bytes_per_block)
+                     for t, d in zip(src.main, dst.main)]
+
+
+def test_a_layer_of_another_group_reads_into_that_groups_blocks() -> None:
+    """Each KV cache group has its own block table: a layer whose destination layout
+    names group 1 reads into the request's group-1 blocks, not its main list."""
+    src, dst = make_layout(indexer=False)
+    dest = {"r": Destination([1, 2], [], groups=([1, 2], [NO_BLOCK, 40]))}
+    batch = batch_of(ReadRequest("r", (5, 6), (), 0, 0))
+    for group, want in ((None, [1, 2]), (0, [1, 2]), (1, [40])):
+        layout = dataclasses.replace(dst, group=group)
+        plan = plan_reads(batch, src, layout, dest, d_rank=0, d_tp=1, main_shared=False)
+        t = dst.main[0]
+        got = sorted(
+            b for a, n in zip(plan.local_addrs.tolist(), plan.lengths.tolist())
+            if t.base_addr <= a < t.base_addr + t.bytes_per_block * t.num_blocks
+            for b in range((a - t.base_addr) // t.bytes_per_block,
+                           (a + n - t.base_addr) // t.bytes_per_block))
+        assert got == want, group
 
 
 def test_destination_accepts_arrays_and_keeps_read_only_int64_ids() -> None:

@@ -47,7 +47,7 @@ def test_a_preempted_request_with_announced_blocks_is_named_once() -> None:
     s = _sched(log)
     _track(s, A, 20)
     assert _run(s, A, [1, 2, 3, 4, 5], 0, 8, replace=True).sends == (
-        PrefillSend(A, "a", EP, (1, 2), (1, 2), 0, 0, False),)
+        PrefillSend(A, "a", EP, (1, 2), (1, 2), 0, 0, False, groups=((0, (1, 2)),)),)
     s.requests_preempted([A, A])  # vLLM's set, and the same id again
     plan = s.build_connector_meta([])
     assert plan.preempted == (A,) and plan.sends == ()
@@ -75,7 +75,8 @@ def test_resumed_from_scratch_announces_only_what_decode_has_not_read() -> None:
     assert _run(s, A, [6, 7, 8, 9, 10], 0, 4, replace=True).sends == ()
     assert _run(s, A, None, 4, 4).sends == ()  # back at 8 tokens: nothing new
     (last,) = _run(s, A, None, 8, 10).sends
-    assert last == PrefillSend(A, "a", EP, (8, 9, 10), (8, 9, 10), 2, 2, True)
+    assert last == PrefillSend(A, "a", EP, (8, 9, 10), (8, 9, 10), 2, 2, True,
+                               groups=((2, (8, 9, 10)),))
     assert s.request_finished(A) is True  # blocks wait for the sends
 
 

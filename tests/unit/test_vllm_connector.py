@@ -199,7 +199,7 @@ def test_decode_scheduler_posts_after_every_rank_admitted(metaserver) -> None:
     meta = conn.build_connector_meta(scheduler_output())
     assert isinstance(meta, Rd2hConnectorMetadata)
     ids = tuple(range(3, 13))
-    assert meta.plan.loads == (DecodeLoad(rid, ids, ids),) and meta.plan.sends == ()
+    assert meta.plan.loads == (DecodeLoad(rid, ids, ids, (ids,)),) and meta.plan.sends == ()
     assert conn.build_connector_meta(scheduler_output()).plan.loads == ()
 
     conn.update_connector_output(KVConnectorOutput())  # no worker metadata this step
@@ -234,7 +234,7 @@ def test_decode_scheduler_ignores_local_requests_and_honours_do_virtual(metaserv
     assert conn.get_num_new_matched_tokens(virtual, 0) == (8, True)
     conn.update_state_after_alloc(virtual, blocks(6, 7), 8)
     loads = conn.build_connector_meta(scheduler_output()).plan.loads
-    assert loads == (DecodeLoad("virt" + SUFFIX_D, (6, 7), (6, 7)),)
+    assert loads == (DecodeLoad("virt" + SUFFIX_D, (6, 7), (6, 7), ((6, 7),)),)
     conn.update_connector_output(KVConnectorOutput(
         kv_connector_worker_meta=Rd2hWorkerMeta({"virt" + SUFFIX_D: 1})))
     assert ms.posts == []
@@ -269,8 +269,9 @@ def test_prefill_scheduler_over_chunked_steps() -> None:
          ((ra, ([10, 11],)), (rb, ([20, 21],)), (rl, ([30, 31],)))],
         counts={a: 6, b: 8, local: 8})
     sends = conn.build_connector_meta(step1).plan.sends
-    assert sends == (PrefillSend(a, "req-a", ep_a, (10,), (10,), 0, 0, False),
-                     PrefillSend(b, "req-b", ep_b, (21,), (21,), 1, 1, True))
+    assert sends == (PrefillSend(a, "req-a", ep_a, (10,), (10,), 0, 0, False, groups=((0, (10,)),)),
+                     PrefillSend(b, "req-b", ep_b, (21,), (21,), 1, 1, True,
+                                 groups=((1, (21,)),)))
 
     # step 2: a's second chunk (6..12): block 1 and block 2 complete
     step2 = scheduler_output(cached=cached_reqs([(a, ([12],), 6)]), counts={a: 6})

@@ -28,19 +28,32 @@ def _heads(tensor: Any, num_blocks: int, heads: HeadRange | None) -> HeadRange |
     return heads if heads is not None and head_major(tensor, num_blocks, heads.count) else None
 
 
+def _moved(kv_caches: Mapping[str, Any], groups: Mapping[str, int] | None
+           ) -> list[tuple[str, Any, int]]:
+    """The cache layers rd2h moves with their KV cache group (``groups``: layer name ->
+    group of the moved groups; None: every layer, group 0)."""
+    if groups is None:
+        return [(name, tensor, 0) for name, tensor in kv_caches.items()]
+    return [(name, tensor, groups[name]) for name, tensor in kv_caches.items()
+            if name in groups]
+
+
 def source_layouts(
-    kv_caches: Mapping[str, Any], num_blocks: int, heads: HeadRange | None = None
+    kv_caches: Mapping[str, Any], num_blocks: int, heads: HeadRange | None = None,
+    groups: Mapping[str, int] | None = None,
 ) -> tuple[dict[str, SourceLayout], list[tuple[int, int]]]:
     """Prefill: one ``SourceLayout`` per cache layer, and the regions to expose.
     ``heads``: the KV heads this rank holds (stated per layer where blocks are
-    head-major: the head-split extension)."""
+    head-major: the head-split extension); ``groups``: each moved layer's KV cache
+    group (MF_META's ``tensor_group_idx``)."""
     layouts: dict[str, SourceLayout] = {}
     regions: dict[tuple[int, int], None] = {}
-    for name, tensor in kv_caches.items():
+    for name, tensor, group in _moved(kv_caches, groups):
         views = main_views(name, tensor, num_blocks)
         # Advertise the region size so Decode refuses block ids beyond the cache.
         layouts[name] = SourceLayout(
-            name, tuple(TensorComponent(b, n, num_blocks=num_blocks) for b, n in views),
+            name, tuple(TensorComponent(b, n, group_idx=group, num_blocks=num_blocks)
+                        for b, n in views),
             heads=_heads(tensor, num_blocks, heads),
         )
         regions[region_of(tensor)] = None
@@ -54,14 +67,18 @@ class VllmCacheDestinations:
     main_sharing = "rank_local"
 
     def __init__(self, kv_caches: Mapping[str, Any], num_blocks: int,
-                 heads: HeadRange | None = None) -> None:
+                 heads: HeadRange | None = None, groups: Mapping[str, int] | None = None
+                 ) -> None:
+        """``groups``: each moved layer's KV cache group, whose block ids address it
+        (None: one group, the request's main list)."""
         self._layouts: dict[str, DestinationLayout] = {}
         regions: dict[tuple[int, int], None] = {}
-        for name, tensor in kv_caches.items():
+        for name, tensor, group in _moved(kv_caches, groups):
             views = main_views(name, tensor, num_blocks)
             self._layouts[name] = DestinationLayout(
                 name, tuple(DestTensor(b, n, num_blocks) for b, n in views),
                 heads=_heads(tensor, num_blocks, heads),
+                group=None if groups is None else group,
             )
             regions[region_of(tensor)] = None
         self._regions = list(regions)

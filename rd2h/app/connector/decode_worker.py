@@ -47,7 +47,8 @@ class DecodeWorker(ConnectorRole):
         # Before the forward: Prefill may announce as soon as it learns the contact
         # info, and this rank must know the destinations by then.
         for load in plan.loads:
-            self._receiver.admit(load.internal_id, load.main_block_ids, load.indexer_block_ids)
+            self._receiver.admit(load.internal_id, load.main_block_ids, load.indexer_block_ids,
+                                 load.group_block_ids)
             self._admitted.append(load.internal_id)
             self._timeline.stamp(load.internal_id, HopName.DECODE_WORKER_ADMITTED)
         if plan.failed_loads:

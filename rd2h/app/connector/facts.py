@@ -30,6 +30,16 @@ class EngineFacts:
     # The model's KV heads over all TP ranks when they are split over the ranks (a GQA
     # or MHA model; None for MLA's one latent "head" or when unknown).
     total_kv_heads: int | None = None
+    # The KV cache groups rd2h transfers (``rd2h.domain.kv_groups.check_groups``): every
+    # transferable group of the engine; an engine with one rd2h cannot move never starts.
+    moved_groups: tuple[int, ...] = (0,)
+
+    def layer_groups(self) -> dict[str, int] | None:
+        """Cache layer name -> the group whose block ids address it (moved groups only);
+        None when vLLM stated no groups (every layer, one block table)."""
+        out = {name: g for g in self.moved_groups if g < len(self.group_layer_names)
+               for name in self.group_layer_names[g]}
+        return out or None
 
     def on_rank(self, tp_rank: int, tp_size: int, local_rank: int) -> EngineFacts:
         return replace(self, tp_rank=tp_rank, tp_size=tp_size, local_rank=local_rank)

@@ -12,6 +12,9 @@ class DecodeLoad:
     internal_id: str
     main_block_ids: tuple[int, ...]
     indexer_block_ids: tuple[int, ...]
+    # Every KV cache group's block ids (``NO_BLOCK`` where the group holds nothing, e.g.
+    # outside a sliding window); a layer's reads land in its own group's blocks.
+    group_block_ids: tuple[tuple[int, ...], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -36,6 +39,10 @@ class PrefillSend:
     main_start: int
     indexer_start: int
     final: bool
+    # Per KV cache group: (start, block ids) of the same token range in that group's
+    # block table, positions a sliding window dropped left out (the start moves past
+    # them); a layer announces its own group's part.
+    groups: tuple[tuple[int, tuple[int, ...]], ...] = ()
 
 
 @dataclass(frozen=True)

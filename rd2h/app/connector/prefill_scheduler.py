@@ -20,6 +20,7 @@ from rd2h.app.connector.plans import DecodeEndpoint, PrefillSend, StepPlan
 from rd2h.app.connector.roles import BlockIds, ConnectorRole, RequestFacts, ScheduledRequest
 from rd2h.domain.chunks import chunk_block_range, external_request_id
 from rd2h.domain.errors import ChunkError, Rd2hError
+from rd2h.domain.kv_groups import NO_BLOCK, leading_gap
 from rd2h.domain.topology import MAX_PORT, check_topology
 from rd2h.ports.runtime import NO_TIMELINE, HopName, Logger, Timeline
 
@@ -76,6 +77,18 @@ def decode_endpoint(params: Mapping[str, Any], p_tp: int) -> tuple[DecodeEndpoin
         raise TransferParamsError(f"remote_cached_tokens must be >= 0, got {cached}")
     engine = params.get("remote_engine_id", "")
     return DecodeEndpoint(host, port, d_tp, str(engine or "")), cached
+
+
+def _held_part(ids: list[int], start: int, end: int) -> tuple[int, tuple[int, ...]]:
+    """Blocks ``[start, end)`` of one group's table as ``(first position, ids)``, without
+    the head a sliding window already dropped (``NO_BLOCK``: Decode holds nothing there
+    either, since its window ends at the prompt's end, at or past this chunk's)."""
+    part = ids[start:end]
+    gap = leading_gap(part)
+    if NO_BLOCK in part[gap:]:
+        raise ChunkError(f"blocks [{start}, {end}) of a KV cache group have a gap after "
+                         f"block {start + gap}: that KV is no longer held")
+    return start + gap, tuple(part[gap:])
 
 
 @dataclass
@@ -166,13 +179,13 @@ class PrefillScheduler(ConnectorRole):
         computed = r.num_computed_tokens + r.num_scheduled_tokens
         final = computed >= t.total_tokens
         main_ids = t.blocks[self._main] if t.blocks else []
-        idx_ids = t.blocks[self._indexer] if t.blocks else []
         try:
             start, end = chunk_block_range(
                 block_size=self._bs, computed_tokens=min(computed, t.total_tokens),
                 transferred_tokens=t.transferred, remote_cached_tokens=t.remote_cached,
                 final=final, allocated_blocks=len(main_ids),
             )
+            groups = tuple(_held_part(ids, start, end) for ids in t.blocks)
         except ChunkError as exc:
             self._log.error("cannot announce request blocks", request=request_id,
                             error=str(exc))
@@ -186,9 +199,11 @@ class PrefillScheduler(ConnectorRole):
         t.transferred = end * self._bs
         t.final_sent = final
         t.sent_any = True
+        main_start, main = groups[self._main] if groups else (start, ())
+        idx_start, idx = groups[self._indexer] if groups else (start, ())
         return PrefillSend(
-            request_id, t.ext_id, t.decode,
-            tuple(main_ids[start:end]), tuple(idx_ids[start:end]), start, start, final,
+            request_id, t.ext_id, t.decode, main, idx, main_start, idx_start, final,
+            groups=groups,
         )
 
     def counters(self) -> dict[str, int]:

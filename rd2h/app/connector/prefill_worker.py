@@ -27,6 +27,21 @@ from rd2h.ports.runtime import NO_TIMELINE, Clock, DeviceEvents, HopName, Logger
 from rd2h.ports.transfer import TransferEngine
 
 
+def _read_request(s: PrefillSend, group: int | None) -> ReadRequest | None:
+    """What one layer announces of a send: its own KV cache group's blocks when the
+    layer's group is known (None: that group holds nothing new of it, e.g. the whole
+    range is outside a sliding window), else the plan's main and indexer lists."""
+    if group is not None and group < len(s.groups):
+        start, ids = s.groups[group]
+        if not ids and not s.indexer_block_ids:
+            return None
+        return ReadRequest(s.ext_id, ids, s.indexer_block_ids, start, s.indexer_start)
+    if s.main_block_ids or s.indexer_block_ids:
+        return ReadRequest(s.ext_id, s.main_block_ids, s.indexer_block_ids,
+                           s.main_start, s.indexer_start)
+    return None
+
+
 class PrefillWorker(ConnectorRole):
     def __init__(
         self,
@@ -37,6 +52,7 @@ class PrefillWorker(ConnectorRole):
         p_tp: int,
         layer_names: Mapping[int, str],
         clock: Clock,
+        layer_groups: Mapping[int, int] | None = None,
         log: Logger,
         buffer_reuse: bool = False,
         reuse_timeout_s: float | None = None,
@@ -54,6 +70,9 @@ class PrefillWorker(ConnectorRole):
         self._p_rank = p_rank
         self._p_tp = p_tp
         self._layers = dict(layer_names)
+        # Layer -> its KV cache group: a layer announces that group's blocks (absent:
+        # the plan's main and indexer lists, as with one group).
+        self._layer_groups = dict(layer_groups or {})
         self._last_layer = max(self._layers) if self._layers else -1
         self._clock = clock
         self._log = log
@@ -132,12 +151,10 @@ class PrefillWorker(ConnectorRole):
             return
         targets = []
         names: dict[str, list[tuple[str, str]]] = {}
+        group = self._layer_groups.get(idx)
         for s in self._sends:
             m = compute_mapping(self._p_tp, s.decode.tp_size, self._p_rank)
-            req = None
-            if s.main_block_ids or s.indexer_block_ids:
-                req = ReadRequest(s.ext_id, s.main_block_ids, s.indexer_block_ids,
-                                  s.main_start, s.indexer_start)
+            req = _read_request(s, group)
             done = s.final and idx == self._last_layer
             if req is None and not done:
                 continue

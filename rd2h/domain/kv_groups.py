@@ -1,0 +1,118 @@
+"""An engine's KV cache groups as rd2h sees them, and which ones it can move.
+
+vLLM splits a model's cache layers into KV cache groups, each with its own block
+table: one group for a plain model, a full-attention and a sliding-window group for a
+Gemma-3 or gpt-oss style model, recurrent-state groups for a Mamba hybrid, a draft
+model's layers in a group of their own. A request has one list of block ids per group,
+and a layer's blocks are addressed by its own group's ids, never another group's.
+
+rd2h moves full attention (MLA included) and sliding-window attention, each group into
+that group's own Decode blocks. In a sliding-window group vLLM gives a request its
+shared null block for the positions outside the window (``NO_BLOCK`` here): Decode
+reads nothing into them, and Prefill announces nothing of them. Every other kind of
+group is refused when the engine starts, naming the group, its vLLM spec type and its
+layers: recurrent state, cross-attention, encoder caches and any kind not known here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from rd2h.domain.errors import Rd2hError
+
+# A position of a request's block list with no block behind it (vLLM's null block: the
+# positions a sliding window no longer holds). Never read from, never written into.
+NO_BLOCK = -1
+
+FULL = "full"
+SLIDING = "sliding"
+# The kinds rd2h transfers; a vLLM spec type maps to one of them or to none.
+MOVABLE = frozenset({FULL, SLIDING})
+MAX_NAMED_LAYERS = 4
+
+
+class UnsupportedKvGroup(Rd2hError):
+    """An engine has a KV cache group rd2h cannot move correctly (refused at start)."""
+
+
+@dataclass(frozen=True)
+class KvGroup:
+    """One KV cache group: its index, what rd2h calls its kind (None: not movable),
+    vLLM's spec type, tokens per block, sliding window (tokens), layer names, and
+    whether vLLM transfers it at all (an ephemeral replica rebuilt after a load is not)."""
+
+    index: int
+    kind: str | None
+    spec_type: str
+    block_size: int
+    layers: tuple[str, ...]
+    sliding_window: int | None = None
+    transferable: bool = True
+
+    def describe(self) -> str:
+        shown = ", ".join(self.layers[:MAX_NAMED_LAYERS])
+        more = len(self.layers) - MAX_NAMED_LAYERS
+        if more > 0:
+            shown += f" and {more} more"
+        return (f"group {self.index} ({self.spec_type}, {len(self.layers)} layers: "
+                f"{shown or 'none'})")
+
+    def summary(self) -> str:
+        """Short and stable, for the compatibility map: kind, window, block size, layers."""
+        window = f"w{self.sliding_window}" if self.sliding_window else ""
+        return f"{self.kind or self.spec_type}{window}/{self.block_size}x{len(self.layers)}"
+
+
+def check_groups(groups: Sequence[KvGroup]) -> tuple[KvGroup, ...]:
+    """The groups rd2h transfers (every transferable group), in index order; raises
+    ``UnsupportedKvGroup`` naming each group it cannot move, or a mix of block sizes."""
+    moved = tuple(g for g in groups if g.transferable)
+    bad = [g for g in moved if g.kind not in MOVABLE]
+    if bad:
+        raise UnsupportedKvGroup(
+            "rd2h cannot transfer this model's KV cache: "
+            + "; ".join(f"{g.describe()} is {_why(g)}" for g in bad)
+            + ". rd2h moves full-attention (MLA included) and sliding-window KV cache "
+              "groups only; serve this model without disaggregation"
+        )
+    if not moved:
+        raise UnsupportedKvGroup("the engine has no KV cache group to transfer")
+    sizes = sorted({g.block_size for g in moved})
+    if len(sizes) > 1:
+        raise UnsupportedKvGroup(
+            "rd2h needs one block size across the KV cache groups it transfers, got "
+            + "; ".join(f"{g.describe()}: {g.block_size} tokens" for g in moved)
+        )
+    return moved
+
+
+def _why(group: KvGroup) -> str:
+    spec = group.spec_type.lower()
+    if "mamba" in spec or "linear" in spec or "recurrent" in spec:
+        return "recurrent state (Mamba / linear attention), which rd2h does not transfer"
+    if "cross" in spec:
+        return "cross-attention, which rd2h does not transfer"
+    if "encoder" in spec:
+        return "an encoder cache, which rd2h does not transfer"
+    return "a KV cache spec type rd2h does not know"
+
+
+def layer_groups(groups: Sequence[KvGroup]) -> dict[str, int]:
+    """Layer name -> the index of the group whose block ids address it."""
+    return {name: g.index for g in groups for name in g.layers}
+
+
+def groups_summary(groups: Sequence[KvGroup]) -> str:
+    """The transferred groups in one line (``full/32x4,slidingw32/32x4``)."""
+    return ",".join(g.summary() for g in groups)
+
+
+def leading_gap(ids: Sequence[int]) -> int:
+    """How many ``NO_BLOCK`` entries open ``ids`` (a sliding window's dropped head)."""
+    n = 0
+    for b in ids:
+        if b != NO_BLOCK:
+            break
+        n += 1
+    return n
