@@ -52,6 +52,9 @@ def build_scheduler_role(options: Rd2hOptions, facts: EngineFacts) -> ConnectorR
     settings = facts.settings(options)
     groups = discover_cache_groups(facts.group_layer_names)
     container = _container(options, facts)
+    container.logger(role=f"{facts.side}-scheduler").info(
+        "rd2h moves KV cache groups", groups=facts.groups_text or "one group (no config)",
+        compat=dict(facts.compat.values) if facts.compat is not None else None)
     if facts.side == "prefill":
         return container.prefill_scheduler(
             block_size=facts.block_size, main_group=groups.main, indexer_group=groups.indexer,

@@ -55,7 +55,8 @@ class KvGroup:
         more = len(self.layers) - MAX_NAMED_LAYERS
         if more > 0:
             shown += f" and {more} more"
-        return (f"group {self.index} ({self.spec_type}, {len(self.layers)} layers: "
+        window = f", window {self.sliding_window}" if self.sliding_window else ""
+        return (f"group {self.index} ({self.spec_type}{window}, {len(self.layers)} layers: "
                 f"{shown or 'none'})")
 
     def summary(self) -> str:

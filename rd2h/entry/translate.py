@@ -73,6 +73,7 @@ def engine(vllm_config: Any, kv_cache_config: Any) -> tuple[Rd2hOptions, EngineF
             kv_groups=_compat_text(groups_summary(moved)) if moved else None,
             spec_decode=spec_decode(vllm_config)),
         moved_groups=tuple(g.index for g in moved),
+        groups_text="; ".join(g.describe() for g in moved),
         total_kv_heads=split_kv_heads(vllm_config),
     )
     return options, facts

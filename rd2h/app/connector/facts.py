@@ -33,6 +33,7 @@ class EngineFacts:
     # The KV cache groups rd2h transfers (``rd2h.domain.kv_groups.check_groups``): every
     # transferable group of the engine; an engine with one rd2h cannot move never starts.
     moved_groups: tuple[int, ...] = (0,)
+    groups_text: str = ""  # the moved groups in words, for the log line at start
 
     def layer_groups(self) -> dict[str, int] | None:
         """Cache layer name -> the group whose block ids address it (moved groups only);
