@@ -15,6 +15,7 @@ from rd2h.domain.kv_groups import (
     NO_BLOCK,
     SLIDING,
     KvGroup,
+    UnsupportedKvGroup,
     check_groups,
     groups_summary,
 )
@@ -27,6 +28,11 @@ SPEC_KINDS = {
     "MLAAttentionSpec": FULL,
     "SlidingWindowSpec": SLIDING,
 }
+# KV cache dtypes whose blocks are the whole KV: plain types, and fp8 with one scale per
+# layer (a weight of the checkpoint, the same on both sides). Any other (per-token
+# scales, packed 4-bit formats with their own scale layout) is refused at start.
+MOVABLE_CACHE_DTYPES = frozenset({"auto", "float16", "bfloat16", "float32", "fp8",
+                                  "fp8_e4m3", "fp8_e5m2"})
 # vLLM's null block: the first block of its block pool, never allocated to a request,
 # handed out for positions a sliding window no longer holds.
 VLLM_NULL_BLOCK = 0
@@ -54,6 +60,12 @@ def engine(vllm_config: Any, kv_cache_config: Any) -> tuple[Rd2hOptions, EngineF
     for attr in ("decode_context_parallel_size", "prefill_context_parallel_size"):
         if getattr(pc, attr, 1) not in (1, None):
             raise ConnectorConfigError(f"rd2h does not support {attr} > 1")
+    cache_dtype = getattr(getattr(vllm_config, "cache_config", None), "cache_dtype", "auto")
+    if str(cache_dtype) not in MOVABLE_CACHE_DTYPES:
+        raise UnsupportedKvGroup(
+            f"rd2h does not transfer a {cache_dtype!r} KV cache (--kv-cache-dtype): its "
+            f"scales or packing are not proven to live inside the blocks rd2h moves; "
+            f"supported: {', '.join(sorted(MOVABLE_CACHE_DTYPES))}")
     groups = kv_cache_config.kv_cache_groups if kv_cache_config is not None else []
     moved = check_groups(kv_groups(groups)) if groups else ()
     block_size = (moved[0].block_size if moved

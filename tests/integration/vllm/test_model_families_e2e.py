@@ -52,8 +52,23 @@ FAMILIES = {
     "mistral": (["sliding"] * LAYERS, 4, []),
     "gemma3": (["sliding", "full"] * (LAYERS // 2), 4, []),
     "gpt_oss": (["sliding", "full"] * (LAYERS // 2), 4, []),
-    "llama_fp8": (["full"] * LAYERS, 1, ["--kv-cache-dtype", "fp8"]),
 }
+
+
+def _fp8_kv_runs_here() -> bool:
+    """vLLM 0.32's CPU backend has an fp8 KV cache only on x86 with AVX-512 or AMX."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "avx512f" in flags or "amx_tile" in flags
+
+
+# fp8 KV on the tiny Llama where the CPU has it (the development machines here do not:
+# "FP8 KV cache on CPU requires x86 with AVX-512 or AMX"); its dtype rule is covered by
+# tests/unit/test_kv_groups.py everywhere.
+if _fp8_kv_runs_here():
+    FAMILIES["llama_fp8"] = (["full"] * LAYERS, 1, ["--kv-cache-dtype", "fp8"])
 
 
 def _prompt(n: int, seed: int) -> list[int]:
@@ -196,7 +211,11 @@ def test_second_turn_hits_decodes_prefix_cache(cluster):
     assert out["usage"]["prompt_tokens_details"]["cached_tokens"] == len(second), out["usage"]
     full = _expected_bytes(cluster["kinds"], cluster["elem"], len(second))
     pulled = _settled_pulled(decode, before, 1) - before
-    assert 0 < pulled < full, (pulled, full)  # the hit was not pulled again
+    # The hit is not pulled again: less than a fresh prompt where a full-attention layer
+    # holds the first turn; all-sliding, the first turn is outside the window anyway.
+    assert 0 < pulled <= full, (pulled, full)
+    if "full" in cluster["kinds"]:
+        assert pulled < full, (pulled, full)
 
 
 @pytest.fixture(scope="module")
