@@ -160,7 +160,8 @@ def test_after_alloc_with_one_group_uses_it_for_the_indexer_too(dsched) -> None:
     params = _params()
     sched.get_num_new_matched_tokens(_req(RID, params, 70), 0)
     sched.update_state_after_alloc(_req(RID, params, 70), ([7, 8, 9],), 70)
-    assert sched.build_connector_meta([]).loads == (DecodeLoad(RID, (7, 8, 9), (7, 8, 9), ((7, 8, 9),)),)
+    assert sched.build_connector_meta([]).loads == (
+        DecodeLoad(RID, (7, 8, 9), (7, 8, 9), ((7, 8, 9),)),)
 
 
 def test_after_alloc_ignores_requests_it_did_not_match(dsched) -> None:
@@ -213,7 +214,8 @@ def test_do_virtual_suppresses_the_post(dsched) -> None:
     params = _params(do_virtual=True)
     sched.get_num_new_matched_tokens(_req(RID, params, 64), 0)
     sched.update_state_after_alloc(_req(RID, params, 64), ([1, 2],), 64)
-    assert sched.build_connector_meta([]).loads == (DecodeLoad(RID, (1, 2), (1, 2), ((1, 2),)),)  # loaded
+    assert sched.build_connector_meta([]).loads == (
+        DecodeLoad(RID, (1, 2), (1, 2), ((1, 2),)),)  # loaded
     assert _admit(sched, {RID: 2}) == 0 and ms.posts == [] and sched.posts == 0
 
 

@@ -18,8 +18,8 @@ import gc
 import pytest
 
 pytest.importorskip("vllm")
-import torch
 import test_vllm_connector as base
+import torch
 from test_vllm_connector import (  # noqa: F401 (fixtures)
     SUFFIX_D,
     SUFFIX_P,

@@ -10,14 +10,13 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, replace
 
-import dataclasses
-
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rd2h.domain.errors import LayoutMismatch, PlanningError
+from rd2h.domain.kv_groups import NO_BLOCK
 from rd2h.domain.layout import (
     DestinationLayout,
     DestTensor,
@@ -25,7 +24,6 @@ from rd2h.domain.layout import (
     TensorComponent,
     per_block_bytes_from_rows,
 )
-from rd2h.domain.kv_groups import NO_BLOCK
 from rd2h.domain.planning import (
     Destination,
     ReadPlan,
@@ -560,7 +558,7 @@ def test_a_layer_of_another_group_reads_into_that_groups_blocks() -> None:
     dest = {"r": Destination([1, 2], [], groups=([1, 2], [NO_BLOCK, 40]))}
     batch = batch_of(ReadRequest("r", (5, 6), (), 0, 0))
     for group, want in ((None, [1, 2]), (0, [1, 2]), (1, [40])):
-        layout = dataclasses.replace(dst, group=group)
+        layout = replace(dst, group=group)
         plan = plan_reads(batch, src, layout, dest, d_rank=0, d_tp=1, main_shared=False)
         t = dst.main[0]
         got = sorted(

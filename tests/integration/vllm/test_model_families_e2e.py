@@ -231,9 +231,8 @@ def test_a_recurrent_state_model_is_refused_at_start(granite, tmp_path, role):
     server = vllm_server("granite hybrid engine", granite, free_port(), log,
                          args=["--no-enable-prefix-caching"],
                          kv=rd2h_kv(role, quiet_ports(4), {"transport": "cma"}))
-    with pytest.raises(RuntimeError, match="exited") as info:
-        with running(server, startup_s=300):
-            pass
+    with pytest.raises(RuntimeError, match="exited") as info, running(server, startup_s=300):
+        pass
     text = str(info.value) + log.read_text(errors="replace")
     assert "rd2h cannot transfer this model's KV cache" in text, text[-4000:]
     assert "MambaSpec" in text and "recurrent state" in text, text[-4000:]
