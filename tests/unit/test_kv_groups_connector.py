@@ -42,6 +42,7 @@ from vllm.v1.kv_cache_interface import (
     KVCacheTensor,
     SlidingWindowSpec,
 )
+from vllm.v1.outputs import KVConnectorOutput
 
 from rd2h.entry.connector import SfaRemoteD2HConnector
 
@@ -101,34 +102,40 @@ def engines(tp_group, memory_control, metaserver):  # noqa: F811
         conn.shutdown()
 
 
-def test_each_layer_lands_in_its_own_groups_blocks(engines) -> None:
-    d_sched, p_sched, d_work, p_work, d_caches, p_caches = engines
-    prompt = 5 * BS - 1  # 5 blocks, the last partial
-    d_rid, p_rid = "g-1" + SUFFIX_D, "g-1" + SUFFIX_P
-    d_full, d_slide = (3, 4, 5, 6, 7), (0, 0, 0, 12, 13)  # 3 blocks outside the window
-    p_full, p_slide = (14, 15, 16, 17, 18), (19, 20, 21, 22, 23)
-    assert d_sched.get_loaded_kv_cache_group_ids(None) == (0, 1)
-
+def _transfer(engines, name: str, prompt: int, d_groups, p_groups):
+    """One request through both connectors (Decode admits it with ``d_groups``, Prefill
+    computes the whole prompt in one step with ``p_groups``, announcing every layer);
+    returns Prefill's step plan once Decode answered every layer."""
+    d_sched, p_sched, d_work, p_work, _, _ = engines
+    d_rid, p_rid = name + SUFFIX_D, name + SUFFIX_P
     req = request(d_rid, prompt, {"do_remote_prefill": True, "metaserver": URL})
     assert d_sched.get_num_new_matched_tokens(req, 0) == (prompt, True)
-    d_sched.update_state_after_alloc(req, _blocks(d_full, d_slide), prompt)
+    d_sched.update_state_after_alloc(req, _blocks(*d_groups), prompt)
     d_work.bind_connector_metadata(d_sched.build_connector_meta(scheduler_output()))
-    meta = d_work.build_connector_worker_meta()
-    from vllm.v1.outputs import KVConnectorOutput
-    d_sched.update_connector_output(KVConnectorOutput(kv_connector_worker_meta=meta))
+    d_sched.update_connector_output(KVConnectorOutput(
+        kv_connector_worker_meta=d_work.build_connector_worker_meta()))
     post = base.RecordingMetaserver.made[0].posts[-1][2]
-
     preq = request(p_rid, prompt, post)
-    p_sched.update_state_after_alloc(preq, _blocks(p_full, p_slide), 0)
+    p_sched.update_state_after_alloc(preq, _blocks(*p_groups), 0)
     plan = p_sched.build_connector_meta(scheduler_output(
-        [NewRequestData.from_request(preq, (list(p_full), list(p_slide)))],
+        [NewRequestData.from_request(preq, tuple(map(list, p_groups)))],
         counts={p_rid: prompt}))
     p_work.bind_connector_metadata(plan)
-    for name in NAMES:
-        p_work.save_kv_layer(name, None, None)
+    for layer in NAMES:
+        p_work.save_kv_layer(layer, None, None)
     for i in range(len(NAMES)):
         p_work.wait_for_layer_reuse(i)
     assert d_work.get_transfer_results(set()).finished_recving == {d_rid}
+    return plan
+
+
+def test_each_layer_lands_in_its_own_groups_blocks(engines) -> None:
+    d_sched, _, d_work, _, d_caches, p_caches = engines
+    prompt = 5 * BS - 1  # 5 blocks, the last partial
+    d_full, d_slide = (3, 4, 5, 6, 7), (0, 0, 0, 12, 13)  # 3 blocks outside the window
+    p_full, p_slide = (14, 15, 16, 17, 18), (19, 20, 21, 22, 23)
+    assert d_sched.get_loaded_kv_cache_group_ids(None) == (0, 1)
+    _transfer(engines, "g-1", prompt, (d_full, d_slide), (p_full, p_slide))
 
     for name in FULL:  # every block of the prompt, from Prefill's full-group blocks
         torch.testing.assert_close(d_caches[name][:, list(d_full)],
@@ -148,32 +155,13 @@ def test_each_layer_lands_in_its_own_groups_blocks(engines) -> None:
 def test_prefill_announces_no_block_it_no_longer_holds(engines) -> None:
     """A Prefill prefix hit gives its sliding group null blocks at the head: those
     positions are not announced (Decode holds none there either)."""
-    d_sched, p_sched, d_work, p_work, d_caches, p_caches = engines
+    *_, d_caches, p_caches = engines
     prompt = 6 * BS
-    d_rid, p_rid = "g-2" + SUFFIX_D, "g-2" + SUFFIX_P
     d_full, d_slide = (1, 2, 3, 4, 5, 6), (0, 0, 0, 0, 9, 10)
     p_full, p_slide = (11, 12, 13, 14, 15, 16), (0, 0, 19, 20, 21, 22)
-    req = request(d_rid, prompt, {"do_remote_prefill": True, "metaserver": URL})
-    d_sched.get_num_new_matched_tokens(req, 0)
-    d_sched.update_state_after_alloc(req, _blocks(d_full, d_slide), prompt)
-    d_work.bind_connector_metadata(d_sched.build_connector_meta(scheduler_output()))
-    from vllm.v1.outputs import KVConnectorOutput
-    d_sched.update_connector_output(KVConnectorOutput(
-        kv_connector_worker_meta=d_work.build_connector_worker_meta()))
-    post = base.RecordingMetaserver.made[0].posts[-1][2]
-    preq = request(p_rid, prompt, post)
-    p_sched.update_state_after_alloc(preq, _blocks(p_full, p_slide), 0)
-    plan = p_sched.build_connector_meta(scheduler_output(
-        [NewRequestData.from_request(preq, (list(p_full), list(p_slide)))],
-        counts={p_rid: prompt}))
+    plan = _transfer(engines, "g-2", prompt, (d_full, d_slide), (p_full, p_slide))
     (send,) = plan.plan.sends
     assert send.groups == ((0, p_full), (2, (19, 20, 21, 22)))
-    p_work.bind_connector_metadata(plan)
-    for name in NAMES:
-        p_work.save_kv_layer(name, None, None)
-    for i in range(len(NAMES)):
-        p_work.wait_for_layer_reuse(i)
-    assert d_work.get_transfer_results(set()).finished_recving == {d_rid}
     for name in SLIDING:
         torch.testing.assert_close(d_caches[name][:, [9, 10]], p_caches[name][:, [21, 22]],
                                    rtol=0, atol=0)
