@@ -77,7 +77,7 @@ def _prompt(n: int, seed: int) -> list[int]:
 
 # Shorter than the window (5, 20), a partial block past it (40), exact blocks (64),
 # chunked (> 64 tokens per step) with a partial tail (150, 297).
-LENGTHS = (5, 20, 40, 64, 150, 297)
+LENGTHS = (5, 20, 31, 32, 33, 40, 63, 64, 95, 150, 297)
 
 
 def _post(url: str, model: str, prompt, **extra) -> dict:
