@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from rd2h.domain import decode_session as d
 from rd2h.domain import prefill_events as p
+from rd2h.domain.wire_values import clip, few
 from rd2h.ports.runtime import Logger
 
 # Latency samples kept between reads of the stats: beyond this the oldest half goes,
@@ -87,7 +88,7 @@ def report_decode(outs: Iterable[d.Output], stats: DecodeStats, log: Logger) -> 
             if out.completed:
                 progress = True
                 log.debug("requests complete on this rank", layer=out.layer_idx,
-                          requests=list(out.completed))
+                          **few(out.completed))
         elif isinstance(out, d.LayerFailed):
             stats.layers_failed += 1
             progress = True
@@ -98,21 +99,22 @@ def report_decode(outs: Iterable[d.Output], stats: DecodeStats, log: Logger) -> 
         elif isinstance(out, d.Skipped):
             stats.skipped += len(out.requests)
             log.info("announced requests not read: no longer known here (aborted)",
-                     layer=out.layer_idx, requests=list(out.requests))
+                     layer=out.layer_idx, **few(out.requests))
         elif isinstance(out, d.PeerLost):
             if out.failed:
                 progress = True
                 stats.peer_lost_failed += len(out.failed)
-                log.warning("prefill peer lost; failing its requests", session=out.p_session,
-                            requests=list(out.failed))
+                log.warning("prefill peer lost; failing its requests",
+                            session=clip(str(out.p_session), 128), **few(out.failed))
             else:
-                log.info("prefill peer disconnected", session=out.p_session)
+                log.info("prefill peer disconnected", session=clip(str(out.p_session), 128))
         elif isinstance(out, d.Expired):
             progress = True
             stats.expired += len(out.requests)
-            log.warning("requests timed out waiting for KV", requests=list(out.requests))
+            log.warning("requests timed out waiting for KV", **few(out.requests))
         elif isinstance(out, d.MetaStored):
-            log.info("peer metadata stored", session=out.p_session, layers=out.layers)
+            log.info("peer metadata stored", session=clip(str(out.p_session), 128),
+                     layers=out.layers)
         elif isinstance(out, d.Rejected):
             _rejected(out, stats, log)
         elif isinstance(out, d.Capped):

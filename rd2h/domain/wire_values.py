@@ -20,6 +20,17 @@ def clip(text: str, limit: int = MAX_ERROR_CHARS) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+# Most request ids one log line quotes; the rest are counted (a peer chooses them).
+MAX_LOGGED_IDS = 8
+
+
+def few(ids: Sequence[str], limit: int = MAX_LOGGED_IDS) -> dict[str, Any]:
+    """Fields for a log line naming ``ids``: the first ``limit``, each clipped to 128
+    characters, and how many there were (one message may name 100,000)."""
+    shown = [clip(str(i), 128) for i in ids[:limit]]
+    return {"requests": shown, "count": len(ids)}
+
+
 def as_int(
     value: Any,
     what: str,
