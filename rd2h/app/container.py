@@ -216,6 +216,7 @@ class Container(containers.DeclarativeContainer):
         max_peers=limits.max_peers, max_orphans_per_peer=limits.max_orphans_per_peer,
         max_orphans=limits.max_orphans, timeline=timeline,
         on_read=providers.Callable(read_stamper, timeline),
+        hold_margin_s=deadlines.hold_margin_s,
     )
     prefill_scheduler = providers.Factory(PrefillScheduler, p_tp=config.tp_size, log=logger,
                                           timeline=timeline)

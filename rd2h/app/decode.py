@@ -14,6 +14,7 @@ lost connection, ``stop``, or an admission or step that made something due soone
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from rd2h.app.loop import LoopThread
@@ -56,6 +57,9 @@ class DecodeReceiver(LoopThread):
     (and the other TP ranks' loops, which must step with it) can wake at once.
     ``compat`` (optional): what this rank states for MF_META's compatibility map (the
     codec adds its ``signing``); an MF_META whose map differs is refused.
+    ``wall`` (Unix seconds) and ``hold_margin_s``: an announcement's hold (until when
+    Prefill keeps its blocks) must not have ended, less the margin, before the read
+    starts nor when it ended, else the layer fails (see ``_hold_ended``).
     """
 
     def __init__(
@@ -80,8 +84,12 @@ class DecodeReceiver(LoopThread):
         max_orphans: int = DEFAULT_ORPHANS_TOTAL,
         timeline: Timeline = NO_TIMELINE,
         compat: Compat | None = None,
+        wall: Callable[[], float] = time.time,
+        hold_margin_s: float = 1.0,
     ) -> None:
         self._timeline = timeline
+        self._wall = wall
+        self._hold_margin_s = hold_margin_s
         super().__init__(f"rd2h-decode-{d_rank}", start_timeout_s, stop_timeout_s)
         self._server_factory = server_factory
         self._codec = codec
@@ -307,8 +315,8 @@ class DecodeReceiver(LoopThread):
         self._apply_losses()
         with self._lock:
             go = self._session.begin_read(read.token)
-        error = None
-        if go:
+        error = self._hold_ended(read, "before the read") if go else None
+        if go and error is None:
             plan = read.plan
             t0 = self._clock.now()
             try:
@@ -325,11 +333,27 @@ class DecodeReceiver(LoopThread):
                 add_sample(self.stats.read_latencies_ms, (end - t0) * 1e3)
                 self.stats.bytes_read += plan.total_bytes
                 self.stats.descriptors += plan.num_descriptors
-                if self._on_read is not None:
+                error = self._hold_ended(read, "when the read ended")
+                if error is None and self._on_read is not None:
                     self._on_read(read.p_session, plan)
             self._apply_losses()
         with self._lock:
             return self._session.read_done(read.token, self._clock.now(), error)
+
+    def _hold_ended(self, read: Read, when: str) -> str | None:
+        """Why the read must not complete requests: Prefill's hold on the announced
+        blocks ended ``when`` (less ``hold_margin_s`` for the hosts' clocks), so Prefill
+        may have given them back and its engine refilled them; None if it had not (or
+        the peer states no hold: older builds)."""
+        if read.hold_until_ms is None:
+            return None
+        late_ms = self._wall() * 1000.0 + self._hold_margin_s * 1000.0 - read.hold_until_ms
+        if late_ms < 0:
+            return None
+        self.stats.reads_past_hold += 1
+        return (f"Prefill's hold on the announced blocks ended {when} ({late_ms / 1000:.3f} s "
+                f"past it, with a {self._hold_margin_s:g} s margin for clock skew): Prefill "
+                f"may have reused them, so this layer is not completed from them")
 
     def _report(self, outs: Iterable[Output]) -> None:
         outs = list(outs)

@@ -16,7 +16,9 @@ open, so the compute path raises instead of deadlocking.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Hashable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -29,7 +31,7 @@ from rd2h.domain.errors import LayerSendError, ProtocolError
 from rd2h.domain.layout import SourceLayout
 from rd2h.domain.prefill_events import Connect, Disconnect, Output, SendBatch, SendMeta
 from rd2h.domain.prefill_session import PrefillSession, PrefillTimeouts
-from rd2h.domain.protocol import MfMeta, ReadDone, ReadFailed
+from rd2h.domain.protocol import MfMeta, ReadDone, ReadFailed, ReadReadyBatch
 from rd2h.ports.codec import WireCodec
 from rd2h.ports.control import ControlClients
 from rd2h.ports.runtime import Clock, DeviceEvent, Logger
@@ -69,11 +71,13 @@ class PrefillSender(LoopThread):
         start_timeout_s: float = 10.0,
         stop_timeout_s: float = 5.0,
         compat: Compat | None = None,  # MF_META's compat map (the codec adds ``auth``)
+        wall: Callable[[], float] = time.time,  # Unix seconds: each announcement's hold
     ) -> None:
         super().__init__("rd2h-prefill-sender", start_timeout_s, stop_timeout_s)
         self._clients_factory = clients_factory
         self._codec = codec
         self._clock = clock
+        self._wall = wall
         self._log = log
         self._session = PrefillSession(layers, PrefillTimeouts(
             meta_ack_s=meta_ack_timeout_s, layer_ack_s=layer_ack_timeout_s,
@@ -101,10 +105,7 @@ class PrefillSender(LoopThread):
         if self._clients is not None:
             self._clients.wake()
 
-    @property
-    def alive(self) -> bool:
-        return self.running
-
+    alive = LoopThread.running
     # ------------------------------------------------------------ compute path
     def submit(
         self,
@@ -166,11 +167,6 @@ class PrefillSender(LoopThread):
                     )
                 self._cond.wait(min(remaining, 1.0))
 
-    def take_resolved(self) -> list[tuple[Hashable, str | None, str | None]]:
-        """``(ticket, endpoint, error)`` (see ``submit``) resolved since the last call."""
-        with self._cond:
-            return self._session.take_resolved()
-
     def take_outcomes(self) -> tuple[list[tuple[Hashable, str | None, str | None]],
                                      dict[tuple[Hashable, str], tuple[str, ...]]]:
         """``take_resolved()`` and the session's ``take_skipped()``, taken together."""
@@ -194,7 +190,6 @@ class PrefillSender(LoopThread):
         """Whether the layer's storage may be written now (no endpoint still reading)."""
         with self._cond:
             return self._session.gate(layer_idx).open
-
     def drain(self, timeout: float) -> bool:
         """Wait until every queued announcement was processed and every layer resolved
         (acknowledged, failed or expired); False if ``timeout`` passed first."""
@@ -348,12 +343,18 @@ class PrefillSender(LoopThread):
                 if out.endpoint in unreachable:
                     self._send_failed(out, unreachable[out.endpoint])
                     continue
-                message = self._meta if isinstance(out, SendMeta) else out.batch
+                message = self._meta if isinstance(out, SendMeta) else self._held(out.batch)
                 frame = self._codec.encode(message, out.endpoint)
                 self._outbox.setdefault(out.endpoint, deque()).append((out, frame))
         self._flush()
         with self._cond:
             self._cond.notify_all()
+
+    def _held(self, batch: ReadReadyBatch) -> ReadReadyBatch:
+        """With its hold: the session keeps a sent entry's blocks until its reply deadline
+        (``layer_ack_s`` from the send, now or later) unless Decode answered."""
+        hold_s = self._wall() + self._session.timeouts.layer_ack_s
+        return dataclasses.replace(batch, hold_until_ms=int(hold_s * 1000))
 
     def _flush(self) -> None:
         """Send what waits in the outbox, in order per endpoint; what cannot go yet stays

@@ -47,6 +47,11 @@ class Deadlines(BaseModel):
         5.0, gt=0, description="a silent control connection is dropped (and its pending "
         "layers / requests failed) after this long"
     )
+    hold_margin_s: float = Field(
+        1.0, ge=0, description="Decode: a read must end this long before the hold Prefill "
+        "stated for the announced blocks (room for the two hosts' clocks to differ), else "
+        "the layer fails instead of completing requests from blocks Prefill may reuse"
+    )
     idle_link_s: float = Field(
         300.0, gt=0, description="Prefill: a Decode connection with nothing in flight "
         "for this long is closed (reopened on demand)"
@@ -68,8 +73,9 @@ class Limits(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     recv_hwm: int = Field(
-        64, ge=1, description="control messages queued per connection before ZeroMQ "
-        "stops reading from it (the peer's sends then wait)")
+        64, ge=1, description="Prefill: replies taken per connection and poll (libzmq's "
+        "own receive limit is off on both sides: it aborts the process when a connection "
+        "it stopped reading errors)")
     max_frame_objects: int = Field(
         1 << 20, ge=16, description="msgpack objects one control frame may decode to, "
         "nested MF_META metadata included (checked while decoding)")

@@ -44,6 +44,7 @@ class Read:
     peer: Peer
     p_session: str
     plan: ReadPlan
+    hold_until_ms: int | None = None  # the announcement's hold (``ReadReadyBatch``)
 
 
 @dataclass(frozen=True)

@@ -303,7 +303,7 @@ class DecodeSession:
             return self._finish(peer, batch, now, skipped)
         token = next(self._tokens)
         self._reads[token] = _PendingRead(peer, batch, skipped=skipped)
-        return [Read(token, peer, known.session, plan)]
+        return [Read(token, peer, known.session, plan, batch.hold_until_ms)]
 
     def _finish(self, peer: Peer, batch: ReadReadyBatch, now: float,
                 skipped: tuple[str, ...] = ()) -> list[Output]:

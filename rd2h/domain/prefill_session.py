@@ -25,7 +25,7 @@ import itertools
 from collections.abc import Hashable, Iterable, Mapping
 
 from rd2h.domain.errors import CompletionError, LayerSendError
-from rd2h.domain.gates import GateState, StorageSlotGates
+from rd2h.domain.gates import StorageSlotGates
 from rd2h.domain.layout import SourceLayout
 from rd2h.domain.prefill_events import (
     Connect,
@@ -37,6 +37,7 @@ from rd2h.domain.prefill_events import (
     SendBatch,
     SendMeta,
 )
+from rd2h.domain.prefill_queries import SessionQueries
 from rd2h.domain.prefill_state import (
     Announcement,
     Entry,
@@ -51,7 +52,7 @@ from rd2h.domain.protocol import ReadDone, ReadFailed, ReadReadyBatch
 __all__ = ["PrefillSession", "PrefillTimeouts"]
 
 
-class PrefillSession:
+class PrefillSession(SessionQueries):
     def __init__(self, layers: Mapping[int, SourceLayout], timeouts: PrefillTimeouts) -> None:
         self.timeouts = timeouts
         self._names = {idx: lay.layer_name for idx, lay in layers.items()}
@@ -185,7 +186,7 @@ class PrefillSession:
         ann = self._announcements.get(aid)
         entry = None if ann is None else ann.entries.get(endpoint)
         if entry is not None and entry.phase == Phase.SENT:
-            entry.sent_at = now
+            entry.sent_at, entry.on_wire = now, True
             entry.deadline = now + self.timeouts.layer_ack_s
 
     def send_failed(self, action: SendMeta | SendBatch, reason: str, now: float) -> list[Output]:
@@ -217,7 +218,7 @@ class PrefillSession:
                 f"(Decode gone, or refusing this peer: are the CURVE keys right?)", now,
             )
         return self._reset(endpoint, f"decode endpoint {endpoint} disconnected (process "
-                           f"gone, connection reset or heartbeat timeout)", close=False)
+                           f"gone, connection reset or heartbeat timeout)", now, close=False)
 
     def connection_restored(self, endpoint: str) -> None:
         """The transport connected to ``endpoint`` again: handshakes may go ahead."""
@@ -231,9 +232,9 @@ class PrefillSession:
         t = self.timeouts
         for ann in list(self._announcements.values()):
             for entry in [e for e in ann.entries.values()
-                          if e.phase == Phase.EVENT and e.deadline <= now]:
-                out += self._end(entry, f"device event not complete within "
-                                 f"{t.device_event_s:g} s")
+                          if e.phase in (Phase.EVENT, Phase.HELD) and e.deadline <= now]:
+                out += self._end(entry, entry.held_error or f"device event not complete "
+                                 f"within {t.device_event_s:g} s")
         for ep, link in list(self._links.items()):
             if link.state == LinkState.HANDSHAKING and link.deadline <= now:
                 out += self._handshake_failed(
@@ -248,7 +249,7 @@ class PrefillSession:
                 # contributing to: it must not complete them from storage we may now reuse.
                 out += self._reset(ep, f"no acknowledgement of layer {late.layer_idx} "
                                    f"from decode endpoint {ep} within {t.layer_ack_s:g} s",
-                                   close=True)
+                                   now, close=True)
         return out + [Disconnect(ep) for ep in self._links.close_idle(
             now, self.timeouts.idle_link_s)]
 
@@ -265,53 +266,6 @@ class PrefillSession:
         for layer_idx in self._gates.pending_layers:  # cannot happen; never leave one shut
             self._gates.fail_layer(layer_idx, reason)
         return out + [HandshakeDone(ep, reason) for ep in self._links.stop()]
-
-    # ------------------------------------------------------------ queries
-    def gate(self, layer_idx: int) -> GateState:
-        return self._gates.state(layer_idx)
-
-    def take_resolved(self) -> list[tuple[Hashable, str | None, str | None]]:
-        out, self._resolved = self._resolved, []
-        return out
-
-    def take_skipped(self) -> dict[tuple[Hashable, str], tuple[str, ...]]:
-        """``(ticket, endpoint) -> ext ids`` the endpoint skipped (no longer known there)."""
-        out, self._skipped = self._skipped, {}
-        return out
-
-    @property
-    def has_resolved(self) -> bool:
-        """Whether ``take_resolved`` has something to report."""
-        return bool(self._resolved)
-
-    def next_deadline(self) -> float | None:
-        """When ``tick`` next acts: an entry, a handshake, an idle link (None: never)."""
-        times = [e.deadline for a in self._announcements.values() for e in a.entries.values()
-                 if e.phase != Phase.HANDSHAKE]
-        times += self._links.deadlines(self.timeouts.idle_link_s)
-        return min(times, default=None)
-
-    @property
-    def dead(self) -> str | None:
-        return self._dead
-
-    @property
-    def idle(self) -> bool:
-        """Nothing announced is unresolved and every gate is open."""
-        return not self._announcements and not self._gates.pending_layers
-
-    @property
-    def pending_layers(self) -> tuple[int, ...]:
-        return self._gates.pending_layers
-
-    def counters(self) -> dict[str, int]:
-        """Leak accounting: every value is 0 when no announcement is in flight."""
-        return {
-            "pending_layers": len(self._gates.pending_layers),
-            "closed_slots": self._gates.closed_slots,
-            "unacked_sends": sum(len(link.inflight) for link in self._links.values()),
-            "open_tickets": len(self._tickets),
-        }
 
     # ------------------------------------------------------------ rules
     def _dispatch(self, entry: Entry, now: float) -> list[Output]:
@@ -356,28 +310,36 @@ class PrefillSession:
             out += self._end(entry, reason)
         return out
 
-    def _reset(self, endpoint: str, reason: str, *, close: bool) -> list[Output]:
+    def _reset(self, endpoint: str, reason: str, now: float, *, close: bool) -> list[Output]:
         """No reply will come from ``endpoint`` for what was sent so far: fail every entry
-        for it, sent or still queued (gates open, the compute path raises). The next
-        announcement to it handshakes again (with ``close``, over a new connection)."""
+        for it, sent or still queued (gates open, the compute path raises; those that went
+        out keep their storage until their hold ends: ``_end``). The next announcement to
+        it handshakes again (with ``close``, over a new connection)."""
         entries = [e for ann in self._announcements.values() for e in ann.entries.values()
-                   if e.endpoint == endpoint]
+                   if e.endpoint == endpoint and e.phase != Phase.HELD]
         link = self._links.get(endpoint)
         if link is not None and link.state != LinkState.BACKOFF:
             link.state = LinkState.DOWN
         out: list[Output] = [Disconnect(endpoint)] if close else []
         for entry in entries:
-            out += self._end(entry, reason)
+            out += self._end(entry, reason, hold_at=now)
         out.append(EndpointReset(endpoint, reason,
                                  tuple(sorted({e.layer_idx for e in entries}))))
         return out
 
-    def _end(self, entry: Entry, error: str | None, latency: float | None = None
-             ) -> list[Output]:
+    def _end(self, entry: Entry, error: str | None, latency: float | None = None,
+             hold_at: float | None = None) -> list[Output]:
+        """The entry ends: its answer or failure is reported, its gate and ticket resolve.
+        ``hold_at`` (now): a failed entry that went out and whose reply deadline, the hold
+        its frame stated, is still ahead is reported now but resolves at that deadline
+        (``HELD``): Decode may still be reading its blocks."""
         ann = self._announcements.get(entry.aid)
         if ann is None or ann.entries.get(entry.endpoint) is not entry:
             return []
-        del ann.entries[entry.endpoint]
+        held = (hold_at is not None and error is not None and entry.on_wire
+                and entry.phase == Phase.SENT and hold_at < entry.deadline)
+        if not held:
+            del ann.entries[entry.endpoint]
         link = self._links.get(entry.endpoint)
         if link is not None:
             if entry.phase == Phase.HANDSHAKE and entry in link.waiting:
@@ -388,6 +350,17 @@ class PrefillSession:
             error = f"decode endpoint {entry.endpoint}: {error}"  # the caller learns who
         if error is not None and ann.error is None:
             ann.error = error
+        if held:
+            entry.phase, entry.held_error = Phase.HELD, error or ""
+            return [LayerAnswered(entry.layer_idx, entry.endpoint, error, None)]
+        if entry.phase == Phase.HELD:  # reported when it was held
+            return self._resolve(entry, ann, entry.held_error)
+        self._resolve(entry, ann, error)
+        return [LayerAnswered(entry.layer_idx, entry.endpoint, error,
+                              latency if error is None else None)]
+
+    def _resolve(self, entry: Entry, ann: Announcement, error: str | None) -> list[Output]:
+        """The entry's gate and ticket resolve: its storage is free for this endpoint."""
         self._gates.acknowledge(entry.layer_idx, entry.endpoint, error)
         if ann.ticket is not None:
             self._resolved.append((ann.ticket, entry.endpoint, error))
@@ -395,5 +368,4 @@ class PrefillSession:
             del self._announcements[entry.aid]
             if ann.ticket is not None:
                 self._tickets.discard(ann.ticket)
-        return [LayerAnswered(entry.layer_idx, entry.endpoint, error,
-                              latency if error is None else None)]
+        return []

@@ -44,6 +44,10 @@ class Phase(StrEnum):
     EVENT = "event"  # the layer's device event (device_event_s)
     HANDSHAKE = "handshake"  # the endpoint's MF_META ACK (meta_ack_s)
     SENT = "sent"  # the READ_READY_BATCH's reply (layer_ack_s)
+    # Failed before its reply deadline (the connection reset) after it went out: Decode
+    # may still read its blocks until that deadline (the hold the frame stated), so its
+    # storage stays in use until then; the failure was reported already.
+    HELD = "held"
 
 
 class LinkState(StrEnum):
@@ -64,6 +68,8 @@ class Entry:
     phase: Phase
     deadline: float
     sent_at: float = 0.0
+    on_wire: bool = False  # the frame went out (``PrefillSession.sent``)
+    held_error: str = ""  # HELD: the failure its storage release will report
 
 
 @dataclass(eq=False)

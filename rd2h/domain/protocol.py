@@ -80,6 +80,10 @@ class ReadReadyBatch:
     # Extension (field 7): the sender's id of this announcement, echoed in the reply so
     # that Prefill matches every answer to exactly the announcement it answers.
     seq: int | None = None
+    # Extension (field 8, only after ``seq``): until when, in milliseconds of the Unix
+    # epoch on Prefill's clock, Prefill keeps the announced blocks whatever happens
+    # (unless answered). A read that may end later must not complete a request.
+    hold_until_ms: int | None = None
 
     @property
     def named_ext_ids(self) -> tuple[str, ...]:
@@ -115,13 +119,14 @@ Message = MfMeta | ReadReadyBatch | ReadDone | ReadFailed
 # ---------------------------------------------------------------- helpers
 
 
-def _seq_field(fields: Sequence[Any], index: int, layer_idx: int | None) -> int | None:
-    """The optional announcement id at ``index``: absent (older peers) -> None, and so is
-    a value of another type there (e.g. the signature envelope of a signing peer read
-    without the secret): an id is only ever an int."""
+def _seq_field(fields: Sequence[Any], index: int, layer_idx: int | None,
+               what: str = "announcement id") -> int | None:
+    """The optional int at ``index`` (an announcement id, a hold): absent (older peers)
+    -> None, and so is a value of another type there (e.g. the signature envelope of a
+    signing peer read without the secret): these fields are only ever ints."""
     if len(fields) <= index or type(fields[index]) is not int:
         return None
-    return _int(fields[index], "announcement id", layer_idx, minimum=0, maximum=MAX_WIRE_INT)
+    return _int(fields[index], what, layer_idx, minimum=0, maximum=MAX_WIRE_INT)
 
 
 def _ids_in_range(items: Sequence[int]) -> bool:
@@ -225,8 +230,9 @@ def _decode_read_ready(fields: Sequence[Any],
             )
     elif len(fields) == 6:
         raise ProtocolError("READ_READY_BATCH carries a member index without its ratio", layer_idx)
-    return ReadReadyBatch(layer_idx, layer_name, reqs, done, member, ratio,
-                          _seq_field(fields, 7, layer_idx))
+    seq = _seq_field(fields, 7, layer_idx)
+    hold = None if seq is None else _seq_field(fields, 8, layer_idx, "announcement hold")
+    return ReadReadyBatch(layer_idx, layer_name, reqs, done, member, ratio, seq, hold)
 
 
 def message_from_fields(
@@ -297,6 +303,7 @@ def fields_of(message: Message, encode_nested_metadata: Any = None) -> list[Any]
             message.group_member_idx,
             message.tp_ratio,
             *_opt(message.seq),
+            *_opt(None if message.seq is None else message.hold_until_ms),
         ]
     if isinstance(message, MfMeta):
         layer_map = {name: meta.to_map() for name, meta in message.layers.items()}

@@ -44,6 +44,9 @@ COUNTERS: dict[str, tuple[str, str]] = {
                          "no longer knew, so no more of them was announced."),
     "requests_skipped": ("requests_skipped", "Announced requests this Decode engine did not "
                          "read because it no longer knew them (per layer and TP rank)."),
+    "reads_past_hold": ("reads_past_hold", "Layers this Decode engine failed because the "
+                        "read would have ended after Prefill's hold on the blocks (Decode "
+                        "too slow: Prefill may have reused them)."),
 }
 # series -> help text, {stats key: value of the "cause" label}
 CAUSED: dict[str, tuple[str, dict[str, str]]] = {

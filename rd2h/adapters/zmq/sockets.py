@@ -9,6 +9,8 @@ import zmq
 from zmq.utils.monitor import parse_monitor_message
 
 DEFAULT_RECV_HWM = 64
+DEFAULT_HEARTBEAT_IVL_S = 1.0
+DEFAULT_HEARTBEAT_TIMEOUT_S = 5.0
 
 
 def check_hwm(recv_hwm: int) -> int:

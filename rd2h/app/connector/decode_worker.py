@@ -96,7 +96,7 @@ class DecodeWorker(ConnectorRole):
                 "failed_dispatch": s.failed_fast, "failed_prefill_lost": s.peer_lost_failed,
                 "failed_deadline": s.expired, "refused_incompatible": s.refused_incompatible,
                 "refused_unauthenticated": s.refused_unauthenticated,
-                "refused_peer_cap": s.refused_capped}
+                "refused_peer_cap": s.refused_capped, "reads_past_hold": s.reads_past_hold}
 
     def start(self) -> str:
         return self._receiver.start()

@@ -1,0 +1,69 @@
+"""What a ``PrefillSession`` answers about itself (its queries, split out of
+``rd2h.domain.prefill_session``, which owns every rule)."""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+
+from rd2h.domain.gates import GateState, StorageSlotGates
+from rd2h.domain.prefill_state import Announcement, Links, Phase, PrefillTimeouts
+
+
+class SessionQueries:
+    """The session's state, read-only (the attributes ``PrefillSession`` sets)."""
+
+    timeouts: PrefillTimeouts
+    _gates: StorageSlotGates
+    _announcements: dict[int, Announcement]
+    _links: Links
+    _resolved: list[tuple[Hashable, str | None, str | None]]
+    _skipped: dict[tuple[Hashable, str], tuple[str, ...]]
+    _tickets: set[Hashable]
+    _dead: str | None
+
+    def gate(self, layer_idx: int) -> GateState:
+        return self._gates.state(layer_idx)
+
+    def take_resolved(self) -> list[tuple[Hashable, str | None, str | None]]:
+        out, self._resolved = self._resolved, []
+        return out
+
+    def take_skipped(self) -> dict[tuple[Hashable, str], tuple[str, ...]]:
+        """``(ticket, endpoint) -> ext ids`` the endpoint skipped (no longer known there)."""
+        out, self._skipped = self._skipped, {}
+        return out
+
+    @property
+    def has_resolved(self) -> bool:
+        """Whether ``take_resolved`` has something to report."""
+        return bool(self._resolved)
+
+    def next_deadline(self) -> float | None:
+        """When ``tick`` next acts: an entry, a handshake, an idle link (None: never)."""
+        times = [e.deadline for a in self._announcements.values() for e in a.entries.values()
+                 if e.phase != Phase.HANDSHAKE]
+        times += self._links.deadlines(self.timeouts.idle_link_s)
+        return min(times, default=None)
+
+    @property
+    def dead(self) -> str | None:
+        return self._dead
+
+    @property
+    def idle(self) -> bool:
+        """Nothing announced is unresolved and every gate is open."""
+        return not self._announcements and not self._gates.pending_layers
+
+    @property
+    def pending_layers(self) -> tuple[int, ...]:
+        return self._gates.pending_layers
+
+    def counters(self) -> dict[str, int]:
+        """Leak accounting: every value is 0 when no announcement is in flight."""
+        return {
+            "pending_layers": len(self._gates.pending_layers),
+            "closed_slots": self._gates.closed_slots,
+            "unacked_sends": sum(len(link.inflight) for link in self._links.values()),
+            "open_tickets": len(self._tickets),
+        }
+
