@@ -308,6 +308,30 @@ def test_a_lost_connection_fails_only_the_entries_for_that_endpoint() -> None:
     s.stop("end")
 
 
+def test_what_went_out_keeps_its_storage_until_its_hold_after_a_loss() -> None:
+    """A lost connection reports every entry failed at once; one whose frame went out
+    (``sent``) keeps its gate and ticket until its reply deadline, the hold the frame
+    stated: a Decode that was only slow may still read its blocks until then."""
+    s = session()
+    ready(s, "A")
+    aid0 = announce(s, 0, ["A"], ticket="t0")
+    s.event_done(aid0, 0.0)
+    s.sent("A", aid0, 0.0)  # on the wire: held until 0 + layer_ack_s
+    s.event_done(announce(s, 1, ["A"], ticket="t1"), 0.0)  # still in the outbox
+    outs = s.connection_lost("A", 1.0)
+    assert [a[:2] for a in answered(outs)] == [(0, "A"), (1, "A")]  # reported at once
+    assert s.gate(1).open and not s.gate(0).open
+    assert [t for t, _, _ in s.take_resolved()] == ["t1"]
+    assert answered(s.connection_lost("A", 2.0)) == [] and not s.gate(0).open
+    assert s.next_deadline() == T.layer_ack_s
+    assert s.tick(T.layer_ack_s - 0.01) == []
+    assert answered(s.tick(T.layer_ack_s)) == []  # reported once, when it failed
+    assert s.gate(0).open and "A disconnected" in (s.gate(0).error or "")
+    ((ticket, _, error),) = s.take_resolved()
+    assert ticket == "t0" and "A disconnected" in (error or "")
+    assert_clean(s)
+
+
 def test_a_refused_build_gets_notices_so_decode_fails_its_requests_at_once() -> None:
     """Decode refused MF_META (incompatible builds): the connection stays, and what
     waited on the handshake, and every announcement until the backoff ends, still goes

@@ -107,6 +107,8 @@ def read_ready_batches(draw):
         done_ext_ids=tuple(draw(st.lists(names, max_size=4))),
         group_member_idx=draw(st.integers(0, ratio - 1)),
         tp_ratio=ratio,
+        seq=(seq := draw(st.none() | st.integers(0, 2**63 - 1))),
+        hold_until_ms=None if seq is None else draw(st.none() | st.integers(0, 2**63 - 1)),
     )
 
 
@@ -341,6 +343,21 @@ def test_appended_fields_from_newer_builds_are_ignored():
     assert decode_value([b"read_failed", 1, "e", 5, "x"]) == ReadFailed(1, "e", 5)
     with pytest.raises(ProtocolError):
         decode_value([b"read_done", 1, -1])  # an id is never negative
+
+
+def test_the_hold_follows_the_announcement_id():
+    """Field 8: until when Prefill keeps the blocks (ms of the Unix epoch); only after an
+    id, only an int (a signature envelope there is not a hold), never negative."""
+    head = [b"read_ready_batch", 2, L5, [["r", [1], [2], 0, 0]], [], 0, 1]
+    hold = 1_796_300_000_123
+    msg = ReadReadyBatch(2, L5, (ReadRequest("r", (1,), (2,)),), (), 0, 1, 7, hold)
+    assert decode_value([*head, 7, hold]) == msg
+    assert fields_of(msg)[7:] == [7, hold]
+    assert decode_value([*head, 7]).hold_until_ms is None  # older builds
+    assert decode_value([*head, 7, b"\x00" * 56]).hold_until_ms is None  # an envelope
+    assert fields_of(ReadReadyBatch(2, L5, (), seq=None, hold_until_ms=hold))[7:] == []
+    with pytest.raises(ProtocolError, match="announcement hold"):
+        decode_value([*head, 7, -1])
 
 
 def test_read_failed_without_error_and_with_bin_error():
