@@ -15,6 +15,7 @@ Before this issue: Decode died on a libzmq assertion (heartbeats on) or answered
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 import time
 from collections.abc import Iterator
@@ -110,13 +111,14 @@ def _pause_decode_under_load(c: dict[str, Any], pause_s: float, seed: int,
             while _held_requests(c["prefill"]) < 1:
                 assert time.monotonic() - t0 < 120, "Prefill never held blocks for Decode"
                 await asyncio.sleep(0.05)
-            decode.kill(signal.SIGSTOP)
+            assert decode.proc is not None
+            os.killpg(decode.proc.pid, signal.SIGSTOP)  # the engine and its children
             try:
                 reuse = [asyncio.create_task(_post(client, c["prefill"].url, c["model"], p))
                          for p in others]
                 await asyncio.sleep(pause_s)
             finally:
-                decode.kill(signal.SIGCONT)
+                os.killpg(decode.proc.pid, signal.SIGCONT)
             await asyncio.gather(*reuse)
             return list(await asyncio.gather(*load))
 
