@@ -85,7 +85,7 @@ class DecodeReceiver(LoopThread):
         timeline: Timeline = NO_TIMELINE,
         compat: Compat | None = None,
         wall: Callable[[], float] = time.time,
-        hold_margin_s: float = 1.0,
+        hold_margin_s: float = 0.25,
     ) -> None:
         self._timeline = timeline
         self._wall = wall

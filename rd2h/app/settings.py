@@ -48,7 +48,7 @@ class Deadlines(BaseModel):
         "layers / requests failed) after this long"
     )
     hold_margin_s: float = Field(
-        1.0, ge=0, description="Decode: a read must end this long before the hold Prefill "
+        0.25, ge=0, description="Decode: a read must end this long before the hold Prefill "
         "stated for the announced blocks (room for the two hosts' clocks to differ), else "
         "the layer fails instead of completing requests from blocks Prefill may reuse"
     )

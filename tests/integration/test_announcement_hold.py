@@ -34,7 +34,8 @@ HOLD_S = 2.0  # Prefill's layer_ack_s: the hold each announcement states
 
 
 def _decode(rig: Rig, **kw: object):
-    return rig.decode(LAYERS, settings={"deadlines": {"request_s": 30.0}}, **kw)
+    return rig.decode(LAYERS, settings={"deadlines": {"request_s": 30.0,
+                                                      "hold_margin_s": 1.0}}, **kw)
 
 
 def _sender(rig: Rig, p):
