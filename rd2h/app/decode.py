@@ -13,6 +13,7 @@ lost connection, ``stop``, or an admission or step that made something due soone
 
 from __future__ import annotations
 
+import secrets
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -104,7 +105,8 @@ class DecodeReceiver(LoopThread):
                                       max_peers=max_peers,
                                       max_orphans_per_peer=max_orphans_per_peer,
                                       max_orphans=max_orphans, compat=None if compat is None
-                                      else compat.with_values(auth=codec.signing))
+                                      else compat.with_values(auth=codec.signing),
+                                      generation=secrets.randbits(63))
         self._lock = threading.Lock()
         self._progress = threading.Event()
         self._server: ControlServer | None = None
@@ -297,7 +299,8 @@ class DecodeReceiver(LoopThread):
         self._report(outs)
         for out in outs:
             if isinstance(out, SendAck):
-                self._server.send(out.peer, self._codec.encode_ack(out.peer))  # type: ignore[arg-type]
+                frame = self._codec.encode_ack(out.peer, out.generation)
+                self._server.send(out.peer, frame)  # type: ignore[arg-type]
             elif isinstance(out, SendRefusal):
                 frame = self._codec.encode_refusal(out.refusal, out.peer)
                 self._server.send(out.peer, frame)  # type: ignore[arg-type]

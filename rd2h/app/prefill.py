@@ -17,6 +17,7 @@ open, so the compute path raises instead of deadlocking.
 from __future__ import annotations
 
 import dataclasses
+import secrets
 import threading
 import time
 from collections import deque
@@ -26,7 +27,7 @@ from dataclasses import dataclass, field
 from rd2h.app.loop import LoopThread
 from rd2h.app.telemetry import SenderStats, report_prefill
 from rd2h.domain.announce import LayerTarget, group_batches
-from rd2h.domain.compat import Compat
+from rd2h.domain.compat import Compat, compat_of
 from rd2h.domain.errors import LayerSendError, ProtocolError
 from rd2h.domain.layout import SourceLayout
 from rd2h.domain.prefill_events import Connect, Disconnect, Output, SendBatch, SendMeta
@@ -46,7 +47,6 @@ _IDLE_WAIT_S = 3600.0  # nothing due: only input wakes the loop (this bounds one
 @dataclass
 class _Handshake:
     """``prepare``: connect and exchange MF_META ahead of the first layer."""
-
     endpoints: tuple[str, ...]
     done: threading.Event = field(default_factory=threading.Event)
     errors: dict[str, str] = field(default_factory=dict)
@@ -83,9 +83,10 @@ class PrefillSender(LoopThread):
             meta_ack_s=meta_ack_timeout_s, layer_ack_s=layer_ack_timeout_s,
             device_event_s=event_timeout_s, reconnect_after_s=reconnect_after_s,
             idle_link_s=idle_link_s))
-        self._meta = MfMeta(p_session,
-                            {lay.layer_name: lay.to_metadata() for lay in layers.values()},
-                            None if compat is None else compat.with_values(auth=codec.signing))
+        # Always a compat map (the generation, a nonce of this sender, follows it).
+        stated = (compat or compat_of()).with_values(auth=codec.signing)
+        layer_map = {lay.layer_name: lay.to_metadata() for lay in layers.values()}
+        self._meta = MfMeta(p_session, layer_map, stated, secrets.randbits(63))
         self._cond = threading.Condition()  # guards the session, the queues and the jobs
         self._events: deque[tuple[int, DeviceEvent | None]] = deque()
         self._jobs: deque[_Handshake] = deque()
@@ -183,8 +184,7 @@ class PrefillSender(LoopThread):
 
     @property
     def timeouts(self) -> PrefillTimeouts:
-        """The deadlines every announcement entry ends by (``PrefillTimeouts``)."""
-        return self._session.timeouts
+        return self._session.timeouts  # every announcement entry ends by these
 
     def gate_open(self, layer_idx: int) -> bool:
         """Whether the layer's storage may be written now (no endpoint still reading)."""
@@ -273,7 +273,8 @@ class PrefillSender(LoopThread):
     def _receive(self, endpoint: str, payload: bytes, now: float) -> list[Output]:
         try:
             if self._codec.is_ack(payload, endpoint):
-                return self._session.ack_received(endpoint, now)
+                return self._session.ack_received(
+                    endpoint, now, self._codec.ack_generation(payload, endpoint))
             refused = self._codec.refusal(payload, endpoint)
         except ProtocolError as exc:  # an ACK (or a refusal) without valid authentication
             self._log.error("refusing acknowledgement", endpoint=endpoint, error=exc.detail)
@@ -351,10 +352,9 @@ class PrefillSender(LoopThread):
             self._cond.notify_all()
 
     def _held(self, batch: ReadReadyBatch) -> ReadReadyBatch:
-        """With its hold: the session keeps a sent entry's blocks until its reply deadline
-        (``layer_ack_s`` from the send, now or later) unless Decode answered."""
-        hold_s = self._wall() + self._session.timeouts.layer_ack_s
-        return dataclasses.replace(batch, hold_until_ms=int(hold_s * 1000))
+        """With its hold: the session keeps what went out until its reply deadline."""
+        hold_ms = int((self._wall() + self._session.timeouts.layer_ack_s) * 1000)
+        return dataclasses.replace(batch, hold_until_ms=hold_ms)
 
     def _flush(self) -> None:
         """Send what waits in the outbox, in order per endpoint; what cannot go yet stays

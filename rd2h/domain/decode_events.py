@@ -19,6 +19,7 @@ Peer = Hashable  # a control connection (the ROUTER identity)
 @dataclass(frozen=True)
 class SendAck:
     peer: Peer
+    generation: int | None = None  # this Decode's, to a Prefill that stated its own
 
 
 @dataclass(frozen=True)

@@ -62,6 +62,7 @@ class _Peer:
     session: str
     layers: dict[str, SourceLayout | LayoutMismatch]
     proven: bool = False  # a READ_READY_BATCH came since its MF_META
+    generation: int | None = None  # MF_META's (None: the peer states none)
 
 
 @dataclass
@@ -86,7 +87,9 @@ class DecodeSession:
         max_orphans_per_peer: int = DEFAULT_ORPHANS_PER_PEER,
         max_orphans: int = DEFAULT_ORPHANS_TOTAL,
         compat: Compat | None = None,
+        generation: int | None = None,
     ) -> None:
+        self.generation = generation  # stated in the ACK to peers that state theirs
         if max_peers < 1:
             raise ValueError("max_peers must be >= 1")
         self._destinations = dict(destinations)
@@ -109,7 +112,7 @@ class DecodeSession:
     # ------------------------------------------------------------ control inputs
     def receive(self, peer: Peer, message: Message, now: float) -> list[Output]:
         if isinstance(message, MfMeta):
-            return self._meta(peer, message)
+            return self._meta(peer, message, now)
         if isinstance(message, ReadReadyBatch):
             if (known := self._peers.get(peer)) is not None:
                 known.proven = True  # no longer evictable by a newcomer (``_meta``)
@@ -156,9 +159,10 @@ class DecodeSession:
                               f"prefill peer disconnected {when} the read", now)
         return self._finish(pending.peer, pending.batch, now, pending.skipped)
 
-    def peer_lost(self, peer: Peer, now: float) -> list[Output]:
-        """The connection closed: forget its metadata and fail the unfinished requests it
-        was contributing to (requests that never heard from it end at their deadline)."""
+    def peer_lost(self, peer: Peer, now: float, how: str = "disconnected") -> list[Output]:
+        """The connection closed (or, ``how``, its process restarted): forget its metadata
+        and fail the unfinished requests it was contributing to (requests that never
+        heard from it end at their deadline)."""
         gone = self._peers.pop(peer, None)
         self._memo.forget(peer)
         session = gone.session if gone is not None else "?"
@@ -166,7 +170,7 @@ class DecodeSession:
             if pending.peer == peer:
                 pending.lost = True
         failed = self._book.fail_peer(
-            peer, f"prefill peer {session} disconnected before announcing the final layer", now
+            peer, f"prefill peer {session} {how} before announcing the final layer", now
         )
         if len(self._peers) < self.max_peers:
             self._peers_capped = False
@@ -225,7 +229,20 @@ class DecodeSession:
         return [Capped("orphans", _label(hit), hit.limit)
                 for hit in self._book.orphans.take_hits()]
 
-    def _meta(self, peer: Peer, meta: MfMeta) -> list[Output]:
+    def _restarted(self, peer: Peer, meta: MfMeta, now: float) -> list[Output]:
+        """Other connections of the same Prefill session from another generation: that
+        process is gone (a new one took its address), so its metadata, signing state,
+        reads and the requests it was contributing to end now; a new one's announcements
+        are never read as its."""
+        out: list[Output] = []
+        for old, known in list(self._peers.items()):
+            if (old != peer and known.session == meta.p_session and known.generation
+                    is not None and known.generation != meta.generation):
+                out += [*self.peer_lost(old, now, "restarted (a new generation)"),
+                        Forget(old)]
+        return out
+
+    def _meta(self, peer: Peer, meta: MfMeta, now: float) -> list[Output]:
         refused = None if meta.compat is None or self.compat is None else compare(
             meta.compat, self.compat)
         if refused is not None:  # an incompatible build: nothing of this peer is kept
@@ -234,7 +251,8 @@ class DecodeSession:
             why = clip(f"prefill {meta.p_session}: {refused.describe()}")
             return [Rejected(RejectKind.INCOMPATIBLE, why), SendRefusal(peer, refused),
                     Forget(peer)]
-        known, out = self._peers.get(peer), list[Output]()
+        out = [] if meta.generation is None else self._restarted(peer, meta, now)
+        known = self._peers.get(peer)
         # Full: the oldest peer that announced nothing since its MF_META (a replayed one
         # cannot: that needs the secret) yields its slot; it holds no other state.
         for idle in [p for p, k in self._peers.items() if not k.proven][:1] if (
@@ -243,7 +261,7 @@ class DecodeSession:
             out.append(Forget(idle))
         if known is None and len(self._peers) >= self.max_peers:
             # Not acknowledged: that Prefill's handshake deadline reports it.
-            out = [Rejected(RejectKind.CAPPED, f"MF_META from a new connection while "
+            out += [Rejected(RejectKind.CAPPED, f"MF_META from a new connection while "
                             f"{self.max_peers} peers are known"), Forget(peer)]
             if not self._peers_capped:
                 self._peers_capped = True
@@ -257,8 +275,10 @@ class DecodeSession:
                 layers[name] = SourceLayout.from_metadata(name, lm)
             except LayoutMismatch as exc:
                 layers[name] = exc
-        self._peers[peer] = _Peer(meta.p_session, layers, known is not None and known.proven)
-        return [*out, SendAck(peer), MetaStored(peer, meta.p_session, len(layers))]
+        self._peers[peer] = _Peer(meta.p_session, layers, known is not None and known.proven,
+                                  meta.generation)
+        ack = SendAck(peer, None if meta.generation is None else self.generation)
+        return [*out, ack, MetaStored(peer, meta.p_session, len(layers))]
 
     def _ready(self, peer: Peer, batch: ReadReadyBatch, now: float) -> list[Output]:
         known = self._peers.get(peer)

@@ -135,13 +135,22 @@ class PrefillSession(SessionQueries):
                 out += self._start_handshake(ep, link, now)
         return out
 
-    def ack_received(self, endpoint: str, now: float) -> list[Output]:
-        """Decode acknowledged MF_META; an ACK outside a handshake is stray."""
+    def ack_received(self, endpoint: str, now: float,
+                     generation: int | None = None) -> list[Output]:
+        """Decode acknowledged MF_META; an ACK outside a handshake is stray. A new Decode
+        ``generation`` behind the endpoint: the process we announced to is gone, so what
+        is held for it (``HELD``) is given back now, not at its hold."""
         link = self._links.get(endpoint)
         if link is None or link.state != LinkState.HANDSHAKING:
             return []
         link.state = LinkState.READY
         out: list[Output] = [HandshakeDone(endpoint, None)]
+        if generation is not None and link.generation not in (None, generation):
+            for entry in [e for a in list(self._announcements.values())
+                          for e in a.entries.values()
+                          if e.endpoint == endpoint and e.phase == Phase.HELD]:
+                out += self._end(entry, entry.held_error)
+        link.generation = generation if generation is not None else link.generation
         waiting, link.waiting = link.waiting, []
         for entry in waiting:
             out += self._send(entry, link, now)

@@ -99,6 +99,7 @@ class Link:
     last_used: float = 0.0
     gone: str = ""
     notify: bool = False
+    generation: int | None = None  # the Decode process's, from its ACK (None: unknown)
 
 
 class Links(dict[str, Link]):

@@ -56,6 +56,9 @@ class MfMeta:
     p_session: str
     layers: Mapping[str, LayerMetadata]
     compat: Compat | None = None  # extension (field 3): facts both builds must share
+    # Extension (field 4, only after ``compat``): the sender's generation, a nonce drawn
+    # when it starts. A new one under a known ``p_session`` is a restarted peer.
+    generation: int | None = None
 
 
 @dataclass(frozen=True)
@@ -114,6 +117,39 @@ class ReadFailed:
 
 
 Message = MfMeta | ReadReadyBatch | ReadDone | ReadFailed
+
+
+# ---------------------------------------------------------------- the acknowledgement
+
+GENERATION_BYTES = 8
+
+
+def ack_plain(generation: int | None) -> bytes:
+    """The MF_META acknowledgement: ``b"ACK"``, then (extension, only to a Prefill that
+    stated its own generation) Decode's generation, 8 bytes big-endian."""
+    return ACK if generation is None else ACK + generation.to_bytes(GENERATION_BYTES, "big")
+
+
+def parse_ack(raw: bytes) -> tuple[bool, int | None]:
+    """``(is an acknowledgement, the generation it states)`` of unsigned bytes."""
+    if raw == ACK:
+        return True, None
+    if len(raw) == len(ACK) + GENERATION_BYTES and raw.startswith(ACK):
+        return True, int.from_bytes(raw[len(ACK):], "big")
+    return False, None
+
+
+def encode_plain_ack(conn: Any = None, generation: int | None = None) -> bytes:
+    return ack_plain(generation)
+
+
+def is_plain_ack(frame: bytes, conn: Any = None) -> bool:
+    return parse_ack(bytes(frame))[0]
+
+
+def plain_ack_generation(frame: bytes, conn: Any = None) -> int | None:
+    """The generation an acknowledgement states (None: none, or not an ACK)."""
+    return parse_ack(bytes(frame))[1]
 
 
 # ---------------------------------------------------------------- helpers
@@ -262,7 +298,9 @@ def message_from_fields(
             if decode_nested_metadata is None:
                 raise ProtocolError("MF_META carries encoded metadata but no decoder was given")
             raw = decode_nested_metadata(raw)
-        return MfMeta(session, decode_layer_map(raw), compat_at(fields))
+        compat = compat_at(fields)
+        generation = None if compat is None else _seq_field(fields, 4, None, "generation")
+        return MfMeta(session, decode_layer_map(raw), compat, generation)
     if tag == READ_DONE:
         if len(fields) < 2:
             raise ProtocolError("READ_DONE needs a layer index")
@@ -308,7 +346,8 @@ def fields_of(message: Message, encode_nested_metadata: Any = None) -> list[Any]
     if isinstance(message, MfMeta):
         layer_map = {name: meta.to_map() for name, meta in message.layers.items()}
         payload = layer_map if encode_nested_metadata is None else encode_nested_metadata(layer_map)
-        return [MF_META, message.p_session, payload, *compat_field(message.compat)]
+        return [MF_META, message.p_session, payload, *compat_field(message.compat),
+                *_opt(None if message.compat is None else message.generation)]
     if isinstance(message, ReadDone):
         if message.skipped and message.seq is not None:
             return [READ_DONE, message.layer_idx, message.seq, list(message.skipped)]

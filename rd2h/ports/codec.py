@@ -30,8 +30,13 @@ class WireCodec(Protocol):
         replayed)."""
         ...
 
-    def encode_ack(self, conn: Hashable = None) -> bytes:
-        """Decode's MF_META acknowledgement frame (raw ``b"ACK"`` without authentication)."""
+    def encode_ack(self, conn: Hashable = None, generation: int | None = None) -> bytes:
+        """Decode's MF_META acknowledgement frame (raw ``b"ACK"`` without authentication),
+        stating Decode's ``generation`` when given."""
+        ...
+
+    def ack_generation(self, frame: bytes, conn: Hashable = None) -> int | None:
+        """The Decode generation an acknowledgement (``is_ack``) states, if any."""
         ...
 
     def is_ack(self, frame: bytes, conn: Hashable = None) -> bool:

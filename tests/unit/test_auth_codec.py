@@ -3,6 +3,7 @@ messages without authentication, refusals naming the layer, and the settings."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import hmac
 
@@ -16,6 +17,7 @@ from rd2h.adapters.msgpack import AuthenticatedCodec, MsgpackCodec
 from rd2h.adapters.msgpack.auth import array_header, read_array_header, split_signed
 from rd2h.app.container import bootstrap
 from rd2h.app.settings import Rd2hSettings
+from rd2h.domain.compat import compat_of
 from rd2h.domain.errors import AuthenticationError, ProtocolError
 from rd2h.domain.protocol import (
     ACK,
@@ -361,3 +363,22 @@ def test_short_secret_is_refused_without_echoing_it():
 def test_the_secret_never_shows_in_settings_reprs():
     s = Rd2hSettings(role="decode", auth_secret="a-very-secret-value-123")
     assert "a-very-secret" not in repr(s) and "a-very-secret" not in str(s.model_dump())
+
+
+def test_an_ack_stating_decodes_generation_is_signed_over_it():
+    """The generation (8 bytes after ``b"ACK"``) is inside the signed plain bytes: it
+    cannot be changed in flight, and an unsigned one is refused like an unsigned ACK."""
+    p, d = signed(), signed()
+    meta = dataclasses.replace(META, compat=compat_of(auth=p.signing), generation=9)
+    assert d.decode(p.encode(meta, "ep"), b"id") == meta
+    ack = d.encode_ack(b"id", generation=2**62 + 5)
+    assert ack.startswith(ACK + (2**62 + 5).to_bytes(8, "big"))
+    tampered = ack[:3] + (6).to_bytes(8, "big") + ack[11:]
+    with pytest.raises(AuthenticationError):
+        p.is_ack(tampered, "ep")
+    assert p.is_ack(ack, "ep") and p.ack_generation(ack, "ep") == 2**62 + 5
+    with pytest.raises(AuthenticationError, match="not signed"):
+        p.is_ack(PLAIN.encode_ack(generation=5), "ep")
+    assert PLAIN.is_ack(PLAIN.encode_ack(generation=5)) and PLAIN.ack_generation(
+        PLAIN.encode_ack(generation=5)) == 5
+    assert PLAIN.ack_generation(ACK) is None and not PLAIN.is_ack(ACK + b"x")

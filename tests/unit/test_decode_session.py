@@ -3,9 +3,12 @@ reads to perform and events out. Each scenario ends with the request book empty.
 
 from __future__ import annotations
 
+import dataclasses
+
 from rd2h.domain.decode_session import (
     DecodeSession,
     Expired,
+    Forget,
     LayerDone,
     LayerFailed,
     MetaStored,
@@ -155,4 +158,30 @@ def test_next_deadline_is_when_tick_next_expires_something() -> None:
     assert s.next_deadline() == 14.0  # the orphan goes stale then
     step(s, now=12.0)
     assert s.tick(14.0) == [] and s.next_deadline() is None
+    assert_clean(s)
+
+
+def test_a_prefill_that_restarted_under_its_session_replaces_the_old_one() -> None:
+    """MF_META states the sender's generation. A new one under a known session from
+    another connection: the old process is gone (its address reused), so its metadata,
+    reads and requests end now, never matched with the new one's announcements."""
+    s = DecodeSession(destinations={NAME: DST}, d_rank=0, d_tp=1, main_shared=False,
+                      generation=77)
+    old, new = dataclasses.replace(META, generation=1), dataclasses.replace(META, generation=2)
+    assert s.receive(P, old, 0.0)[0] == SendAck(P, 77)  # ours, to a peer that states its own
+    s.admit("a" + X9, [1], [], 0.0)
+    (read,) = s.receive(P, batch(ReadRequest("a", (1,), (), 0, 0)), 0.0)
+    assert s.begin_read(read.token)
+    out = s.receive(b"peer-2", new, 1.0)
+    (lost,) = [o for o in out if isinstance(o, PeerLost)]
+    assert lost.failed == ("a",) and Forget(P) in out and SendAck(b"peer-2", 77) in out
+    assert s.read_done(read.token, 1.1)[0].message.error == (
+        "prefill peer disconnected during the read")
+    outcome = step(s)
+    assert outcome.failed == {"a" + X9}
+    assert "restarted (a new generation)" in outcome.reasons["a" + X9]
+    # The same generation on another connection is the same process reconnecting.
+    assert not any(isinstance(o, PeerLost) for o in s.receive(b"peer-3", new, 2.0))
+    assert s.receive(b"peer-4", META, 2.0)[0] == SendAck(b"peer-4")  # states none
+    assert s.counters()["peers"] == 3
     assert_clean(s)

@@ -332,6 +332,29 @@ def test_what_went_out_keeps_its_storage_until_its_hold_after_a_loss() -> None:
     assert_clean(s)
 
 
+def test_a_new_decode_generation_gives_back_what_was_held_for_the_old_one() -> None:
+    """Decode restarted behind the endpoint: its ACK states a new generation, so the old
+    process (which can no longer read) held nothing: the held storage is given back at
+    the handshake, not at the hold. The same generation again (the same process
+    reconnected) holds on."""
+    s = session()
+    assert kinds(s.prepare(["A"], 0.0)) == ["Connect", "SendMeta"]
+    s.ack_received("A", 0.0, generation=5)
+    for layer, gen in ((0, 5), (1, 6)):
+        aid = announce(s, layer, ["A"], now=0.0, ticket=f"t{layer}")
+        s.event_done(aid, 0.0)
+        s.sent("A", aid, 0.0)
+        s.connection_lost("A", 1.0)
+        assert not s.gate(layer).open and s.take_resolved() == []
+        s.connection_restored("A")
+        assert kinds(s.prepare(["A"], 1.5)) == ["Connect", "SendMeta"]
+        s.ack_received("A", 1.6, generation=gen)
+        assert s.gate(layer).open is (gen != 5), layer
+    # Generation 6 replaced 5 too: layer 0, still held for 5, is given back with layer 1.
+    assert s.gate(0).open and [t for t, _, _ in s.take_resolved()] == ["t0", "t1"]
+    assert_clean(s)
+
+
 def test_a_refused_build_gets_notices_so_decode_fails_its_requests_at_once() -> None:
     """Decode refused MF_META (incompatible builds): the connection stays, and what
     waited on the handshake, and every announcement until the backoff ends, still goes

@@ -10,6 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from rd2h.adapters.msgpack.codec import MsgpackCodec
+from rd2h.domain.compat import compat_of
 from rd2h.domain.errors import ProtocolError, Rd2hError, UnknownMessageType
 from rd2h.domain.protocol import (
     ACK,
@@ -358,6 +359,19 @@ def test_the_hold_follows_the_announcement_id():
     assert fields_of(ReadReadyBatch(2, L5, (), seq=None, hold_until_ms=hold))[7:] == []
     with pytest.raises(ProtocolError, match="announcement hold"):
         decode_value([*head, 7, -1])
+
+
+def test_mf_meta_states_its_generation_after_its_compat_map():
+    """Field 4, only after the compat map (rd2h builds always state one); older frames
+    and a value of another type there state none."""
+    compat = compat_of(block_size=16)
+    meta = MfMeta("s", {}, compat, 2**63 - 1)
+    fields = fields_of(meta)
+    assert fields[3:] == [compat.to_wire(), 2**63 - 1]
+    assert decode_value(fields) == meta
+    assert decode_value(fields[:4]).generation is None
+    assert decode_value([*fields[:4], "x"]).generation is None
+    assert fields_of(MfMeta("s", {}, None, 5))[3:] == []  # no map, no generation
 
 
 def test_read_failed_without_error_and_with_bin_error():

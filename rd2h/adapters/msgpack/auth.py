@@ -59,7 +59,7 @@ from dataclasses import dataclass, field
 from rd2h.adapters.msgpack.codec import MsgpackCodec
 from rd2h.domain.compat import NAK, MetaRefused
 from rd2h.domain.errors import AuthenticationError, ProtocolError
-from rd2h.domain.protocol import ACK, Message, ReadReadyBatch
+from rd2h.domain.protocol import Message, ReadReadyBatch, ack_plain, parse_ack
 
 DIGEST_BYTES = 32
 NONCE_BYTES = 16
@@ -238,8 +238,9 @@ class AuthenticatedCodec:
         return (array_header(count + 1) + plain[size:] + _ENVELOPE_HEADER
                 + self._envelope(plain, conn))
 
-    def encode_ack(self, conn: Hashable = None) -> bytes:
-        return ACK + self._envelope(ACK, conn)
+    def encode_ack(self, conn: Hashable = None, generation: int | None = None) -> bytes:
+        plain = ack_plain(generation)
+        return plain + self._envelope(plain, conn)
 
     # -- decode
     def decode(self, frame: bytes, conn: Hashable = None) -> Message:
@@ -271,17 +272,23 @@ class AuthenticatedCodec:
 
     def is_ack(self, frame: bytes, conn: Hashable = None) -> bool:
         raw = bytes(frame)
-        if raw == ACK:
+        if parse_ack(raw)[0]:
             raise AuthenticationError(
                 f"MF_META acknowledgement is not signed (the decode endpoint has no shared "
                 f"secret); {_HINT}"
             )
-        if len(raw) != len(ACK) + ENVELOPE_BYTES or not raw.startswith(ACK):
+        plain = raw[:-ENVELOPE_BYTES] if len(raw) > ENVELOPE_BYTES else b""
+        if not parse_ack(plain)[0]:
             return False
-        reason = self._verify(ACK, raw[len(ACK):], conn, first=False)
+        reason = self._verify(plain, raw[len(plain):], conn, first=False)
         if reason is not None:
             raise AuthenticationError(f"MF_META acknowledgement refused: {reason}; {_HINT}")
         return True
+
+    def ack_generation(self, frame: bytes, conn: Hashable = None) -> int | None:
+        """The generation a (verified, ``is_ack``) acknowledgement states."""
+        raw = bytes(frame)
+        return parse_ack(raw[:-ENVELOPE_BYTES])[1] if len(raw) > ENVELOPE_BYTES else None
 
     # -- the MF_META refusal (signed like the ACK)
     signing = _CONTEXT.decode()  # the envelope version MF_META's compat map states

@@ -48,12 +48,14 @@ import msgpack
 from rd2h.domain.compat import NAK, MetaRefused, refusal_fields, refusal_from_fields
 from rd2h.domain.errors import ProtocolError
 from rd2h.domain.protocol import (
-    ACK,
     READ_READY_BATCH,
     Message,
     ReadReadyBatch,
+    encode_plain_ack,
     fields_of,
+    is_plain_ack,
     message_from_fields,
+    plain_ack_generation,
 )
 
 DEFAULT_MAX_FRAME_BYTES = 64 * 1024 * 1024
@@ -236,13 +238,9 @@ class MsgpackCodec:
     def encode(self, message: Message, conn: Hashable = None) -> bytes:
         return self._pack(fields_of(message, encode_nested_metadata=self._pack))
 
-    @staticmethod
-    def encode_ack(conn: Hashable = None) -> bytes:
-        return ACK
-
-    @staticmethod
-    def is_ack(frame: bytes, conn: Hashable = None) -> bool:
-        return bytes(frame) == ACK
+    # The MF_META acknowledgement, unsigned (``rd2h.domain.protocol``).
+    encode_ack, is_ack = staticmethod(encode_plain_ack), staticmethod(is_plain_ack)
+    ack_generation = staticmethod(plain_ack_generation)
 
     # The signing envelope version MF_META's compat map states: none without a secret.
     signing = "none"
