@@ -75,10 +75,16 @@ def build_prefill_worker(
     regions: Sequence[tuple[int, int]],
     *,
     memfabric_library: Any = None,
+    host_memory: bool = True,
 ) -> PrefillWorker:
-    """Register the source caches with the transport and start the sender."""
+    """Register the source caches with the transport and start the sender.
+    ``host_memory``: the caches are in this process's host memory (``verify_kv`` hashes
+    them in place; refused otherwise)."""
     if not layouts:
         raise Rd2hError("no KV cache layers to expose")
+    if options.verify_kv and not host_memory:
+        raise Rd2hError("verify_kv hashes the KV cache where it lies, which needs it in host "
+                        "memory: this engine's cache is on a device (not supported yet)")
     container = _container(options, facts, memfabric_library)
     transport = container.transport()
     for addr, size in regions:
@@ -91,7 +97,11 @@ def build_prefill_worker(
         layer_names={i: lay.layer_name for i, lay in by_idx.items()}, transport=transport,
         layer_groups={i: groups[lay.layer_name] for i, lay in by_idx.items()
                       if lay.layer_name in groups},
+        layouts=by_idx, digest=container.digest() if options.verify_kv else None,
     )
+    container.logger(role="prefill").info(
+        "verify_kv: " + ("every announced block states its digest" if options.verify_kv
+                         else "off (no digests stated)"))
     worker.start()
     return worker
 
@@ -104,6 +114,7 @@ def build_decode_worker(
     tp_group: Any = None,
     exchange: TpGroupExchange | None = None,
     memfabric_library: Any = None,
+    host_memory: bool = True,
 ) -> DecodeWorker:
     """Register destinations, bind this rank's control socket and start receiving.
 
@@ -123,9 +134,14 @@ def build_decode_worker(
         transport.register_memory(addr, size)
     worker = container.decode_worker(
         receiver=container.decode_receiver(destinations=destinations.layouts(),
-                                           compat=facts.compat),
+                                           compat=facts.compat,
+                                           digest=container.digest() if host_memory else None),
         exchange=exchange or container.tp_exchange(group=tp_group if facts.tp_size > 1 else None),
         report_invalid_blocks=len(facts.group_layer_names) <= 1,
     )
+    container.logger(role="decode").info(
+        "verify_kv: " + ("the digests a Prefill states are checked after each read"
+                         if host_memory else "digests are not checked (destination memory "
+                         "is not host memory here)"))
     worker.start()
     return worker

@@ -18,6 +18,7 @@ from typing import Any
 
 from dependency_injector import containers, providers
 
+from rd2h.adapters.hashing import digest_blocks
 from rd2h.adapters.logging import configure_logging, make_logger
 from rd2h.adapters.msgpack import AuthenticatedCodec, MsgpackCodec
 from rd2h.adapters.zmq import (
@@ -148,6 +149,7 @@ class Container(containers.DeclarativeContainer):
     deadlines = config.deadlines
 
     clock = providers.Singleton(MonotonicClock)
+    digest = providers.Object(digest_blocks)  # verify_kv's block digests (host memory)
     limits = config.limits
     codec = providers.Singleton(_codec, config.max_frame_bytes, limits.max_frame_objects,
                                 config.auth_secret, limits.max_peers)
@@ -216,7 +218,7 @@ class Container(containers.DeclarativeContainer):
         max_peers=limits.max_peers, max_orphans_per_peer=limits.max_orphans_per_peer,
         max_orphans=limits.max_orphans, timeline=timeline,
         on_read=providers.Callable(read_stamper, timeline),
-        hold_margin_s=deadlines.hold_margin_s,
+        hold_margin_s=deadlines.hold_margin_s, digest=digest,
     )
     prefill_scheduler = providers.Factory(PrefillScheduler, p_tp=config.tp_size, log=logger,
                                           timeline=timeline)

@@ -33,15 +33,25 @@ from rd2h.domain.decode_session import (
     SendAck,
     SendRefusal,
 )
+from rd2h.domain.digests import BlockChecks
 from rd2h.domain.errors import ProtocolError, TransferError
 from rd2h.domain.layout import DestinationLayout
 from rd2h.domain.orphans import DEFAULT_ORPHANS_PER_PEER, DEFAULT_ORPHANS_TOTAL
 from rd2h.domain.planning import ReadPlan
 from rd2h.domain.protocol import ReadReadyBatch
 from rd2h.domain.request_book import StepOutcome
+from rd2h.domain.wire_values import few
 from rd2h.ports.codec import WireCodec
 from rd2h.ports.control import ControlServer
-from rd2h.ports.runtime import NO_TIMELINE, Clock, HopName, Logger, Timeline, TpGroupExchange
+from rd2h.ports.runtime import (
+    NO_TIMELINE,
+    Clock,
+    Digest,
+    HopName,
+    Logger,
+    Timeline,
+    TpGroupExchange,
+)
 from rd2h.ports.transfer import TransferEngine
 
 _RETRY_S = 0.05  # after a failed receive (a zmq error), wait this long before the next
@@ -87,8 +97,10 @@ class DecodeReceiver(LoopThread):
         compat: Compat | None = None,
         wall: Callable[[], float] = time.time,
         hold_margin_s: float = 0.25,
+        digest: Digest | None = None,
     ) -> None:
         self._timeline = timeline
+        self._digest = digest  # checks the digests an announcement states (verify_kv)
         self._wall = wall
         self._hold_margin_s = hold_margin_s
         super().__init__(f"rd2h-decode-{d_rank}", start_timeout_s, stop_timeout_s)
@@ -337,6 +349,8 @@ class DecodeReceiver(LoopThread):
                 self.stats.bytes_read += plan.total_bytes
                 self.stats.descriptors += plan.num_descriptors
                 error = self._hold_ended(read, "when the read ended")
+                if error is None and plan.checks is not None:
+                    error = self._verify(read, plan.checks)
                 if error is None and self._on_read is not None:
                     self._on_read(read.p_session, plan)
             self._apply_losses()
@@ -344,10 +358,9 @@ class DecodeReceiver(LoopThread):
             return self._session.read_done(read.token, self._clock.now(), error)
 
     def _hold_ended(self, read: Read, when: str) -> str | None:
-        """Why the read must not complete requests: Prefill's hold on the announced
-        blocks ended ``when`` (less ``hold_margin_s`` for the hosts' clocks), so Prefill
-        may have given them back and its engine refilled them; None if it had not (or
-        the peer states no hold: older builds)."""
+        """Why the read must not complete requests: Prefill's hold on the blocks ended
+        ``when`` (less ``hold_margin_s``), so they may be refilled; None if not (or no
+        hold stated: older builds)."""
         if read.hold_until_ms is None:
             return None
         late_ms = self._wall() * 1000.0 + self._hold_margin_s * 1000.0 - read.hold_until_ms
@@ -357,6 +370,23 @@ class DecodeReceiver(LoopThread):
         return (f"Prefill's hold on the announced blocks ended {when} ({late_ms / 1000:.3f} s "
                 f"past it, with a {self._hold_margin_s:g} s margin for clock skew): Prefill "
                 f"may have reused them, so this layer is not completed from them")
+
+    def _verify(self, read: Read, checks: BlockChecks) -> str | None:
+        """``verify_kv``: digests of the blocks as they landed vs Prefill's (None: equal)."""
+        if self._digest is None:
+            return None
+        got = self._digest(checks.addrs.tolist(), checks.sizes.tolist())
+        bad = [w for w, g, e in zip(checks.what, got, checks.expected.tolist()) if g != e]
+        self.stats.blocks_verified += len(got)
+        if not bad:
+            return None
+        self.stats.digest_mismatches += len(bad)
+        named = [f"{ext} {tensor} block {block}" for ext, tensor, block in bad]
+        self._log.error("KV digest mismatch: bytes read differ from Prefill's",
+                        layer=read.layer_idx, **few(named))
+        return (f"KV digest mismatch in {len(bad)} of {len(got)} blocks read (request, "
+                f"tensor, Prefill block: {', '.join(named[:3])}"
+                f"{', ...' if len(named) > 3 else ''})")
 
     def _report(self, outs: Iterable[Output]) -> None:
         outs = list(outs)

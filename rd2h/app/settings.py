@@ -145,6 +145,12 @@ class Rd2hOptions(BaseModel):
         description="Prefill: layers share physical buffers, so a layer's next write "
         "waits for Decode to have read it (wait_for_layer_load / wait_for_layer_reuse)",
     )
+    verify_kv: bool = Field(
+        False,
+        description="Prefill: state a digest (XXH3-64) of every announced block, per layer "
+        "and tensor; Decode checks the blocks it read against them and fails the layer on "
+        "any difference (Decode checks whatever a peer states). Needs the KV cache in host "
+        "memory; costs CPU on both sides (README 'End-to-end KV digests')")
     device_events: Literal["auto", "cpu", "npu"] = "auto"
     deadlines: Deadlines = Field(default_factory=Deadlines)
     metaserver_timeout_s: float = Field(5.0, gt=0, description="one metaserver POST")

@@ -74,6 +74,8 @@ class DecodeStats:
     refused_capped: int = 0  # MF_META refused: the peer cap was full
     refused_incompatible: int = 0  # MF_META refused: the builds do not match
     reads_past_hold: int = 0  # layers failed: the read would end after Prefill's hold
+    blocks_verified: int = 0  # verify_kv: block digests checked after reads
+    digest_mismatches: int = 0  # verify_kv: blocks whose bytes differed from Prefill's
     first_ready_at: float | None = None
     last_read_end_at: float | None = None
     read_latencies_ms: list[float] = field(default_factory=list)

@@ -46,6 +46,7 @@ class Read:
     p_session: str
     plan: ReadPlan
     hold_until_ms: int | None = None  # the announcement's hold (``ReadReadyBatch``)
+    layer_idx: int = -1
 
 
 @dataclass(frozen=True)

@@ -323,7 +323,7 @@ class DecodeSession:
             return self._finish(peer, batch, now, skipped)
         token = next(self._tokens)
         self._reads[token] = _PendingRead(peer, batch, skipped=skipped)
-        return [Read(token, peer, known.session, plan, batch.hold_until_ms)]
+        return [Read(token, peer, known.session, plan, batch.hold_until_ms, batch.layer_idx)]
 
     def _finish(self, peer: Peer, batch: ReadReadyBatch, now: float,
                 skipped: tuple[str, ...] = ()) -> list[Output]:

@@ -22,6 +22,7 @@ from operator import attrgetter, getitem
 import numpy as np
 
 from rd2h.domain.destination import Destination
+from rd2h.domain.digests import block_checks
 from rd2h.domain.errors import PlanningError
 from rd2h.domain.kv_groups import NO_BLOCK
 from rd2h.domain.layout import (
@@ -363,7 +364,15 @@ def plan_reads(
         [(main, list(zip(src.main, dst.main)), "main", slices),
          (index, idx_pairs, "indexer", None)], layer
     )
+    checks = None
+    if slices is None and any(r.digests is not None for r in reqs):  # head split: unchecked
+        cut_m, cut_i = np.cumsum(main.counts)[:-1], np.cumsum(index.counts)[:-1]
+        owned = [(m, i) for m, i in zip(zip(np.split(main.src, cut_m), np.split(main.dst, cut_m)),
+                                        zip(np.split(index.src, cut_i),
+                                            np.split(index.dst, cut_i)))]
+        checks = block_checks(layer, reqs, src, owned, dst.main,
+                              [t for t in (dst.indexer, dst.scale) if t is not None])
     return ReadPlan(
         local, remote, lengths, blocks.ext_ids, main.counts, index.counts, built,
-        int(main.src.size + index.src.size),
+        int(main.src.size + index.src.size), checks,
     )

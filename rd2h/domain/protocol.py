@@ -70,6 +70,9 @@ class ReadRequest:
     p_indexer_block_ids: tuple[int, ...]
     main_start_block: int = 0
     indexer_start_block: int = 0
+    # Extension (entry field 5, ``verify_kv``): per tensor, the digests of its blocks
+    # (``rd2h.domain.digests``); None: not stated. Older peers ignore the field.
+    digests: tuple[tuple[int, ...], ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -205,6 +208,10 @@ def decode_read_request(entry: Any, layer_idx: int) -> ReadRequest:
         raise ProtocolError(
             f"read request must have 2 or 5 fields, got {len(fields)}", layer_idx
         )
+    digests = None
+    if len(fields) > 5 and isinstance(fields[5], (list, tuple)):
+        digests = tuple(_block_ids(d, "KV digests", layer_idx)
+                        for d in _seq(fields[5], "KV digest lists", layer_idx))
     return ReadRequest(
         ext_req_id=_str(fields[0], "read request id", layer_idx),
         p_main_block_ids=_block_ids(fields[1], "main block ids", layer_idx),
@@ -215,6 +222,7 @@ def decode_read_request(entry: Any, layer_idx: int) -> ReadRequest:
         indexer_start_block=_int(
             fields[4], "indexer start block", layer_idx, minimum=0, maximum=MAX_WIRE_INT
         ),
+        digests=digests,
     )
 
 
@@ -334,7 +342,8 @@ def fields_of(message: Message, encode_nested_metadata: Any = None) -> list[Any]
             message.layer_name,
             [
                 [r.ext_req_id, list(r.p_main_block_ids), list(r.p_indexer_block_ids),
-                 r.main_start_block, r.indexer_start_block]
+                 r.main_start_block, r.indexer_start_block,
+                 *([] if r.digests is None else [[list(d) for d in r.digests]])]
                 for r in message.read_reqs
             ],
             list(message.done_ext_ids),

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from rd2h.domain.digests import BlockChecks
 
 
 class RequestOwnership(NamedTuple):
@@ -39,6 +42,8 @@ class ReadPlan:
     indexer_blocks: np.ndarray
     descriptors_built: np.ndarray
     blocks: int
+    # ``verify_kv``: the digests to check after the read (None: none stated).
+    checks: BlockChecks | None = None
 
     @cached_property
     def requests(self) -> tuple[RequestOwnership, ...]:

@@ -44,6 +44,13 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 
+def _on_host(kv_caches: dict[str, Any]) -> bool:
+    """Whether every KV cache tensor lies in host memory (a CPU engine)."""
+    tensors = [t for v in kv_caches.values() for t in (v if isinstance(v, (list, tuple))
+                                                       else [v])]
+    return all(getattr(getattr(t, "device", None), "type", None) == "cpu" for t in tensors)
+
+
 class Rd2hConnectorMetadata(KVConnectorMetadata):
     """Scheduler -> workers, once per step."""
 
@@ -151,7 +158,8 @@ class SfaRemoteD2HConnector(KVConnectorBase_V1, SupportsHMA):
         if self.side == "prefill":
             layouts, regions = source_layouts(kv_caches, self._facts.num_blocks,
                                               self._facts.kv_heads(), self._facts.layer_groups())
-            self._role = build_prefill_worker(self.options, self._facts, layouts, regions)
+            self._role = build_prefill_worker(self.options, self._facts, layouts, regions,
+                                              host_memory=_on_host(kv_caches))
             return
         if self.options.destinations != "vllm":
             raise ConnectorConfigError(
@@ -162,7 +170,7 @@ class SfaRemoteD2HConnector(KVConnectorBase_V1, SupportsHMA):
             self.options, self._facts,
             VllmCacheDestinations(kv_caches, self._facts.num_blocks, self._facts.kv_heads(),
                                   self._facts.layer_groups()),
-            tp_group=tp_group,
+            tp_group=tp_group, host_memory=_on_host(kv_caches),
         )
 
     def register_sparse_kv_pool(self, manager: Any, indexer_caches: Any = None,
@@ -174,7 +182,7 @@ class SfaRemoteD2HConnector(KVConnectorBase_V1, SupportsHMA):
         destinations = SparseKvPoolDestinations(manager, indexer_caches=indexer_caches,
                                                 scale_caches=scale_caches)
         self._role = build_decode_worker(self.options, self._facts, destinations,
-                                         tp_group=tp_group)
+                                         tp_group=tp_group, host_memory=False)
 
     def _on_worker(self) -> Any:
         """This worker's place in vLLM's groups; returns the TP group's CPU group."""

@@ -13,6 +13,13 @@ class Clock(Protocol):
         ...
 
 
+class Digest(Protocol):
+    def __call__(self, addrs: Sequence[int], sizes: Sequence[int]) -> list[int]:
+        """``verify_kv``: the digest of ``sizes[i]`` bytes at ``addrs[i]`` of this process
+        (``rd2h.domain.digests``)."""
+        ...
+
+
 class DeviceEvent(Protocol):
     def wait(self, timeout: float) -> bool:
         """Block until the recorded work is complete; False if ``timeout`` ran out."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 import msgpack
 import pytest
@@ -359,6 +360,21 @@ def test_the_hold_follows_the_announcement_id():
     assert fields_of(ReadReadyBatch(2, L5, (), seq=None, hold_until_ms=hold))[7:] == []
     with pytest.raises(ProtocolError, match="announcement hold"):
         decode_value([*head, 7, -1])
+
+
+def test_read_entries_may_state_kv_digests_as_a_sixth_field():
+    """``verify_kv``: per tensor, a digest per block (ints below 2**63); an entry without
+    them keeps the plain 5-field form older peers send, and they ignore the sixth."""
+    req = ReadRequest("r", (1, 2), (3,), 0, 0, ((5, 6), (7, 8), (9,)))
+    batch = ReadReadyBatch(2, L5, (req,), (), 0, 1, 3)
+    fields = fields_of(batch)
+    assert fields[3] == [["r", [1, 2], [3], 0, 0, [[5, 6], [7, 8], [9]]]]
+    assert decode_value(fields) == batch
+    plain = dataclasses.replace(req, digests=None)
+    assert fields_of(dataclasses.replace(batch, read_reqs=(plain,)))[3][0] == [
+        "r", [1, 2], [3], 0, 0]
+    with pytest.raises(ProtocolError, match="KV digests"):
+        decode_value([*fields[:3], [["r", [1], [1], 0, 0, [[-1]]]], *fields[4:]])
 
 
 def test_mf_meta_states_its_generation_after_its_compat_map():

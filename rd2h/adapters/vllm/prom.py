@@ -44,6 +44,11 @@ COUNTERS: dict[str, tuple[str, str]] = {
                          "no longer knew, so no more of them was announced."),
     "requests_skipped": ("requests_skipped", "Announced requests this Decode engine did not "
                          "read because it no longer knew them (per layer and TP rank)."),
+    "kv_digest_mismatches": ("kv_digest_mismatches", "verify_kv: blocks this Decode engine "
+                             "read whose bytes differed from the digest Prefill stated "
+                             "(each fails its layer)."),
+    "kv_blocks_verified": ("kv_blocks_verified", "verify_kv: blocks this Decode engine "
+                           "checked against Prefill's digests after reading them."),
     "reads_past_hold": ("reads_past_hold", "Layers this Decode engine failed because the "
                         "read would have ended after Prefill's hold on the blocks (Decode "
                         "too slow: Prefill may have reused them)."),

@@ -22,7 +22,8 @@ _SUMS = ("bytes_pulled", "layers_done", "layers_failed", "reads_failed", "read_s
          "requests_done", "requests_failed", "layers_announced", "requests_aborted",
          "requests_skipped", "failed_dispatch", "failed_prefill_lost", "failed_deadline",
          "refused_incompatible", "refused_unauthenticated", "refused_peer_cap",
-         "held_requests", "held_blocks", "reads_past_hold")
+         "held_requests", "held_blocks", "reads_past_hold",
+         "kv_digest_mismatches", "kv_blocks_verified")
 
 LATENCIES = "read_latency_ms"
 OVERFLOW = "read_latency_overflow"

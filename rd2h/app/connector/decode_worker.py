@@ -96,7 +96,9 @@ class DecodeWorker(ConnectorRole):
                 "failed_dispatch": s.failed_fast, "failed_prefill_lost": s.peer_lost_failed,
                 "failed_deadline": s.expired, "refused_incompatible": s.refused_incompatible,
                 "refused_unauthenticated": s.refused_unauthenticated,
-                "refused_peer_cap": s.refused_capped, "reads_past_hold": s.reads_past_hold}
+                "refused_peer_cap": s.refused_capped, "reads_past_hold": s.reads_past_hold,
+                "kv_digest_mismatches": s.digest_mismatches,
+                "kv_blocks_verified": s.blocks_verified}
 
     def start(self) -> str:
         return self._receiver.start()

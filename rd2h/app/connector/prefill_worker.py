@@ -5,6 +5,7 @@ hold a step whose preempted requests Decode may still be reading
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import threading
 from collections.abc import Iterable, Mapping
@@ -14,7 +15,9 @@ from rd2h.app.connector.plans import PrefillSend, StepPlan
 from rd2h.app.connector.roles import ConnectorRole, TransferResults
 from rd2h.app.prefill import LayerTarget, PrefillSender
 from rd2h.domain.chunks import layer_index
+from rd2h.domain.digests import source_spans
 from rd2h.domain.errors import CompletionError, LayerSendError
+from rd2h.domain.layout import SourceLayout
 from rd2h.domain.prefill_book import (
     BookEvent,
     PrefillRequestBook,
@@ -23,7 +26,15 @@ from rd2h.domain.prefill_book import (
 )
 from rd2h.domain.protocol import ReadRequest
 from rd2h.domain.topology import compute_mapping, remote_port, tcp_endpoint
-from rd2h.ports.runtime import NO_TIMELINE, Clock, DeviceEvents, HopName, Logger, Timeline
+from rd2h.ports.runtime import (
+    NO_TIMELINE,
+    Clock,
+    DeviceEvents,
+    Digest,
+    HopName,
+    Logger,
+    Timeline,
+)
 from rd2h.ports.transfer import TransferEngine
 
 
@@ -60,8 +71,13 @@ class PrefillWorker(ConnectorRole):
         stop_timeout_s: float = 5.0,
         transport: TransferEngine | None = None,
         timeline: Timeline = NO_TIMELINE,
+        layouts: Mapping[int, SourceLayout] | None = None,
+        digest: Digest | None = None,
     ) -> None:
         self._timeline = timeline
+        # ``verify_kv``: each announced block's digest, from the layer's source bytes.
+        self._layouts = dict(layouts or {})
+        self._digest = digest
         self._sender = sender
         # The engine exposing this rank's caches: Decode reads through it for as long
         # as this worker runs, so the worker owns it (closed at shutdown).
@@ -155,6 +171,10 @@ class PrefillWorker(ConnectorRole):
         for s in self._sends:
             m = compute_mapping(self._p_tp, s.decode.tp_size, self._p_rank)
             req = _read_request(s, group)
+            if req is not None and self._digest is not None and idx in self._layouts:
+                req = dataclasses.replace(req, digests=tuple(
+                    tuple(self._digest(addrs.tolist(), [size] * len(addrs)))
+                    for addrs, size in source_spans(self._layouts[idx], req)))
             done = s.final and idx == self._last_layer
             if req is None and not done:
                 continue

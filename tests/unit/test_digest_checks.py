@@ -1,0 +1,49 @@
+"""``verify_kv``'s checks as the planner builds them (``rd2h.domain.digests``): only the
+blocks this rank read, at their destination addresses, each with the digest Prefill
+stated for that source block; digests that do not fit the blocks fail the layer."""
+
+from __future__ import annotations
+
+import pytest
+
+from rd2h.domain.destination import Destination
+from rd2h.domain.errors import PlanningError
+from rd2h.domain.layout import DestinationLayout, DestTensor, SourceLayout, TensorComponent
+from rd2h.domain.planning import plan_reads
+from rd2h.domain.protocol import ReadReadyBatch, ReadRequest
+
+SRC = SourceLayout("L", (TensorComponent(0x1000, 64, num_blocks=8),),
+                   indexer=TensorComponent(0x8000, 16, num_blocks=8))
+DST = DestinationLayout("L", (DestTensor(0x20000, 64, 8),), indexer=DestTensor(0x30000, 16, 8))
+DIGESTS = ((101, 102), (201, 202))  # main over blocks (1, 2), indexer over (3, 4)
+
+
+def _plan(req: ReadRequest, d_rank: int = 0, d_tp: int = 1, shared: bool = False):
+    return plan_reads(ReadReadyBatch(0, "L", (req,)), SRC, DST,
+                      {"r": Destination((5, 6), (0, 7))}, d_rank=d_rank, d_tp=d_tp,
+                      main_shared=shared)
+
+
+def test_every_block_read_is_checked_at_its_destination() -> None:
+    checks = _plan(ReadRequest("r", (1, 2), (3, 4), 0, 0, DIGESTS)).checks
+    assert checks is not None
+    assert checks.addrs.tolist() == [0x20000 + 5 * 64, 0x20000 + 6 * 64,
+                                     0x30000 + 0 * 16, 0x30000 + 7 * 16]
+    assert checks.sizes.tolist() == [64, 64, 16, 16]
+    assert checks.expected.tolist() == [101, 102, 201, 202]
+    assert checks.what == (("r", "main", 1), ("r", "main", 2), ("r", "indexer", 3),
+                           ("r", "indexer", 4))
+
+
+def test_a_rank_checks_only_its_share_of_a_shared_pool() -> None:
+    shares = [_plan(ReadRequest("r", (1, 2), (3, 4), 0, 0, DIGESTS), rank, 2, True).checks
+              for rank in (0, 1)]
+    main = [[w for w in c.what if w[1] == "main"] for c in shares if c is not None]
+    assert sorted(w for part in main for w in part) == [("r", "main", 1), ("r", "main", 2)]
+    assert all(len(part) == 1 for part in main)  # each rank its own block
+
+
+def test_no_digests_no_checks_and_wrong_ones_fail_the_layer() -> None:
+    assert _plan(ReadRequest("r", (1, 2), (3, 4), 0, 0)).checks is None
+    with pytest.raises(PlanningError, match="KV digests"):
+        _plan(ReadRequest("r", (1, 2), (3, 4), 0, 0, ((101,), (201, 202))))
