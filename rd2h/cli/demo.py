@@ -44,6 +44,9 @@ def add_demo_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--shared-buffers", type=int, default=d.shared_buffers, metavar="K",
                    help="Prefill writes layer L into physical buffer L mod K after waiting on "
                         "its reuse gate (0 = one buffer per layer)")
+    p.add_argument("--verify-kv", action="store_true",
+                   help="Prefill states an XXH3 digest of every announced block and Decode "
+                        "checks what it read (verify_kv): try it with --fault corrupt@rate=R")
     p.add_argument("--auth-secret", default=os.environ.get("RD2H_AUTH_SECRET"),
                    metavar="SECRET",
                    help="sign and check every control message with HMAC-SHA256 under this "
@@ -122,7 +125,7 @@ def _run_demo(args: argparse.Namespace) -> int:
         cma_threads=args.cma_threads, kv_port=args.kv_port, seed=args.seed,
         mooncake_protocol=args.mooncake_protocol, netns=args.netns,
         timeout_s=args.timeout, replay=not args.no_replay, log_level=args.log_level,
-        faults=faults, request_timeout_s=args.request_timeout,
+        faults=faults, request_timeout_s=args.request_timeout, verify_kv=args.verify_kv,
         layer_ack_timeout_s=args.layer_ack_timeout, meta_ack_timeout_s=args.meta_ack_timeout,
         exchange_timeout_s=args.exchange_timeout, rounds=args.rounds,
         layer_compute_ms=args.layer_compute_ms,

@@ -56,6 +56,8 @@ class DemoConfig:
     # Shared secret: every control message is HMAC-signed and checked (None: off).
     auth_secret: str | None = None
     faults: tuple[Fault, ...] = ()
+    # Prefill states a digest of every announced block; Decode checks them (verify_kv).
+    verify_kv: bool = False
     request_timeout_s: float | None = None
     layer_ack_timeout_s: float | None = None
     meta_ack_timeout_s: float | None = None
@@ -93,6 +95,9 @@ class DemoConfig:
             raise ValueError("--timeout must be > 0")
         if not 1 <= self.rounds <= 100:
             raise ValueError("--rounds must be between 1 and 100")
+        if self.verify_kv and self.via_provider:
+            raise ValueError("--verify-kv states digests on the direct path; with "
+                             "--via-provider set verify_kv in the connector's settings")
         if self.rounds > 1 and (self.faults or self.via_provider):
             raise ValueError("--rounds > 1 times the healthy direct path: it does not combine "
                              "with --fault or --via-provider")

@@ -14,6 +14,10 @@ the rest of rd2h meets the failure exactly as it would in production:
   dropped (``DroppingServer``, a control-server decorator).
 * ``slow-decode@ms=M``      every batched read on Decode takes M ms longer
   (``SlowTransfer``).
+* ``corrupt@rate=R``        a fraction R of Decode's batched reads land corrupted: the
+  first bytes of the first block read are flipped after the transport returned
+  (``CorruptingTransfer``). Nothing but ``--verify-kv`` (or the demo's own byte check)
+  notices.
 
 Every fault takes an optional ``rank=R``: the rank of the affected role it
 applies to. Without it, the kill faults hit rank 0 and the others every Decode
@@ -22,6 +26,7 @@ rank. Grammar: ``KIND@key=value[,key=value]``.
 
 from __future__ import annotations
 
+import ctypes
 import random
 import time
 from collections.abc import Callable, Iterable
@@ -48,6 +53,8 @@ KINDS: dict[str, tuple[Role, str, str]] = {
     "read-error": ("decode", "rate", "fraction R (0 < R <= 1) of Decode's batched reads fail"),
     "drop-ack": ("decode", "layer", "Decode's reply for layer N is dropped (never sent)"),
     "slow-decode": ("decode", "ms", "every batched read on Decode takes M ms longer"),
+    "corrupt": ("decode", "rate", "fraction R of Decode's batched reads land with bytes "
+                "flipped after the read (only --verify-kv catches it)"),
 }
 _PARAMS = {"layer", "rate", "ms", "rank"}
 
@@ -197,6 +204,22 @@ class FlakyTransfer:
         self._inner.close()
 
 
+class CorruptingTransfer(FlakyTransfer):
+    """A transfer engine that reads for real, then (with probability ``rate``, seeded)
+    flips the first 16 bytes of the first block it read: bytes that landed wrong
+    while the transport reported success."""
+
+    def batch_read(self, session: str, local_addrs: np.ndarray, remote_addrs: np.ndarray,
+                   lengths: np.ndarray) -> None:
+        self._inner.batch_read(session, local_addrs, remote_addrs, lengths)
+        if lengths.size and self._rng.random() < self._rate:
+            self.injected += 1
+            size = min(16, int(lengths[0]))
+            view = np.ctypeslib.as_array((ctypes.c_uint8 * size).from_address(
+                int(local_addrs[0])))
+            view ^= 0xFF
+
+
 class SlowTransfer:
     """A transfer engine whose every batched read first waits ``seconds``."""
 
@@ -303,6 +326,8 @@ def decode_transfer(faults: Iterable[Fault], rank: int, inner: TransferEngine,
             out = FlakyTransfer(out, fault.rate, seed=seed * 1000 + rank * 31 + i)
         elif fault.kind == "slow-decode" and fault.ms is not None:
             out = SlowTransfer(out, fault.ms / 1000.0)
+        elif fault.kind == "corrupt" and fault.rate is not None:
+            out = CorruptingTransfer(out, fault.rate, seed=seed * 1000 + rank * 31 + i)
     return out
 
 

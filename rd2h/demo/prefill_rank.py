@@ -10,6 +10,7 @@ idle, as a device computing it would.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import traceback
 from typing import Any
@@ -23,9 +24,12 @@ from rd2h.demo.memory import enter_netns, killed, prefill_memory, prefill_report
 from rd2h.demo.signals import Signals
 from rd2h.demo.synthetic import Allocation, block_pattern
 from rd2h.domain.chunks import external_request_id
+from rd2h.domain.digests import source_spans
 from rd2h.domain.errors import LayerSendError
+from rd2h.domain.layout import SourceLayout
 from rd2h.domain.protocol import ReadRequest
 from rd2h.domain.topology import compute_mapping, remote_port, tcp_endpoint
+from rd2h.ports.runtime import Digest
 
 
 def prefill_main(cfg: DemoConfig, p_rank: int, base_port: int, alloc: Allocation,
@@ -72,6 +76,7 @@ def _prefill_rank(cfg: DemoConfig, p_rank: int, base_port: int, alloc: Allocatio
     sender = container.prefill_sender(p_session=transport.session_id, layers=layouts,
                                       compat=demo_compat(cfg))
     events = container.device_events()
+    digest = container.digest() if cfg.verify_kv else None
     kill_layer = prefill_kill_layer(cfg.faults, p_rank)
     sender.start()
     # Connections persist across requests in serving: set this one up before timing.
@@ -118,7 +123,10 @@ def _prefill_rank(cfg: DemoConfig, p_rank: int, base_port: int, alloc: Allocatio
                 done = final and layer == cfg.layers - 1
                 if done:
                     ready_at = time.monotonic()  # the last layer of the prompt is ready
-                sender.submit(layer, event, last if layer == cfg.layers - 1 else plain)
+                targets = last if layer == cfg.layers - 1 else plain
+                if digest is not None:  # --verify-kv: this layer's blocks as written
+                    targets = _digested(targets, layouts[layer], digest)
+                sender.submit(layer, event, targets)
         for layer in range(cfg.layers):
             wait_gate(layer, layer_errors)
         drained = sender.drain(gate_s)
@@ -129,6 +137,15 @@ def _prefill_rank(cfg: DemoConfig, p_rank: int, base_port: int, alloc: Allocatio
     sig.release.wait(cfg.timeout_s)  # keep memory alive for the bare replays
     sender.stop(deadlines.stop_s)
     transport.close()
+
+
+def _digested(targets: list[LayerTarget], layout: SourceLayout, digest: Digest
+              ) -> list[LayerTarget]:
+    """The targets with each read entry's block digests for this layer (``verify_kv``)."""
+    return [t if t.request is None else dataclasses.replace(t, request=dataclasses.replace(
+        t.request, digests=tuple(tuple(digest(addrs.tolist(), [size] * len(addrs)))
+                                 for addrs, size in source_spans(layout, t.request))))
+            for t in targets]
 
 
 def _targets(cfg: DemoConfig, k: int, endpoint: str, mapping: Any, ids: list[tuple[int, ...]],
