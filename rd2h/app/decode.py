@@ -40,18 +40,10 @@ from rd2h.domain.orphans import DEFAULT_ORPHANS_PER_PEER, DEFAULT_ORPHANS_TOTAL
 from rd2h.domain.planning import ReadPlan
 from rd2h.domain.protocol import ReadReadyBatch
 from rd2h.domain.request_book import StepOutcome
-from rd2h.domain.wire_values import few
+from rd2h.domain.wire_values import clip, few
+from rd2h.ports import runtime as rt
 from rd2h.ports.codec import WireCodec
 from rd2h.ports.control import ControlServer
-from rd2h.ports.runtime import (
-    NO_TIMELINE,
-    Clock,
-    Digest,
-    HopName,
-    Logger,
-    Timeline,
-    TpGroupExchange,
-)
 from rd2h.ports.transfer import TransferEngine
 
 _RETRY_S = 0.05  # after a failed receive (a zmq error), wait this long before the next
@@ -82,8 +74,8 @@ class DecodeReceiver(LoopThread):
         destinations: Mapping[str, DestinationLayout],
         d_rank: int,
         d_tp: int,
-        clock: Clock,
-        log: Logger,
+        clock: rt.Clock,
+        log: rt.Logger,
         request_timeout_s: float = 120.0,
         on_read: Callable[[str, ReadPlan], None] | None = None,
         on_progress: Callable[[], None] | None = None,
@@ -93,14 +85,15 @@ class DecodeReceiver(LoopThread):
         max_peers: int = DEFAULT_MAX_PEERS,
         max_orphans_per_peer: int = DEFAULT_ORPHANS_PER_PEER,
         max_orphans: int = DEFAULT_ORPHANS_TOTAL,
-        timeline: Timeline = NO_TIMELINE,
+        timeline: rt.Timeline = rt.NO_TIMELINE,
         compat: Compat | None = None,
         wall: Callable[[], float] = time.time,
         hold_margin_s: float = 0.25,
-        digest: Digest | None = None,
+        digest: rt.Digest | None = None,
     ) -> None:
         self._timeline = timeline
         self._digest = digest  # checks the digests an announcement states (verify_kv)
+        self._digest_peers: set[str] = set()  # Prefill sessions seen stating digests
         self._wall = wall
         self._hold_margin_s = hold_margin_s
         super().__init__(f"rd2h-decode-{d_rank}", start_timeout_s, stop_timeout_s)
@@ -170,7 +163,7 @@ class DecodeReceiver(LoopThread):
             return ext
 
     def step(
-        self, exchange: TpGroupExchange, finished_by_vllm: Iterable[str] = (),
+        self, exchange: rt.TpGroupExchange, finished_by_vllm: Iterable[str] = (),
         timeout: float = 30.0,
     ) -> StepOutcome:
         """One worker step: expire late requests, exchange terminal sets, resolve."""
@@ -375,6 +368,10 @@ class DecodeReceiver(LoopThread):
         """``verify_kv``: digests of the blocks as they landed vs Prefill's (None: equal)."""
         if self._digest is None:
             return None
+        if read.p_session not in self._digest_peers and len(self._digest_peers) < 1024:
+            self._digest_peers.add(read.p_session)  # once per peer (bounded)
+            self._log.info("verify_kv: this prefill peer states KV digests; each read of it "
+                           "is checked", session=clip(read.p_session, 128))
         got = self._digest(checks.addrs.tolist(), checks.sizes.tolist())
         bad = [w for w, g, e in zip(checks.what, got, checks.expected.tolist()) if g != e]
         self.stats.blocks_verified += len(got)
@@ -390,10 +387,10 @@ class DecodeReceiver(LoopThread):
 
     def _report(self, outs: Iterable[Output]) -> None:
         outs = list(outs)
-        for out in outs if self._timeline is not NO_TIMELINE else ():
+        for out in outs if self._timeline is not rt.NO_TIMELINE else ():
             if isinstance(out, LayerDone):
                 for ext in out.completed:
-                    self._timeline.stamp(ext, HopName.DECODE_KV_COMPLETE)
+                    self._timeline.stamp(ext, rt.HopName.DECODE_KV_COMPLETE)
         if report_decode(outs, self.stats, self._log):
             self._progress.set()
             if self._on_progress is not None:

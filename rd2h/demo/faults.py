@@ -18,6 +18,9 @@ the rest of rd2h meets the failure exactly as it would in production:
   first bytes of the first block read are flipped after the transport returned
   (``CorruptingTransfer``). Nothing but ``--verify-kv`` (or the demo's own byte check)
   notices.
+* ``misplace@rate=R``       a fraction R of Decode's batched reads land in the wrong
+  destination: descriptors of the first one's size swap destinations (a lone one is
+  flipped instead), as a wrong-destination bug would.
 
 Every fault takes an optional ``rank=R``: the rank of the affected role it
 applies to. Without it, the kill faults hit rank 0 and the others every Decode
@@ -55,6 +58,8 @@ KINDS: dict[str, tuple[Role, str, str]] = {
     "slow-decode": ("decode", "ms", "every batched read on Decode takes M ms longer"),
     "corrupt": ("decode", "rate", "fraction R of Decode's batched reads land with bytes "
                 "flipped after the read (only --verify-kv catches it)"),
+    "misplace": ("decode", "rate", "fraction R of Decode's batched reads land in the wrong "
+                 "destination blocks (only --verify-kv catches it)"),
 }
 _PARAMS = {"layer", "rate", "ms", "rank"}
 
@@ -207,12 +212,25 @@ class FlakyTransfer:
 class CorruptingTransfer(FlakyTransfer):
     """A transfer engine that reads for real, then (with probability ``rate``, seeded)
     flips the first 16 bytes of the first block it read: bytes that landed wrong
-    while the transport reported success."""
+    while the transport reported success. ``misplace``: instead, the descriptors of the
+    first one's size swap destinations (rotated) before the read: blocks land in the
+    wrong destination blocks, all inside the plan's own destinations."""
+
+    def __init__(self, inner: TransferEngine, rate: float, seed: int = 0,
+                 misplace: bool = False) -> None:
+        super().__init__(inner, rate, seed)
+        self._misplace = misplace
 
     def batch_read(self, session: str, local_addrs: np.ndarray, remote_addrs: np.ndarray,
                    lengths: np.ndarray) -> None:
+        hit = bool(lengths.size) and self._rng.random() < self._rate
+        same = np.flatnonzero(lengths == lengths[0]) if hit else np.zeros(0, dtype=np.int64)
+        if hit and self._misplace and same.size >= 2:
+            self.injected += 1
+            local_addrs = local_addrs.copy()
+            local_addrs[same] = np.roll(local_addrs[same], 1)
         self._inner.batch_read(session, local_addrs, remote_addrs, lengths)
-        if lengths.size and self._rng.random() < self._rate:
+        if hit and not (self._misplace and same.size >= 2):
             self.injected += 1
             size = min(16, int(lengths[0]))
             view = np.ctypeslib.as_array((ctypes.c_uint8 * size).from_address(
@@ -326,8 +344,9 @@ def decode_transfer(faults: Iterable[Fault], rank: int, inner: TransferEngine,
             out = FlakyTransfer(out, fault.rate, seed=seed * 1000 + rank * 31 + i)
         elif fault.kind == "slow-decode" and fault.ms is not None:
             out = SlowTransfer(out, fault.ms / 1000.0)
-        elif fault.kind == "corrupt" and fault.rate is not None:
-            out = CorruptingTransfer(out, fault.rate, seed=seed * 1000 + rank * 31 + i)
+        elif fault.kind in ("corrupt", "misplace") and fault.rate is not None:
+            out = CorruptingTransfer(out, fault.rate, seed=seed * 1000 + rank * 31 + i,
+                                     misplace=fault.kind == "misplace")
     return out
 
 

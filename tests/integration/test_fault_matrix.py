@@ -137,22 +137,25 @@ def test_read_error(ratio: str, rate: float) -> None:
         assert res.layer_errors  # Prefill heard READ_FAILED for its layers
 
 
+@pytest.mark.parametrize("fault", ["corrupt", "misplace"])
 @pytest.mark.parametrize("ratio", RATIOS)
-def test_corrupted_reads_are_caught_with_verify_kv_and_real_without(ratio: str) -> None:
-    """``corrupt``: bytes flipped after the transport returned. With ``verify_kv`` every
-    affected request fails on the digest and none completes from corrupted blocks;
-    without it they complete and the demo's own byte check sees the corruption."""
-    res = run(ratio, "corrupt@rate=1", verify_kv=True, seed=5)
+def test_corrupted_reads_are_caught_with_verify_kv_and_real_without(ratio: str,
+                                                                    fault: str) -> None:
+    """``corrupt``: bytes flipped after the transport returned; ``misplace``: blocks read
+    into the wrong destination blocks. With ``verify_kv`` every affected request fails on
+    the digest and none completes from corrupted blocks; without it they complete and
+    the demo's own byte check sees the corruption."""
+    res = run(ratio, f"{fault}@rate=1", verify_kv=True, seed=5)
     assert res.requests_failed == res.requests
     assert all("KV digest mismatch" in r or "another decode rank" in r
                for r in reasons(res)), reasons(res)
     p_tp, d_tp = RATIOS[ratio]
     cfg = DemoConfig(prefill_tp=p_tp, decode_tp=d_tp, seed=5,
-                     faults=(parse_fault("corrupt@rate=1"),), **SMALL)
+                     faults=(parse_fault(f"{fault}@rate=1"),), **SMALL)
     blind = run_demo(cfg, progress=False)
     assert not blind.verified and blind.requests_ok == blind.requests
     assert blind.corrupted_ok >= 1 and blind.mismatched_blocks >= 1
-    print(f"[corrupt@rate=1, {ratio}] verify_kv on: {res.requests_failed}/{res.requests} "
+    print(f"[{fault}@rate=1, {ratio}] verify_kv on: {res.requests_failed}/{res.requests} "
           f"failed, 0 served corrupted; off: {blind.corrupted_ok}/{blind.requests} served "
           f"corrupted ({blind.mismatched_blocks} mismatched blocks)")
 
