@@ -46,6 +46,9 @@ class DemoResult:
     corrupted_ok: int = 0
     leaks: dict[str, dict[str, int] | None] = field(default_factory=dict)
     layer_errors: list[str] = field(default_factory=list)
+    # Layers the Prefill senders saw fail (a READ_FAILED, a deadline, a lost connection);
+    # ``layer_errors`` lists what the layers' gates still held at the end of a round.
+    prefill_layers_failed: int = 0
     exits: dict[str, int | None] = field(default_factory=dict)
     deadlines: dict[str, float] = field(default_factory=dict)
     # "provider": Prefill drove rd2h's connector worker (--via-provider), else "sender"

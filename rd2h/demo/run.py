@@ -384,6 +384,7 @@ class _Run:
             network=self.network, raw_seconds=fig.raw_seconds,
             faults=[str(f) for f in cfg.faults], outcomes=outcomes, requests_hung=hung,
             corrupted_ok=corrupted, leaks=leaks, layer_errors=layer_errors,
+            prefill_layers_failed=sum(p["layers_failed"] for pre in pres for p in pre.values()),
             exits={n: r.proc.exitcode for n, r in self.ranks.items()},
             deadlines=cfg.deadlines().model_dump(),
             prefill_driver="provider" if cfg.via_provider else "sender",

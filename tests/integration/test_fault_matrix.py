@@ -134,7 +134,9 @@ def test_read_error(ratio: str, rate: float) -> None:
         assert res.requests_failed == res.requests
         assert all("injected read error" in r or "another decode rank" in r
                    for r in reasons(res)), reasons(res)
-        assert res.layer_errors  # Prefill heard READ_FAILED for its layers
+        # Prefill heard READ_FAILED for its layers (what a gate still holds at the end of
+        # the round depends on whether a later chunk's answer came first).
+        assert res.prefill_layers_failed >= 1
 
 
 @pytest.mark.parametrize("fault", ["corrupt", "misplace"])
