@@ -104,11 +104,30 @@ def count_prompts(body: Mapping[str, Any], endpoint: Endpoint) -> int:
     )
 
 
-def decode_body(body: Mapping[str, Any], metaserver_url: str) -> dict[str, Any]:
-    """The client's body for Decode: unchanged but for ``kv_transfer_params``."""
+def decode_body(body: Mapping[str, Any], metaserver_url: str, *, local_prefill_tokens: int = 0,
+                traceparent: str | None = None) -> dict[str, Any]:
+    """The client's body for Decode: unchanged but for ``kv_transfer_params``.
+
+    ``local_prefill_tokens`` > 0: Decode computes the prompt itself when its prefix
+    cache lacks at most that many of its tokens, and posts a local notice instead of
+    its contact information (``LOCAL_PREFILL``).
+    """
     out = dict(body)
-    out["kv_transfer_params"] = {"do_remote_prefill": True, "metaserver": metaserver_url}
+    params: dict[str, Any] = {"do_remote_prefill": True, "metaserver": metaserver_url}
+    if local_prefill_tokens:
+        params["local_prefill_tokens"] = local_prefill_tokens
+    if traceparent:
+        params["traceparent"] = traceparent
+    out["kv_transfer_params"] = params
     return out
+
+
+# A post's ``prefill`` value when Decode computes the prompt itself: no KV is pulled.
+LOCAL_PREFILL = "local"
+
+
+def is_local(post: Mapping[str, Any]) -> bool:
+    return post.get("prefill") == LOCAL_PREFILL
 
 
 def prefill_body(
@@ -146,6 +165,7 @@ class PostStatus(str, Enum):
     DISPATCH = "dispatched"  # every expected post is in: send to Prefill now
     WAITING = "waiting"  # a prompt list still waits for other children
     DUPLICATE = "duplicate"  # the same id posted again (a retry): nothing to do
+    LOCAL = "local"  # every prompt is computed by Decode itself: no Prefill dispatch
 
 
 @dataclass
@@ -161,7 +181,10 @@ class PendingRequest:
     dispatched: bool = False
 
     def prefill_params(self) -> dict[str, Any]:
-        """``kv_transfer_params`` for the one Prefill dispatch (spec 3.2 prompt lists)."""
+        """``kv_transfer_params`` for the one Prefill dispatch (spec 3.2 prompt lists).
+
+        A prompt Decode computes itself stays in a list's batch with its local notice
+        (``do_remote_decode`` false): Prefill computes it and sends nothing."""
         if self.expected == 1:
             return dict(next(iter(self.posts.values())))
         return {"do_remote_decode": True, "batch_kv_transfer_params": dict(self.posts)}
@@ -229,4 +252,6 @@ class RendezvousTable:
         if len(entry.posts) < entry.expected:
             return PostOutcome(PostStatus.WAITING, entry, request_id)
         entry.dispatched = True
+        if all(is_local(p) for p in entry.posts.values()):
+            return PostOutcome(PostStatus.LOCAL, entry, request_id)
         return PostOutcome(PostStatus.DISPATCH, entry, request_id)

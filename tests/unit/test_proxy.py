@@ -86,6 +86,10 @@ def models_route(app: FastAPI, owner: str) -> Callable[[Any], None]:
     a status code, or ``"hang"``."""
     state: dict[str, Any] = {"answer": 200}
 
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        return JSONResponse({}, status_code=200)
+
     @app.get("/v1/models")
     async def models(request: Request) -> Any:
         answer = state["answer"]
@@ -110,12 +114,20 @@ def models_route(app: FastAPI, owner: str) -> Callable[[Any], None]:
 class FakePrefill:
     def __init__(self, status: int = 200) -> None:
         self.status = status
+        self.hang = False  # answer nothing (until cancelled)
+        self.cancelled = 0
         self.received: list[tuple[str, dict, dict]] = []  # (path, headers, body)
         self.seen: dict[str, asyncio.Event] = {}
         self.app = FastAPI()
 
         async def handle(request: Request) -> JSONResponse:
             body = await request.json()
+            if self.hang:
+                try:
+                    await asyncio.sleep(30)
+                except asyncio.CancelledError:
+                    self.cancelled += 1
+                    raise
             self.received.append((request.url.path, dict(request.headers), body))
             self.seen_event(request.headers["x-request-id"]).set()
             return JSONResponse({"id": "p", "choices": [{"text": "x"}]}, status_code=self.status)
@@ -236,16 +248,20 @@ def test_completion_goes_to_decode_then_prefill_with_d_contact() -> None:
         rid = d_headers["x-request-id"]
         assert HEX32.match(rid) and r.headers["x-request-id"] == rid
         assert d_path == "/v1/completions" and d_headers["authorization"] == "Bearer k"
+        trace = d_headers["traceparent"]  # a new one: the client sent none
+        assert re.match(r"^00-[0-9a-f]{32}-[0-9a-f]{16}-01$", trace)
         assert d_body == {"model": "m", "prompt": "hello", "max_tokens": 20, "temperature": 0,
                           "kv_transfer_params": {"do_remote_prefill": True,
-                                                 "metaserver": f"{PROXY}/v1/metaserver"}}
+                                                 "metaserver": f"{PROXY}/v1/metaserver",
+                                                 "traceparent": trace}}
         [(request_id, post_reply)] = s.decodes[0].posts
         assert post_reply.status_code == 200 and post_reply.json()["status"] == "dispatched"
         [(p_path, p_headers, p_body)] = s.prefills[0].received
         assert p_path == "/v1/completions" and p_headers["x-request-id"] == rid
-        assert p_headers["authorization"] == "Bearer k"
+        assert p_headers["authorization"] == "Bearer k" and p_headers["traceparent"] == trace
         assert p_body == {"model": "m", "prompt": "hello", "max_tokens": 1, "temperature": 0,
-                          "stream": False, "kv_transfer_params": contact(request_id, 30000)}
+                          "stream": False, "kv_transfer_params": {
+                              **contact(request_id, 30000), "traceparent": trace}}
         health = await s.health()
         assert health["pending"] == 0 and health["counters"]["prefill_ok"] == 1
 
@@ -307,6 +323,7 @@ def test_prompt_list_is_dispatched_once_with_batch_params() -> None:
         assert p_body["kv_transfer_params"] == {
             "do_remote_decode": True,
             "batch_kv_transfer_params": {i: contact(i, 30000) for i in ids},
+            "traceparent": p_headers["traceparent"],
         }
         assert (await s.health())["pending"] == 0
 
@@ -428,8 +445,9 @@ def test_unreachable_decode_gives_502_and_no_leak() -> None:
 
 def test_client_disconnect_cancels_decode_and_cleans_up() -> None:
     async def scenario() -> None:
-        # Decode never gets its KV (no Prefill reachable): it waits until the client leaves.
-        s = Setup(unreachable_prefill=True)
+        # Decode never gets its KV (Prefill hangs): it waits until the client leaves.
+        s = Setup()
+        s.prefills[0].hang = True
         body = json.dumps({"model": "m", "prompt": "x"}).encode()
         inbox = [{"type": "http.request", "body": body, "more_body": False}]
         gone = asyncio.Event()
@@ -456,6 +474,8 @@ def test_client_disconnect_cancels_decode_and_cleans_up() -> None:
         await asyncio.wait_for(call, 5.0)
         assert s.decodes[0].cancelled
         assert len(s.proxy.table) == 0 and sent == []
+        await s.settle()  # both legs go: the Prefill dispatch is cancelled too
+        assert s.prefills[0].cancelled == 1
 
     run(scenario())
 

@@ -3,7 +3,8 @@
 Flow for one client request (spec 3.1, 3.2):
 
 1. Name it ``rid`` (uuid4 hex), record it as pending, send the client's body to a
-   Decode instance (round robin) with ``X-Request-Id: rid`` and
+   Decode instance (picked by ``proxy_router``: policy, health, prefix affinity) with
+   ``X-Request-Id: rid``, a ``traceparent`` (``proxy_trace``) and
    ``kv_transfer_params = {do_remote_prefill: true, metaserver: <public>/v1/metaserver}``,
    and relay Decode's answer (SSE or JSON) to the client as it arrives
    (``proxy_relay``).
@@ -11,11 +12,14 @@ Flow for one client request (spec 3.1, 3.2):
    prompt; the rules for matching posts to requests live in
    ``rd2h.domain.rendezvous``.
 3. When every expected post is in, send the original body to a Prefill instance
-   (round robin) as a background task: one output token, no streaming, the posted
-   params (or ``batch_kv_transfer_params`` for a prompt list). A failed dispatch is
-   logged and tried once on the next Prefill instance.
+   as a background task: one output token, no streaming, the posted params (or
+   ``batch_kv_transfer_params`` for a prompt list); retries: ``proxy_prefill``. A post
+   saying Decode computes the prompt itself (``local``) means no Prefill dispatch.
+   A Prefill leg that fails for good is answered to the client with Prefill's status
+   and body, and Decode's request is closed (``proxy_relay``).
 4. The pending entry goes away when Decode's answer ends, errors or the client
-   disconnects; closing the Decode connection on a disconnect makes vLLM abort it.
+   disconnects; closing the Decode connection on a disconnect makes vLLM abort it,
+   and a Prefill dispatch still running is cancelled too.
 
 Connections to the engines are pooled; a request that met a pooled connection the
 engine had closed (its keep-alive) is sent once more on a fresh connection, on
@@ -33,7 +37,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import itertools
 import json
 import time
 import uuid
@@ -45,23 +48,23 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from starlette.responses import Response
 
+from rd2h.adapters.http.proxy_admin import add_routes
 from rd2h.adapters.http.proxy_config import (
     FORWARDED_HEADERS,
     METASERVER_PATH,
     ProxyConfig,
 )
+from rd2h.adapters.http.proxy_decode import DecodeLeg
 from rd2h.adapters.http.proxy_errors import error_body
 from rd2h.adapters.http.proxy_metrics import HealthCounters, ProxyMetrics
 from rd2h.adapters.http.proxy_models import MODELS_PATH, fetch_models
 from rd2h.adapters.http.proxy_outcomes import DispatchFailures, WatchError
-from rd2h.adapters.http.proxy_prefill import PrefillLeg
+from rd2h.adapters.http.proxy_prefill import PrefillFailure, PrefillLeg
 from rd2h.adapters.http.proxy_relay import DecodeCall, DecodeRelay
+from rd2h.adapters.http.proxy_router import EngineRouter
+from rd2h.adapters.http.proxy_trace import traceparent_for
 from rd2h.adapters.http.proxy_upstream import (
-    CONNECT,
-    FAILOVER,
-    STALE,
     Upstream,
-    UpstreamError,
 )
 from rd2h.domain.rendezvous import (
     ClientRequestError,
@@ -72,8 +75,8 @@ from rd2h.domain.rendezvous import (
     UnexpectedPost,
     UnknownRendezvous,
     count_prompts,
-    decode_body,
 )
+from rd2h.domain.routing import Failure
 from rd2h.ports.runtime import HopName, Logger, Timeline
 
 __all__ = ["ProxyConfig", "RendezvousProxy", "create_app"]
@@ -81,6 +84,11 @@ __all__ = ["ProxyConfig", "RendezvousProxy", "create_app"]
 
 def _error(status: int, message: str) -> JSONResponse:
     return JSONResponse(error_body(status, message), status_code=status)
+
+
+PREFILLER_HEADER = "x-prefiller-host-port"
+# Ends of a Decode answer after which a Prefill dispatch still running is cancelled.
+_CANCEL_PREFILL = frozenset({"disconnected", "broken", "engine_error", "unavailable"})
 
 
 class RendezvousProxy:
@@ -111,21 +119,22 @@ class RendezvousProxy:
             connect_timeout_s=config.connect_timeout_s, read_timeout_s=config.decode_timeout_s,
             keepalive_expiry_s=config.engine_keepalive_s, transport=transport,
         )
-        self._decode_rr = itertools.count()
-        self._models_rr = itertools.count()
-        self._headers: dict[str, dict[str, str]] = {}
+        self.calls: dict[str, DecodeCall] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self.metrics = ProxyMetrics(pending=lambda: len(self.table),
                                     prefill_in_flight=lambda: len(self._tasks))
+        self.router = EngineRouter(config, self.metrics, log, transport=transport)
         self.failures = DispatchFailures()
-        self.prefill = PrefillLeg(config, self.upstream, self.metrics, self.counters, log,
-                                  timeline, self.failures)
+        self.decode = DecodeLeg(self)
+        self.prefill = PrefillLeg(config, self.upstream, self.router, self.metrics,
+                                  self.counters, log, timeline, self.failures)
 
     # -- client requests ----------------------------------------------------------------
 
-    def _refuse(self, endpoint: Endpoint, message: str) -> JSONResponse:
-        self.metrics.requests.labels(endpoint.path, "invalid").inc()
-        return _error(400, message)
+    def _refuse(self, endpoint: Endpoint, message: str, status: int = 400,
+                label: str = "invalid") -> JSONResponse:
+        self.metrics.requests.labels(endpoint.path, label).inc()
+        return _error(status, message)
 
     async def handle_client(self, request: Request, endpoint: Endpoint) -> Response:
         started = time.monotonic()
@@ -142,78 +151,58 @@ class RendezvousProxy:
             return self._refuse(endpoint, str(exc))
         if "kv_transfer_params" in body:
             self.log.warning("client kv_transfer_params replaced by the proxy's")
+        self.router.start()
+        pin = None
+        named = request.headers.get(PREFILLER_HEADER) if self.config.prefiller_header else None
+        if named:
+            pin = self.router.prefill_named(named)
+            if pin is None:
+                return self._refuse(endpoint, f"{PREFILLER_HEADER} {named!r} is not one of "
+                                    "this proxy's Prefill instances", 403)
+        elif not self.router.pools["prefill"].ready():
+            return self._refuse(endpoint, "no Prefill instance is available (all ejected, "
+                                "draining or removed)", 503, "unavailable")
+        decode = self.router.pick_decode(body)
+        if decode is None:
+            return self._refuse(endpoint, "no Decode instance is available (all ejected, "
+                                "draining or removed)", 503, "unavailable")
         rid = uuid.uuid4().hex
         self.timeline.stamp(rid, HopName.PROXY_RECEIVED)
         entry = self.table.open(rid, endpoint, body, expected, time.monotonic())
         self.counters.requests += 1
-        headers = {"X-Request-Id": rid, **_forwarded(request)}
-        self._headers[rid] = headers
-        decode = self.config.decode[next(self._decode_rr) % len(self.config.decode)]
-        self.log.debug("request to decode", rid=rid, decode=decode, prompts=expected)
+        trace = traceparent_for(request.headers.get("traceparent"))
+        headers = {"X-Request-Id": rid, "traceparent": trace, **_forwarded(request)}
+        call = DecodeCall(rid, endpoint, body, headers, decode.url, entry, started,
+                          instance=decode, traceparent=trace, prefill_pin=pin,
+                          prefill_failed=asyncio.get_running_loop().create_future(),
+                          tried=[decode.url])
+        self.calls[rid] = call
+        self.router.begin(decode)
+        self.log.debug("request to decode", rid=rid, decode=decode.url, prompts=expected,
+                       traceparent=trace)
         self.metrics.in_flight.labels(endpoint.path).inc()
-        return DecodeRelay(self, DecodeCall(rid, endpoint, body, headers, decode, entry, started))
+        return DecodeRelay(self, call)
 
     async def open_decode(self, call: DecodeCall) -> httpx.Response:
-        """Send the request to Decode; its response once the headers arrived.
-
-        Sent again at most once (``_resend_decode``); raises ``UpstreamError``.
-        """
-        fresh = False
-        while True:
-            try:
-                response = await self.upstream.send(
-                    "POST", call.url, json=decode_body(call.body, self.config.metaserver_url),
-                    headers=call.headers, stream=True, fresh=fresh)
-            except UpstreamError as exc:
-                self.metrics.failure("decode", exc.label)
-                if fresh or not self._resend_decode(call, exc):
-                    raise
-                fresh = True
-                continue
-            self.metrics.decode_response_start.labels(call.endpoint.path).observe(
-                time.monotonic() - call.started)
-            self.timeline.stamp(call.rid, HopName.PROXY_DECODE_HEADERS)
-            return response
-
-    def _resend_decode(self, call: DecodeCall, exc: UpstreamError) -> bool:
-        """Prepare ``call`` to be sent again, if that is safe; see ``proxy_upstream``.
-
-        Besides the connection rule, no metaserver post may have arrived (a post proves
-        Decode admitted the request). The resend gets a new request id, so nothing of a
-        first attempt an engine might have read after all can match the second one's
-        rendezvous. A connection refused moves to the next Decode instance.
-        """
-        if exc.resend is None or call.entry.posts:
-            return False
-        if exc.resend == CONNECT:
-            decodes = self.config.decode
-            if len(decodes) < 2:
-                return False
-            call.decode = decodes[(decodes.index(call.decode) + 1) % len(decodes)]
-        old = call.rid
-        self.table.close(old)
-        self._headers.pop(old, None)
-        call.rid = uuid.uuid4().hex
-        self.timeline.stamp(call.rid, HopName.PROXY_RECEIVED)
-        call.entry = self.table.open(call.rid, call.endpoint, call.body, call.entry.expected,
-                                     time.monotonic())
-        call.headers["X-Request-Id"] = call.rid
-        self._headers[call.rid] = call.headers
-        self.counters.decode_resent += 1
-        if exc.resend == STALE:
-            self.metrics.retry("decode", STALE)
-            self.log.info("decode closed a reused connection before answering; sending again "
-                          "on a fresh connection", rid=old, new_rid=call.rid, decode=call.decode,
-                          error=str(exc))
-        else:
-            self.metrics.retry("decode", FAILOVER)
-            self.log.warning("decode instance unreachable; sending to the next one", rid=old,
-                             new_rid=call.rid, decode=call.decode, error=str(exc))
-        return True
+        return await self.decode.open(call)
 
     def finish(self, call: DecodeCall) -> None:
         """Forget a request once Decode's answer has ended (any way it ends)."""
-        self._headers.pop(call.rid, None)
+        self.calls.pop(call.rid, None)
+        task = call.prefill_task
+        if task is not None and not task.done() and call.label in _CANCEL_PREFILL:
+            task.cancel()  # its KV has nowhere to go; closing it makes Prefill abort it
+            self.log.info("prefill dispatch cancelled", rid=call.rid, because=call.outcome)
+        if call.prefill_failed is not None and not call.prefill_failed.done():
+            call.prefill_failed.cancel()
+        if call.instance is not None:
+            self.router.end(call.instance)
+            if call.label == "ok" or (call.label == "engine_error" and call.status < 500):
+                self.router.succeeded(call.instance)
+            elif call.label == "engine_error":
+                self.router.failed(call.instance, Failure.ERROR, f"HTTP {call.status}")
+            elif call.label == "broken":
+                self.router.failed(call.instance, Failure.BROKEN, call.outcome)
         self.timeline.stamp(call.rid, HopName.PROXY_DONE)
         entry = self.table.close(call.rid)
         path = call.endpoint.path
@@ -233,9 +222,12 @@ class RendezvousProxy:
         started = time.monotonic()
         body = await request.body() if request.method == "POST" else None
         self.metrics.in_flight.labels(path).inc()
-        decodes = list(self.config.decode)
-        first = next(self._models_rr) % len(decodes)
-        engines = [*decodes[first:], *decodes[:first], *self.config.prefill]
+        picked = self.router.pick_decode({})
+        rest = [i.url for role in ("decode", "prefill") for i in self.router.pools[role]
+                if i.pickable and i is not picked]
+        engines = ([picked.url] if picked is not None else []) + rest
+        if not engines:  # every instance is out: ask them anyway, the answer is honest
+            engines = [i.url for pool in self.router.pools.values() for i in pool]
         try:
             response, label = await fetch_models(
                 self.upstream, engines, _forwarded(request),
@@ -273,28 +265,49 @@ class RendezvousProxy:
             return self._reject_post(409, "unexpected", str(exc))
         entry = outcome.request
         self.metrics.posts.labels(outcome.status.value).inc()
-        if outcome.status is PostStatus.DISPATCH:
+        if outcome.status is PostStatus.LOCAL:
+            self.counters.prefill_skipped += 1
+            self.metrics.prefill_skipped.labels("decode_holds_prompt").inc()
+            self.log.info("decode computes the prompt itself; no prefill dispatch",
+                          rid=entry.rid, cached_tokens=post.get("remote_cached_tokens"),
+                          prompt_tokens=post.get("prompt_tokens"))
+        elif outcome.status is PostStatus.DISPATCH:
             self.timeline.stamp(entry.rid, HopName.PROXY_POST)
             self.metrics.decode_admission.observe(received - entry.created)
-            headers = self._headers.get(entry.rid, {"X-Request-Id": entry.rid})
-            self._spawn(self.prefill.dispatch(entry, headers, received))
+            call = self.calls.get(entry.rid)
+            task = self._spawn(self._prefill(entry, call, received))
+            if call is not None:
+                call.prefill_task = task
         return JSONResponse({
             "status": outcome.status.value, "request_id": outcome.request_id,
             "received": len(entry.posts), "expected": entry.expected,
         })
 
-    def _spawn(self, coro: Any) -> None:
+    async def _prefill(self, entry: Any, call: DecodeCall | None, posted: float) -> None:
+        if call is None:
+            headers, pin, extra = {"X-Request-Id": entry.rid}, None, {}
+        else:
+            headers, pin = call.headers, call.prefill_pin
+            extra = {"traceparent": call.traceparent} if call.traceparent else {}
+        failure: PrefillFailure | None = await self.prefill.dispatch(
+            entry, headers, posted, pin, extra)
+        if failure is not None and call is not None and call.prefill_failed is not None \
+                and not call.prefill_failed.done():
+            call.prefill_failed.set_result(failure)
+
+    def _spawn(self, coro: Any) -> asyncio.Task[None]:
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        return task
 
     # -- health and lifecycle ------------------------------------------------------------
 
     def health(self) -> dict[str, Any]:
         return {
-            "status": "ok",
-            "prefill": list(self.config.prefill),
-            "decode": list(self.config.decode),
+            "status": "ok" if self.router.ready() else "unavailable",
+            "prefill": [i.url for i in self.router.pools["prefill"]],
+            "decode": [i.url for i in self.router.pools["decode"]],
             "metaserver": self.config.metaserver_url,
             "pending": len(self.table),
             "prefill_in_flight": len(self._tasks),
@@ -311,6 +324,7 @@ class RendezvousProxy:
             if len(done) < len(tasks):
                 self.log.warning("prefill dispatches still running at shutdown",
                                  tasks=len(tasks) - len(done))
+        await self.router.aclose()
         await self.upstream.aclose()
 
 
@@ -330,6 +344,7 @@ def create_app(
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        proxy.router.start()  # /health probes from the start
         yield
         await proxy.aclose()
 
@@ -373,8 +388,5 @@ def create_app(
         body, content_type = proxy.metrics.render(request.headers.get("accept", ""))
         return Response(body, media_type=content_type)
 
-    @app.get("/healthcheck")
-    async def healthcheck() -> dict[str, Any]:
-        return proxy.health()
-
+    add_routes(app, proxy)
     return app

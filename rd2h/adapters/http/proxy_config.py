@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
+from rd2h.domain.routing import Policy
+
 METASERVER_PATH = "/v1/metaserver"
 FORWARDED_HEADERS = ("authorization",)
 
@@ -46,6 +48,27 @@ class ProxyConfig:
     # serving benchmark: 60 s), so that a client does not reuse one the proxy closes.
     client_keepalive_s: float = 75.0
     models_timeout_s: float = 10.0
+    # Routing (rd2h.domain.routing): a policy per role, /health probes, ejection.
+    decode_policy: str = Policy.LEAST_OUTSTANDING.value
+    prefill_policy: str = Policy.LEAST_OUTSTANDING.value
+    probe_interval_s: float = 2.0
+    probe_timeout_s: float = 1.0
+    eject_after: int = 3
+    eject_base_s: float = 1.0
+    eject_max_s: float = 30.0
+    # Scrape each engine's /metrics this often for load-aware picking; 0: off.
+    engine_metrics_s: float = 0.0
+    # Prefix affinity for Decode (rd2h.domain.affinity); 0 characters: off.
+    affinity_chunk_chars: int = 64
+    # The instance holding a prefix is used while its load is within this many
+    # requests of the least loaded instance.
+    affinity_slack: float = 4.0
+    # Decode computes the prompt itself when it lacks at most this many tokens; 0: off.
+    local_prefill_tokens: int = 0
+    # Admin API (/admin/...): the bearer token; None: the API is off.
+    admin_token: str | None = None
+    # Sidecar mode: honour x-prefiller-host-port (one of the Prefill URLs).
+    prefiller_header: bool = False
 
     def __post_init__(self) -> None:
         for role in ("prefill", "decode"):
@@ -59,10 +82,27 @@ class ProxyConfig:
         object.__setattr__(self, "public_url", normalize_base_url(self.public_url, "public URL"))
         for name in ("connect_timeout_s", "decode_timeout_s", "prefill_timeout_s",
                      "shutdown_timeout_s", "engine_keepalive_s", "client_keepalive_s",
-                     "models_timeout_s"):
+                     "models_timeout_s", "probe_interval_s", "probe_timeout_s"):
             value = getattr(self, name)
             if not value > 0:
                 raise ValueError(f"{name} must be > 0, not {value!r}")
+        for name in ("engine_metrics_s", "affinity_slack"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"{name} must be >= 0, not {getattr(self, name)!r}")
+        for name in ("affinity_chunk_chars", "local_prefill_tokens"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be an integer >= 0, not {value!r}")
+        for name in ("decode_policy", "prefill_policy"):
+            value = getattr(self, name)
+            if value not in {p.value for p in Policy}:
+                raise ValueError(f"{name} {value!r} is not one of "
+                                 f"{', '.join(p.value for p in Policy)}")
+        if self.admin_token is not None and len(self.admin_token) < 16:
+            raise ValueError("the admin token must be at least 16 characters")
+        from rd2h.domain.routing import HealthRules
+
+        HealthRules(self.eject_after, self.eject_base_s, self.eject_max_s)  # validates
 
     @property
     def metaserver_url(self) -> str:

@@ -30,7 +30,15 @@ Series (all names start with ``rd2h_proxy_``):
   that post received -> the Prefill request written to its connection;
   ``prefill_leg_seconds{outcome}`` Prefill dispatch started -> Prefill's answer
   (resends included); ``request_duration_seconds{endpoint}`` client request
-  received -> last byte of the answer relayed.
+  received -> last byte of the answer relayed; ``decode_first_byte_seconds{endpoint}``
+  client request received -> Decode's first answer byte.
+* Routing: ``instance_in_flight{role,instance}`` (requests the proxy has in flight
+  at each engine), ``instance_healthy{role,instance}`` (1 admitted, 0 ejected),
+  ``ejections_total{role,cause}`` (``connect``, ``probe``, ``error``, ``timeout``,
+  ``broken``), ``readmissions_total{role}``, ``prefill_skipped_total{reason}``
+  (``decode_holds_prompt``: Decode computed the few missing tokens itself),
+  ``affinity_total{result}`` (Decode picks by prefix: ``hit``, ``overloaded``: the
+  instance holding the prefix was too busy or out, ``miss``).
 """
 
 from __future__ import annotations
@@ -60,6 +68,7 @@ class HealthCounters:
     incomplete_rendezvous: int = 0
     decode_resent: int = 0
     prefill_resent: int = 0
+    prefill_skipped: int = 0
 
 
 class ProxyMetrics:
@@ -107,6 +116,26 @@ class ProxyMetrics:
         self.request_duration = histogram(
             "request_duration_seconds",
             "Client request received -> last byte of the answer relayed", ("endpoint",))
+
+        self.decode_first_byte = histogram(
+            "decode_first_byte_seconds",
+            "Client request received -> Decode's first answer byte", ("endpoint",))
+        self.instance_in_flight = Gauge(PREFIX + "instance_in_flight",
+                                        "Requests in flight per engine instance",
+                                        ["role", "instance"], registry=r)
+        self.instance_healthy = Gauge(PREFIX + "instance_healthy",
+                                      "1 while an engine instance is admitted, 0 when ejected",
+                                      ["role", "instance"], registry=r)
+        self.ejections = Counter(PREFIX + "ejections", "Engine instances ejected, by cause",
+                                 ["role", "cause"], registry=r)
+        self.readmissions = Counter(PREFIX + "readmissions",
+                                    "Ejected engine instances readmitted by a probe",
+                                    ["role"], registry=r)
+        self.prefill_skipped = Counter(PREFIX + "prefill_skipped",
+                                       "Requests answered without a Prefill dispatch",
+                                       ["reason"], registry=r)
+        self.affinity = Counter(PREFIX + "affinity", "Decode picks by prompt prefix",
+                                ["result"], registry=r)
 
     def failure(self, leg: str, reason: str) -> None:
         self.failures.labels(leg, reason).inc()

@@ -1,79 +1,121 @@
-"""The Prefill leg of ``rd2h proxy``: one dispatch per request once Decode has posted."""
+"""The Prefill leg of ``rd2h proxy``: one dispatch per request once Decode has posted.
+
+Retries (the rule: only while no KV can have been handed off): a request is sent to
+another Prefill instance only when the one tried refused the connection, and sent
+once more to the same instance only when it closed a pooled connection before
+reading the request. Any other failure (an HTTP error, a timeout, a connection lost
+after the request went out) ends the dispatch: that Prefill may have read the
+request and announced KV, and a second Prefill must not announce it again.
+"""
 
 from __future__ import annotations
 
-import itertools
 import time
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
 
 from rd2h.adapters.http.proxy_config import ProxyConfig
+from rd2h.adapters.http.proxy_errors import error_body
 from rd2h.adapters.http.proxy_metrics import HealthCounters, ProxyMetrics, status_reason
 from rd2h.adapters.http.proxy_outcomes import DispatchFailures
-from rd2h.adapters.http.proxy_upstream import FAILOVER, STALE, AttemptTrace, Upstream, UpstreamError
+from rd2h.adapters.http.proxy_router import EngineRouter
+from rd2h.adapters.http.proxy_upstream import (
+    CONNECT,
+    FAILOVER,
+    STALE,
+    AttemptTrace,
+    Upstream,
+    UpstreamError,
+)
 from rd2h.domain.rendezvous import PendingRequest, prefill_body
+from rd2h.domain.routing import Failure, Instance
 from rd2h.ports.runtime import HopName, Logger, Timeline
 
 
-class PrefillLeg:
-    """Sends a request to the Prefill instances (round robin)."""
+@dataclass(frozen=True)
+class PrefillFailure:
+    """How a Prefill dispatch failed for good, as the client is to be told."""
 
-    def __init__(self, config: ProxyConfig, upstream: Upstream, metrics: ProxyMetrics,
-                 counters: HealthCounters, log: Logger, timeline: Timeline,
-                 failures: DispatchFailures | None = None) -> None:
+    status: int
+    body: dict[str, Any]
+    reason: str
+
+
+def transport_cause(label: str) -> Failure:
+    """The ejection cause of a transport failure (``proxy_upstream.failure_label``)."""
+    if label in ("connect", "connect_timeout"):
+        return Failure.CONNECT
+    return Failure.TIMEOUT if label == "timeout" else Failure.BROKEN
+
+
+def engine_error_body(r: httpx.Response, fallback: str) -> dict[str, Any]:
+    """The engine's own JSON error object when it sent one, else ours."""
+    try:
+        body = r.json()
+    except ValueError:
+        body = None
+    if isinstance(body, dict):
+        return body
+    return error_body(r.status_code, fallback)
+
+
+class PrefillLeg:
+    def __init__(self, config: ProxyConfig, upstream: Upstream, router: EngineRouter,
+                 metrics: ProxyMetrics, counters: HealthCounters, log: Logger,
+                 timeline: Timeline, failures: DispatchFailures | None = None) -> None:
         self._config = config
         self._failures = failures
         self._timeline = timeline
         self._upstream = upstream
+        self._router = router
         self._metrics = metrics
         self._counters = counters
         self._log = log
-        self._rr = itertools.count()
 
-    async def dispatch(self, entry: PendingRequest, headers: Mapping[str, str],
-                       posted: float) -> None:
-        """Send the request to Prefill; on failure try the next instance once.
-
-        A 4xx answer is not retried: the same body would be rejected again. A stale
-        pooled connection is not a failure of the instance: the request goes once more
-        to the same one on a fresh connection (``proxy_upstream``). ``posted``: when
-        the last metaserver post arrived (monotonic).
-        """
+    async def dispatch(self, entry: PendingRequest, headers: Mapping[str, str], posted: float,
+                       pin: Instance | None = None,
+                       extra_params: Mapping[str, Any] | None = None) -> PrefillFailure | None:
+        """Send the request to Prefill (``pin``: that instance only); None once it
+        answered 2xx. ``posted``: when the last metaserver post arrived (monotonic)."""
         started = time.monotonic()
         self._timeline.stamp(entry.rid, HopName.PROXY_PREFILL_SENT)
         self._counters.prefill_dispatched += 1
-        body = prefill_body(entry.body, entry.endpoint, entry.prefill_params())
-        urls = self._config.prefill
-        first = next(self._rr) % len(urls)
-        error = await self._send(entry, body, dict(headers),
-                                 (urls[first], urls[(first + 1) % len(urls)]), posted)
-        ok = error is None
-        outcome = "ok" if ok else "failed"
+        params = {**entry.prefill_params(), **(extra_params or {})}
+        body = prefill_body(entry.body, entry.endpoint, params)
+        failure = await self._send(entry, body, dict(headers), posted, pin)
+        outcome = "ok" if failure is None else "failed"
         self._metrics.dispatches.labels(outcome).inc()
         self._metrics.prefill_leg.labels(outcome).observe(time.monotonic() - started)
-        if error is not None:
+        if failure is not None:
             self._counters.prefill_failed += 1
             told = 0 if self._failures is None else self._failures.record(
-                entry.posts, f"prefill dispatch failed: {error}")
-            self._log.error("prefill dispatch gave up; decode is told to fail the request now "
-                            "(watch)", rid=entry.rid, error=error, decode_requests=told)
+                entry.posts, f"prefill dispatch failed: {failure.reason}")
+            self._log.error("prefill dispatch gave up; decode is told to fail the request now",
+                            rid=entry.rid, error=failure.reason, status=failure.status,
+                            decode_requests=told)
+        return failure
 
     async def _send(self, entry: PendingRequest, body: dict[str, Any], headers: dict[str, str],
-                    targets: tuple[str, str], posted: float) -> str | None:
-        """None once a Prefill instance answered 2xx, else the last error."""
+                    posted: float, pin: Instance | None) -> PrefillFailure | None:
         deadline = self._config.prefill_timeout_s
         timeout = httpx.Timeout(deadline, connect=self._config.connect_timeout_s)
-        attempt, fresh, resent = 0, False, False
-        error = "no prefill instance was tried"
-        while attempt < len(targets):
-            url, last = targets[attempt], attempt + 1 == len(targets)
-            report = self._log.error if last else self._log.warning
+        tried: list[str] = []
+        inst = pin if pin is not None else self._router.pick_prefill()
+        fresh = resent = False
+        while True:
+            if inst is None:
+                return PrefillFailure(503, error_body(503, "no Prefill instance is available"
+                                      + (f" (tried {', '.join(tried)})" if tried else "")),
+                                      "no Prefill instance is available")
+            tried.append(inst.url)
             trace = AttemptTrace()
+            self._router.begin(inst)
             try:
                 r = await self._upstream.send(
-                    "POST", url + entry.endpoint.path, json=body, headers=headers,
+                    "POST", inst.url + entry.endpoint.path, json=body, headers=headers,
                     timeout=timeout, deadline_s=deadline, trace=trace, fresh=fresh)
             except UpstreamError as exc:
                 self._metrics.failure("prefill", exc.label)
@@ -83,28 +125,42 @@ class PrefillLeg:
                     self._metrics.retry("prefill", STALE)
                     self._log.info("prefill closed a reused connection before answering; "
                                    "sending again on a fresh connection", rid=entry.rid,
-                                   prefill=url, error=str(exc))
+                                   prefill=inst.url, error=str(exc))
                     continue
-                report("prefill dispatch failed", rid=entry.rid, prefill=url,
-                       attempt=attempt + 1, error=str(exc))
-                error = f"{url}: {exc}"
-            else:
-                if not r.is_error:
-                    self._counters.prefill_ok += 1
-                    self._timeline.stamp(entry.rid, HopName.PROXY_PREFILL_ANSWERED)
-                    # The write time where the transport reports it, else the answer's.
-                    sent = trace.sent_at or time.monotonic()
-                    self._metrics.prefill_dispatch.observe(sent - posted)
-                    self._log.info("prefill done", rid=entry.rid, prefill=url,
-                                   status=r.status_code, prompts=entry.expected)
-                    return None
-                self._metrics.failure("prefill", status_reason(r.status_code))
-                error = f"{url} answered HTTP {r.status_code}: {r.text[:200]}"
-                report("prefill answered an error", rid=entry.rid, prefill=url,
-                       attempt=attempt + 1, status=r.status_code, body=r.text[:500])
-                if r.status_code < 500:
-                    return error
-            if not last:
-                self._metrics.retry("prefill", FAILOVER)
-            attempt, fresh = attempt + 1, False
-        return error
+                self._router.failed(inst, transport_cause(exc.label), str(exc))
+                reason = f"{inst.url}: {exc}"
+                if exc.resend == CONNECT and pin is None:
+                    nxt = self._router.pick_prefill(exclude=tuple(tried))
+                    self._log.warning("prefill instance unreachable", rid=entry.rid,
+                                      prefill=inst.url, error=str(exc),
+                                      next=None if nxt is None else nxt.url)
+                    if nxt is not None:
+                        self._metrics.retry("prefill", FAILOVER)
+                        inst, fresh, resent = nxt, False, False
+                        continue
+                    return PrefillFailure(502, error_body(502, f"prefill failed: {reason}"),
+                                          reason)
+                self._log.error("prefill dispatch failed", rid=entry.rid, prefill=inst.url,
+                                error=str(exc))
+                status = 504 if exc.label == "timeout" else 502
+                return PrefillFailure(status, error_body(status, f"prefill failed: {reason}"),
+                                      reason)
+            finally:
+                self._router.end(inst)
+            if not r.is_error:
+                self._router.succeeded(inst)
+                self._counters.prefill_ok += 1
+                self._timeline.stamp(entry.rid, HopName.PROXY_PREFILL_ANSWERED)
+                # The write time where the transport reports it, else the answer's.
+                self._metrics.prefill_dispatch.observe((trace.sent_at or time.monotonic())
+                                                       - posted)
+                self._log.info("prefill done", rid=entry.rid, prefill=inst.url,
+                               status=r.status_code, prompts=entry.expected)
+                return None
+            self._metrics.failure("prefill", status_reason(r.status_code))
+            if r.status_code >= 500:
+                self._router.failed(inst, Failure.ERROR, f"HTTP {r.status_code}")
+            reason = f"{inst.url} answered HTTP {r.status_code}: {r.text[:200]}"
+            self._log.error("prefill answered an error", rid=entry.rid, prefill=inst.url,
+                            status=r.status_code, body=r.text[:500])
+            return PrefillFailure(r.status_code, engine_error_body(r, reason), reason)

@@ -1,7 +1,17 @@
-"""Relays Decode's answer to the client (an ASGI response) for ``rd2h proxy``."""
+"""Relays Decode's answer to the client (an ASGI response) for ``rd2h proxy``.
+
+Honest answers: the response to the client starts only with Decode's first answer
+byte (or its end), so that a Prefill leg that fails for good before then is answered
+with Prefill's own status and error body, and Decode's request is closed (vLLM aborts
+it). A Decode stream that breaks before any byte reached the client is a 502; after
+that, an event-stream gets an error event and no ``[DONE]``, and any other answer is
+cut off (the connection closes with the body incomplete), never ended as if complete.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import time
 from dataclasses import dataclass, field
@@ -16,6 +26,7 @@ from rd2h.adapters.http.proxy_errors import error_body
 from rd2h.adapters.http.proxy_metrics import HealthCounters, ProxyMetrics, status_reason
 from rd2h.adapters.http.proxy_upstream import Upstream, UpstreamError, describe
 from rd2h.domain.rendezvous import Endpoint, PendingRequest
+from rd2h.domain.routing import Instance
 from rd2h.ports.runtime import HopName, Logger, Timeline
 
 
@@ -33,6 +44,14 @@ class DecodeCall:
     started: float = field(default_factory=time.monotonic)
     outcome: str = "not started"  # for the log
     label: str = "disconnected"  # for the requests_total series
+    instance: Instance | None = None  # the Decode instance (None in bare tests)
+    traceparent: str | None = None
+    prefill_pin: Instance | None = None  # sidecar mode: the Prefill the header named
+    prefill_task: asyncio.Task[None] | None = None
+    # Set (to a PrefillFailure) when the Prefill leg failed for good.
+    prefill_failed: asyncio.Future[Any] | None = None
+    status: int = 0  # Decode's answer status (0: none)
+    tried: list[str] = field(default_factory=list)
 
     @property
     def url(self) -> str:
@@ -91,25 +110,76 @@ class DecodeRelay(Response):
 
     async def _relay(self, send: Send) -> None:
         proxy, call = self._proxy, self._call
+        opening = asyncio.ensure_future(self._open())
+        waits: set[asyncio.Future[Any]] = {opening}
+        if call.prefill_failed is not None:
+            waits.add(call.prefill_failed)
         try:
-            response = await proxy.open_decode(call)
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:  # the client left: Decode's request goes too
+            opening.cancel()
+            with anyio.CancelScope(shield=True), contextlib.suppress(BaseException):
+                await opening
+            raise
+        if not opening.done():  # Prefill failed for good before Decode said anything
+            opening.cancel()
+            with contextlib.suppress(BaseException):
+                await opening
+            failure = call.prefill_failed.result()  # type: ignore[union-attr]
+            call.outcome, call.label = f"prefill failed: {failure.reason}", "prefill_failed"
+            call.status = failure.status
+            await send_whole(send, failure.status, failure.body, call.rid)
+            self._answered = True
+            return
+        try:
+            response, chunks, first = opening.result()
         except UpstreamError as exc:
             proxy.counters.decode_errors += 1
             call.outcome, call.label = "decode unreachable", "unavailable"
             message = f"decode instance {call.url} failed: {exc}"
             proxy.log.error("decode request failed", rid=call.rid, error=message)
-            await send_whole(send, 502, error_body(502, message))
+            await send_whole(send, 502, error_body(502, message), call.rid)
+            self._answered = True
+            return
+        except httpx.TransportError as exc:  # broke before its first byte
+            self._broken(exc)
+            await send_whole(send, 502, error_body(502, call.outcome), call.rid)
             self._answered = True
             return
         try:
-            await self._stream(send, response)
+            await self._stream(send, response, chunks, first)
         finally:
             with anyio.CancelScope(shield=True):
                 await proxy.upstream.close(response)
 
-    async def _stream(self, send: Send, response: httpx.Response) -> None:
+    async def _open(self) -> tuple[httpx.Response, Any, bytes | None]:
+        """Decode's response and its first body chunk (None: an empty body)."""
+        response = await self._proxy.open_decode(self._call)
+        try:
+            chunks = response.aiter_bytes()
+            first: bytes | None = None
+            async for chunk in chunks:
+                if chunk:
+                    first = chunk
+                    break
+            return response, chunks, first
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                await self._proxy.upstream.close(response)
+            raise
+
+    def _broken(self, exc: Exception) -> None:
         proxy, call = self._proxy, self._call
-        status = response.status_code
+        proxy.counters.decode_errors += 1
+        proxy.metrics.failure("decode", "stream_broken")
+        call.label = "broken"
+        call.outcome = f"decode instance {call.url} stream broke: {describe(exc)}"
+        proxy.log.error("decode stream failed", rid=call.rid, error=call.outcome)
+
+    async def _stream(self, send: Send, response: httpx.Response, chunks: Any,
+                      first: bytes | None) -> None:
+        proxy, call = self._proxy, self._call
+        status = call.status = response.status_code
         if response.is_error:
             proxy.metrics.failure("decode", status_reason(status))
         content_type = response.headers.get("content-type", "application/json")
@@ -120,34 +190,34 @@ class DecodeRelay(Response):
                         (b"x-request-id", call.rid.encode())],
         })
         call.outcome = f"decode status {status}"
-        broken = False
-        first = True
-        try:
-            async for chunk in response.aiter_bytes():
-                if first and chunk:
-                    first = False
-                    proxy.timeline.stamp(call.rid, HopName.PROXY_FIRST_BYTE)
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
-        except httpx.TransportError as exc:
-            broken = True
-            proxy.counters.decode_errors += 1
-            proxy.metrics.failure("decode", "stream_broken")
-            call.outcome, call.label = "decode stream broken", "broken"
-            message = f"decode instance {call.url} stream broke: {describe(exc)}"
-            proxy.log.error("decode stream failed", rid=call.rid, error=message)
-            if content_type.startswith("text/event-stream"):
-                event = json.dumps(error_body(502, message))
+        if first is not None:
+            proxy.metrics.decode_first_byte.labels(call.endpoint.path).observe(
+                time.monotonic() - call.started)
+            proxy.timeline.stamp(call.rid, HopName.PROXY_FIRST_BYTE)
+            await send({"type": "http.response.body", "body": first, "more_body": True})
+            try:
+                async for chunk in chunks:
+                    await send({"type": "http.response.body", "body": chunk,
+                                "more_body": True})
+            except httpx.TransportError as exc:
+                self._broken(exc)
+                if not content_type.startswith("text/event-stream"):
+                    return  # cut off: the client sees an incomplete answer, not a whole one
+                event = json.dumps(error_body(502, call.outcome))
                 await send({"type": "http.response.body",
                             "body": f"data: {event}\n\n".encode(), "more_body": True})
         await send({"type": "http.response.body", "body": b"", "more_body": False})
         self._answered = True
-        if not broken:
+        if call.label != "broken":
             call.outcome = f"answered (decode status {status})"
             call.label = "engine_error" if response.is_error else "ok"
 
 
-async def send_whole(send: Send, status: int, payload: dict[str, Any]) -> None:
+async def send_whole(send: Send, status: int, payload: dict[str, Any],
+                     rid: str | None = None) -> None:
     body = json.dumps(payload).encode()
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json")]})
+    headers = [(b"content-type", b"application/json")]
+    if rid is not None:
+        headers.append((b"x-request-id", rid.encode()))
+    await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body, "more_body": False})

@@ -59,6 +59,10 @@ class DecodeScheduler(ConnectorRole):
         # request -> tokens computed locally when matched (vLLM updates the request's
         # num_computed_tokens only after update_state_after_alloc).
         self._remote: dict[str, int] = {}
+        # request -> (tokens its prefix cache held, prompt length): computed here, with
+        # no pull, because the proxy's local_prefill_tokens covers what is missing.
+        self._local: dict[str, tuple[int, int]] = {}
+        self.local_prefills = 0
         self._loads: list[DecodeLoad] = []
         self._waiting: dict[str, _Waiting] = {}
         self._received: dict[str, bool] = {}  # KV received, not yet scheduled (timeline)
@@ -73,6 +77,10 @@ class DecodeScheduler(ConnectorRole):
         if not params or not params.get("do_remote_prefill"):
             return 0, False
         count = max(0, request.prompt_len - num_computed_tokens)
+        if _computes_locally(params, count):
+            self._local[request.request_id] = (num_computed_tokens, request.prompt_len)
+            return 0, False
+        self._local.pop(request.request_id, None)
         if count:
             self._remote[request.request_id] = num_computed_tokens
             self._timeline.stamp(request.request_id, HopName.DECODE_MATCHED)
@@ -85,6 +93,9 @@ class DecodeScheduler(ConnectorRole):
         if params is None or not params.get("do_remote_prefill"):
             return
         params["do_remote_prefill"] = False
+        local = self._local.pop(request_id, None)
+        if local is not None:
+            self._post_local(request_id, params, *local)
         if request_id not in self._remote or num_external_tokens <= 0:
             self._remote.pop(request_id, None)
             return
@@ -152,6 +163,7 @@ class DecodeScheduler(ConnectorRole):
     def request_finished(self, request_id: str) -> bool:
         """Cancel pending posts and forget the request."""
         self._remote.pop(request_id, None)
+        self._local.pop(request_id, None)
         self._received.pop(request_id, None)
         self._loads = [ld for ld in self._loads if ld.internal_id != request_id]
         w = self._waiting.pop(request_id, None)
@@ -160,6 +172,25 @@ class DecodeScheduler(ConnectorRole):
         return False
 
     # -- the rules
+    def _post_local(self, request_id: str, params: dict[str, Any], cached: int,
+                    prompt_len: int) -> None:
+        """Tell the proxy that no Prefill is needed: this engine computes the prompt."""
+        self.local_prefills += 1
+        ext = external_request_id(request_id)
+        self._log.info("computing the prompt locally (the proxy sends no Prefill)",
+                       request=request_id, cached_tokens=cached, prompt_tokens=prompt_len)
+        url = params.get("metaserver")
+        if not isinstance(url, str) or params.get("do_virtual"):
+            return
+        payload = {"request_id": ext, "do_remote_prefill": False, "do_remote_decode": False,
+                   "prefill": "local", "remote_engine_id": self._engine_id,
+                   "remote_cached_tokens": int(cached), "prompt_tokens": int(prompt_len)}
+        try:
+            self._metaserver.post(ext, url, payload)
+        except ValueError as exc:
+            self._log.error("cannot post to the metaserver", request=request_id,
+                            error=str(exc))
+
     def _dispatch_failures(self) -> tuple[tuple[str, str], ...]:
         """Requests the metaserver says will get no KV (its Prefill dispatch failed), as
         ``(request, reason)`` for the workers; each is reported once."""
@@ -182,3 +213,11 @@ class DecodeScheduler(ConnectorRole):
     def counters(self) -> dict[str, int]:
         return {"remote": len(self._remote), "waiting_post": len(self._waiting),
                 "queued_loads": len(self._loads)}
+
+
+def _computes_locally(params: dict[str, Any], missing: int) -> bool:
+    """The proxy allows Decode to compute up to ``local_prefill_tokens`` itself."""
+    limit = params.get("local_prefill_tokens")
+    if isinstance(limit, bool) or not isinstance(limit, int):
+        return False
+    return 0 < missing <= limit

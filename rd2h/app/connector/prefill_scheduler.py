@@ -54,6 +54,8 @@ def resolve_params(ext_id: str, params: Mapping[str, Any] | None) -> Mapping[str
         )
     if not isinstance(child, Mapping):
         raise TransferParamsError(f"batch_kv_transfer_params[{ext_id!r}] must be an object")
+    if not child.get("do_remote_decode", True):
+        return None  # Decode computes this prompt itself (a local notice)
     return child
 
 

@@ -1,0 +1,92 @@
+"""The Decode leg of ``rd2h proxy``: send the client's request to a Decode instance,
+once more on a fresh connection when a pooled one was stale, to the next instance
+when one refuses the connection (only while no metaserver post arrived for it)."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any
+
+import httpx
+
+from rd2h.adapters.http.proxy_prefill import transport_cause
+from rd2h.adapters.http.proxy_relay import DecodeCall
+from rd2h.adapters.http.proxy_upstream import CONNECT, FAILOVER, STALE, UpstreamError
+from rd2h.domain.rendezvous import decode_body
+from rd2h.ports.runtime import HopName
+
+
+class DecodeLeg:
+    def __init__(self, proxy: Any) -> None:
+        """``proxy``: the ``RendezvousProxy`` whose table, router and upstream it uses."""
+        self._p = proxy
+
+    async def open(self, call: DecodeCall) -> httpx.Response:
+        """Send the request to Decode; its response once the headers arrived.
+
+        Sent again (``_resend_decode``) on a stale pooled connection (once) or to the
+        next instance when one refuses the connection; raises ``UpstreamError``.
+        """
+        fresh = stale_resent = False
+        while True:
+            try:
+                response = await self._p.upstream.send(
+                    "POST", call.url, json=decode_body(
+                        call.body, self._p.config.metaserver_url, traceparent=call.traceparent,
+                        local_prefill_tokens=self._p.config.local_prefill_tokens),
+                    headers=call.headers, stream=True, fresh=fresh)
+            except UpstreamError as exc:
+                self._p.metrics.failure("decode", exc.label)
+                if exc.resend != STALE and call.instance is not None:
+                    self._p.router.failed(call.instance, transport_cause(exc.label), str(exc))
+                if (exc.resend == STALE and stale_resent) or not self._resend(call, exc):
+                    raise
+                stale_resent = stale_resent or exc.resend == STALE
+                fresh = exc.resend == STALE
+                continue
+            self._p.metrics.decode_response_start.labels(call.endpoint.path).observe(
+                time.monotonic() - call.started)
+            self._p.timeline.stamp(call.rid, HopName.PROXY_DECODE_HEADERS)
+            return response
+
+    def _resend(self, call: DecodeCall, exc: UpstreamError) -> bool:
+        """Prepare ``call`` to be sent again, if that is safe; see ``proxy_upstream``.
+
+        Besides the connection rule, no metaserver post may have arrived (a post proves
+        Decode admitted the request). The resend gets a new request id, so nothing of a
+        first attempt an engine might have read after all can match the second one's
+        rendezvous. A connection refused moves to the next Decode instance.
+        """
+        if exc.resend is None or call.entry.posts:
+            return False
+        if exc.resend == CONNECT:
+            nxt = self._p.router.pick_decode(call.body, exclude=tuple(call.tried))
+            if nxt is None:
+                return False
+            if call.instance is not None:
+                self._p.router.end(call.instance)
+            self._p.router.begin(nxt)
+            call.instance, call.decode = nxt, nxt.url
+            call.tried.append(nxt.url)
+        old = call.rid
+        self._p.table.close(old)
+        self._p.calls.pop(old, None)
+        call.rid = uuid.uuid4().hex
+        self._p.timeline.stamp(call.rid, HopName.PROXY_RECEIVED)
+        call.entry = self._p.table.open(call.rid, call.endpoint, call.body, call.entry.expected,
+                                     time.monotonic())
+        call.headers["X-Request-Id"] = call.rid
+        self._p.calls[call.rid] = call
+        self._p.counters.decode_resent += 1
+        if exc.resend == STALE:
+            self._p.metrics.retry("decode", STALE)
+            self._p.log.info("decode closed a reused connection before answering; sending again "
+                          "on a fresh connection", rid=old, new_rid=call.rid, decode=call.decode,
+                          error=str(exc))
+        else:
+            self._p.metrics.retry("decode", FAILOVER)
+            self._p.log.warning("decode instance unreachable; sending to the next one", rid=old,
+                             new_rid=call.rid, decode=call.decode, error=str(exc))
+        return True
+
