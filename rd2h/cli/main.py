@@ -10,6 +10,7 @@ from rd2h.cli.demo import add_demo_parser
 from rd2h.cli.keys import add_keys_parser
 from rd2h.cli.probe import add_probe_parser
 from rd2h.cli.proxy import add_proxy_parser
+from rd2h.cli.proxy_admin import add_proxy_admin_parser
 from rd2h.cli.timeline import add_timeline_parser
 
 
@@ -23,6 +24,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_demo_parser(sub)
     add_probe_parser(sub)
     add_proxy_parser(sub)
+    add_proxy_admin_parser(sub)
     add_keys_parser(sub)
     add_timeline_parser(sub)
     return parser

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import ipaddress
+import os
 import sys
 
 _WILDCARD_HOSTS = {"0.0.0.0", "::", ""}
@@ -12,14 +13,41 @@ _DESCRIPTION = """\
 Serve the OpenAI endpoints /v1/completions and /v1/chat/completions in front of
 vLLM engines running the rd2h connector (Decode: kv_consumer, Prefill: kv_producer).
 
-Each client request goes to a Decode instance first (round robin) with
-kv_transfer_params {"do_remote_prefill": true, "metaserver": "<public-url>/v1/metaserver"}
-and the header X-Request-Id. Decode's connector posts its contact information to
-that metaserver URL; the proxy then sends the same request to a Prefill instance
-(round robin; one output token, not streamed) with Decode's contact information as
-kv_transfer_params, and streams Decode's answer back to the client. A prompt list
-goes to Prefill once, after every prompt's post arrived, with
+Each client request goes to a Decode instance first with kv_transfer_params
+{"do_remote_prefill": true, "metaserver": "<public-url>/v1/metaserver"} and the
+headers X-Request-Id and traceparent (the client's, or a new one). Decode's connector
+posts its contact information to that metaserver URL; the proxy then sends the same
+request to a Prefill instance (one output token, not streamed) with Decode's contact
+information as kv_transfer_params, and streams Decode's answer back to the client. A
+prompt list goes to Prefill once, after every prompt's post arrived, with
 batch_kv_transfer_params.
+
+Picking (per role, --decode-policy / --prefill-policy):
+  least_outstanding  the instance with the fewest requests this proxy has in flight
+                     there (ties rotate); the default
+  power_of_two       two instances at random, the less loaded one
+  round_robin        each in turn
+With --engine-metrics S the load also counts each engine's vllm:num_requests_waiting
+(its /metrics read every S seconds), and ties go to the lower vllm:kv_cache_usage_perc.
+Decode picking has prefix affinity (--affinity-chunk, 0: off): a prompt that begins
+like one a Decode instance served recently goes back there while that instance's load
+is within --affinity-slack of the least loaded one, so its prefix cache holds the
+start and only the rest is pulled. With --local-prefill-tokens N, a Decode whose
+prefix cache lacks at most N of the prompt's tokens computes them itself and no
+Prefill is dispatched (counted in prefill_skipped_total).
+
+Health: every instance's /health is probed each --probe-interval seconds (deadline
+--probe-timeout). A failed probe or a refused connection ejects an instance at once;
+5xx answers, timeouts and broken streams eject it after --eject-after in a row. It
+stays out for a back-off that doubles while it keeps failing (--eject-backoff up to
+--eject-backoff-max) and is readmitted by the first good probe after that.
+
+Failures reach the client honestly: the answer starts only with Decode's first byte,
+so a Prefill leg that fails for good is answered with Prefill's status and error body
+(502 unreachable, 504 timed out) and Decode's request is closed; a client that leaves
+closes both legs. A request goes to another instance only when nothing can have been
+handed off: a refused connection (any instance not yet tried) or a pooled connection
+the engine closed before reading the request (once, same instance).
 
 Connections to the engines are kept open between requests (pooled) for
 --engine-keepalive seconds, which should stay below the engines' own keep-alive
@@ -27,8 +55,7 @@ Connections to the engines are kept open between requests (pooled) for
 pooled connection the engine closed before reading it (a reset or a close with no
 response byte) is sent once more on a fresh connection, logged at info, on both
 legs; a Decode request only while no metaserver post arrived for it, under a new
-X-Request-Id. A Decode instance that refuses connections is skipped for the next
-one; a failed Prefill dispatch is tried once on the next Prefill instance.
+X-Request-Id.
 
 Other endpoints:
   GET /v1/models    the engines' model list (Decode instances first, then Prefill;
@@ -45,7 +72,18 @@ Other endpoints:
                     metaserver post), prefill_dispatch (that post -> the Prefill
                     request written), prefill_leg (Prefill dispatch -> its answer),
                     request_duration (client request -> last byte relayed)
+  GET /health       200 while at least one Prefill and one Decode can take requests,
+                    else 503
+  GET /status       every instance: state (admitted, ejected, draining, drained),
+                    in-flight count, last error, engine load
   GET /healthcheck  the instance lists, the requests in flight and plain counters
+  /admin/...        live membership and drain, on only with --admin-token (or
+                    $RD2H_PROXY_ADMIN_TOKEN), each call with "Authorization: Bearer
+                    TOKEN"; see 'rd2h proxy-admin --help'
+
+Sidecar mode (--prefiller-header), for fleets routed by llm-d's endpoint picker: a
+request's x-prefiller-host-port header (host:port) names the Prefill to use; it must
+be one of --prefill (the allowlist; others are refused with 403).
 """
 
 
@@ -67,6 +105,22 @@ def _seconds(text: str) -> float:
     if not value > 0:
         raise argparse.ArgumentTypeError(f"seconds must be > 0, not {text}")
     return value
+
+
+def _non_negative(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, not {text!r}") from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, not {text}")
+    return value
+
+
+def _policies() -> list:
+    from rd2h.domain.routing import Policy
+
+    return list(Policy)
 
 
 def add_proxy_parser(sub: argparse._SubParsersAction) -> None:
@@ -105,6 +159,42 @@ def add_proxy_parser(sub: argparse._SubParsersAction) -> None:
                    help="idle connections from clients and the engines' metaserver posts are "
                         "closed after S seconds; keep it above the clients' own pool expiry "
                         "(vLLM's serving benchmark: 60 s, httpx: 5 s) (default: %(default)s)")
+    g = p.add_argument_group("routing")
+    policies = [x.value for x in _policies()]
+    g.add_argument("--decode-policy", choices=policies, default="least_outstanding",
+                   help="how a Decode instance is picked (default: %(default)s)")
+    g.add_argument("--prefill-policy", choices=policies, default="least_outstanding",
+                   help="how a Prefill instance is picked (default: %(default)s)")
+    g.add_argument("--engine-metrics", type=_non_negative, default=0.0, metavar="S",
+                   help="read each engine's /metrics every S seconds for load-aware picking; "
+                        "0: off (default: %(default)s)")
+    g.add_argument("--affinity-chunk", type=int, default=64, metavar="CHARS",
+                   help="prefix affinity for Decode keyed on whole chunks of this many prompt "
+                        "characters; 0: off (default: %(default)s)")
+    g.add_argument("--affinity-slack", type=_non_negative, default=4.0, metavar="N",
+                   help="keep affinity while the instance has at most N more requests in "
+                        "flight than the least loaded one (default: %(default)s)")
+    g.add_argument("--local-prefill-tokens", type=int, default=0, metavar="N",
+                   help="no Prefill when Decode's prefix cache lacks at most N prompt tokens: "
+                        "Decode computes them; 0: off (default: %(default)s)")
+    g.add_argument("--prefiller-header", action="store_true",
+                   help="sidecar mode: honour x-prefiller-host-port (one of --prefill)")
+    h = p.add_argument_group("health")
+    h.add_argument("--probe-interval", type=_seconds, default=2.0, metavar="S",
+                   help="probe every instance's /health every S seconds (default: %(default)s)")
+    h.add_argument("--probe-timeout", type=_seconds, default=1.0, metavar="S",
+                   help="deadline of one probe (default: %(default)s)")
+    h.add_argument("--eject-after", type=int, default=3, metavar="N",
+                   help="eject after N failed requests in a row (5xx, timeout, broken "
+                        "stream); refused connections and failed probes eject at once "
+                        "(default: %(default)s)")
+    h.add_argument("--eject-backoff", type=_seconds, default=1.0, metavar="S",
+                   help="first ejection's back-off; doubles while failing (default: %(default)s)")
+    h.add_argument("--eject-backoff-max", type=_seconds, default=30.0, metavar="S",
+                   help="longest back-off (default: %(default)s)")
+    p.add_argument("--admin-token", metavar="TOKEN",
+                   help="bearer token of the admin API (at least 16 characters; default: "
+                        "$RD2H_PROXY_ADMIN_TOKEN; unset: the admin API is off)")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
                    help="log level for rd2h and uvicorn (stderr; default: %(default)s)")
     p.add_argument("--timeline-dir", metavar="DIR",
@@ -135,6 +225,13 @@ def _run_proxy(args: argparse.Namespace) -> int:
             connect_timeout_s=args.connect_timeout, decode_timeout_s=args.decode_timeout,
             prefill_timeout_s=args.prefill_timeout, models_timeout_s=args.models_timeout,
             engine_keepalive_s=args.engine_keepalive, client_keepalive_s=args.client_keepalive,
+            decode_policy=args.decode_policy, prefill_policy=args.prefill_policy,
+            engine_metrics_s=args.engine_metrics, affinity_chunk_chars=args.affinity_chunk,
+            affinity_slack=args.affinity_slack, local_prefill_tokens=args.local_prefill_tokens,
+            prefiller_header=args.prefiller_header, probe_interval_s=args.probe_interval,
+            probe_timeout_s=args.probe_timeout, eject_after=args.eject_after,
+            eject_base_s=args.eject_backoff, eject_max_s=args.eject_backoff_max,
+            admin_token=args.admin_token or os.environ.get("RD2H_PROXY_ADMIN_TOKEN") or None,
         )
     except ValueError as exc:
         print(f"rd2h proxy: {exc}", file=sys.stderr)

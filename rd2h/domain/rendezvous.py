@@ -122,6 +122,12 @@ def decode_body(body: Mapping[str, Any], metaserver_url: str, *, local_prefill_t
     return out
 
 
+def traceparent(params: Mapping[str, Any] | None) -> str | None:
+    """The W3C ``traceparent`` the proxy put in ``kv_transfer_params`` (bounded), if any."""
+    value = params.get("traceparent") if params else None
+    return value if isinstance(value, str) and 0 < len(value) <= 64 else None
+
+
 # A post's ``prefill`` value when Decode computes the prompt itself: no KV is pulled.
 LOCAL_PREFILL = "local"
 

@@ -90,8 +90,10 @@ class HopName(StrEnum):
 class Timeline(Protocol):
     """Per-request hop stamps (``rd2h timeline`` merges them across processes)."""
 
-    def stamp(self, request_id: str, hop: HopName) -> None:
-        """Record that ``request_id`` passed ``hop`` now."""
+    def stamp(self, request_id: str, hop: HopName, trace: str | None = None) -> None:
+        """Record that ``request_id`` passed ``hop`` now (``trace``: the W3C
+        ``traceparent`` the proxy relayed for it, stamped with its first hop on
+        each process)."""
 
     def stamp_bytes(self, request_id: str, hop: HopName, nbytes: int) -> None:
         """Record that ``nbytes`` of ``request_id`` passed ``hop`` now (a hop that a
@@ -101,7 +103,7 @@ class Timeline(Protocol):
 class NoTimeline:
     """The timeline when none is configured: stamps nothing."""
 
-    def stamp(self, request_id: str, hop: HopName) -> None:
+    def stamp(self, request_id: str, hop: HopName, trace: str | None = None) -> None:
         return None
 
     def stamp_bytes(self, request_id: str, hop: HopName, nbytes: int) -> None:

@@ -167,10 +167,10 @@ class RendezvousProxy:
             return self._refuse(endpoint, "no Decode instance is available (all ejected, "
                                 "draining or removed)", 503, "unavailable")
         rid = uuid.uuid4().hex
-        self.timeline.stamp(rid, HopName.PROXY_RECEIVED)
+        trace = traceparent_for(request.headers.get("traceparent"))
+        self.timeline.stamp(rid, HopName.PROXY_RECEIVED, trace)
         entry = self.table.open(rid, endpoint, body, expected, time.monotonic())
         self.counters.requests += 1
-        trace = traceparent_for(request.headers.get("traceparent"))
         headers = {"X-Request-Id": rid, "traceparent": trace, **_forwarded(request)}
         call = DecodeCall(rid, endpoint, body, headers, decode.url, entry, started,
                           instance=decode, traceparent=trace, prefill_pin=pin,

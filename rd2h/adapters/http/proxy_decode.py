@@ -73,7 +73,7 @@ class DecodeLeg:
         self._p.table.close(old)
         self._p.calls.pop(old, None)
         call.rid = uuid.uuid4().hex
-        self._p.timeline.stamp(call.rid, HopName.PROXY_RECEIVED)
+        self._p.timeline.stamp(call.rid, HopName.PROXY_RECEIVED, call.traceparent)
         call.entry = self._p.table.open(call.rid, call.endpoint, call.body, call.entry.expected,
                                      time.monotonic())
         call.headers["X-Request-Id"] = call.rid

@@ -3,10 +3,12 @@
 Every process that stamps (the proxy, each engine's scheduler and workers) appends
 ``{"id": <request id>, "hop": <hop>, "t": <unix time>, "pid": <pid>}`` lines to
 ``<dir>/stamps-<host>-<pid>.jsonl``; a stamp with bytes (``stamp_bytes``: one layer's
-read of a request on Decode) adds ``"bytes": <n>``. Lines are written whole (line-buffered, one
-``write`` each, under a lock), so a process killed at any moment leaves only whole
-lines. ``rd2h timeline <dir>`` merges the files into a per-hop breakdown. Wall-clock
-time is used so that processes on different hosts compare (keep their clocks synced).
+read of a request on Decode) adds ``"bytes": <n>``; a request's first stamp on each
+process adds ``"trace": <traceparent>`` when the proxy relayed one. Lines are
+written whole (line-buffered, one ``write`` each, under a lock), so a process killed
+at any moment leaves only whole lines. ``rd2h timeline <dir>`` merges the files into
+a per-hop breakdown. Wall-clock time is used so that processes on different hosts
+compare (keep their clocks synced).
 """
 
 from __future__ import annotations
@@ -38,8 +40,11 @@ class JsonlTimeline:
         self._lock = threading.Lock()
         self._fh: Any = None
 
-    def stamp(self, request_id: str, hop: str) -> None:
-        self._write({"id": request_id, "hop": hop, "t": time.time(), "pid": self._pid})
+    def stamp(self, request_id: str, hop: str, trace: str | None = None) -> None:
+        rec = {"id": request_id, "hop": hop, "t": time.time(), "pid": self._pid}
+        if trace:
+            rec["trace"] = trace
+        self._write(rec)
 
     def stamp_bytes(self, request_id: str, hop: str, nbytes: int) -> None:
         self._write({"id": request_id, "hop": hop, "t": time.time(), "pid": self._pid,
