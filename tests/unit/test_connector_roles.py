@@ -912,3 +912,37 @@ def test_a_read_that_cannot_land_fails_the_request_on_both_sides(pd) -> None:
     assert res.failed_recving == {rid} and rid in res.finished_recving
     assert dworker.get_block_ids_with_load_errors() == {1}
     assert _released(pworker, {rid}) == {rid} and pworker.requests_failed == 1
+
+
+def test_decode_computes_locally_when_the_proxy_allows_what_is_missing(dsched) -> None:
+    sched, ms, _ = dsched
+    params = _params(local_prefill_tokens=16)
+    # 100-token prompt, 90 in Decode's prefix cache: 10 missing, within 16.
+    assert sched.get_num_new_matched_tokens(_req(RID, params, 100), 90) == (0, False)
+    sched.update_state_after_alloc(_req(RID, params, 100), ([1, 2, 3, 4],), 0)
+    assert params["do_remote_prefill"] is False
+    assert sched.build_connector_meta([]).loads == ()  # nothing to pull
+    assert ms.posts == [(EXT, URL, {
+        "request_id": EXT, "do_remote_prefill": False, "do_remote_decode": False,
+        "prefill": "local", "remote_engine_id": "decode-engine",
+        "remote_cached_tokens": 90, "prompt_tokens": 100})]  # at once, no admission wait
+    assert sched.local_prefills == 1
+    # More missing than allowed: pulled as always.
+    other = "cmpl-43-0" + SUFFIX
+    assert sched.get_num_new_matched_tokens(_req(other, _params(local_prefill_tokens=16),
+                                                 100), 32) == (68, True)
+
+
+@pytest.mark.parametrize("limit", [0, None, True, "16"])
+def test_local_prefill_needs_an_integer_limit(dsched, limit) -> None:
+    sched, _, _ = dsched
+    assert sched.get_num_new_matched_tokens(
+        _req(RID, _params(local_prefill_tokens=limit), 100), 95) == (5, True)
+
+
+def test_a_local_prompt_in_a_batch_is_computed_by_prefill_without_sending() -> None:
+    batch = {"do_remote_decode": True, "batch_kv_transfer_params": {
+        "list-0": D_PARAMS,
+        "list-1": {"request_id": "list-1", "prefill": "local", "do_remote_decode": False}}}
+    assert resolve_params("list-1", batch) is None
+    assert resolve_params("list-0", batch) == D_PARAMS

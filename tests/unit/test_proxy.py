@@ -129,7 +129,8 @@ class FakePrefill:
                     self.cancelled += 1
                     raise
             self.received.append((request.url.path, dict(request.headers), body))
-            self.seen_event(request.headers["x-request-id"]).set()
+            if self.status < 400:  # a failed Prefill sends no KV
+                self.seen_event(request.headers["x-request-id"]).set()
             return JSONResponse({"id": "p", "choices": [{"text": "x"}]}, status_code=self.status)
 
         self.app.post("/v1/completions")(handle)
@@ -168,11 +169,18 @@ class FakeDecode:
                 n = len(prompt) if isinstance(prompt, list) and not isinstance(
                     prompt[0], int) else 1
                 ids = [f"cmpl-{rid}-{i}" for i in range(n)]
+            # A prompt starting "local" stands for one this Decode's prefix cache holds
+            # all but a few tokens of: with local_prefill_tokens it computes it itself.
+            local = bool(params.get("local_prefill_tokens")) and str(
+                body.get("prompt", "")).startswith("local")
             try:
                 for request_id in post_order(ids):
-                    r = await client.post(params["metaserver"], json=contact(request_id, port))
+                    post = contact(request_id, port)
+                    if local:
+                        post.update(prefill="local", do_remote_decode=False)
+                    r = await client.post(params["metaserver"], json=post)
                     self.posts.append((request_id, r))
-                if wait_for_kv:
+                if wait_for_kv and not local:
                     await asyncio.wait_for(
                         asyncio.wait([asyncio.ensure_future(p.seen_event(rid).wait())
                                       for p in prefills], return_when=asyncio.FIRST_COMPLETED),
@@ -203,7 +211,7 @@ class FakeDecode:
 class Setup:
     def __init__(self, n_prefill: int = 1, n_decode: int = 1, prefill_status: int = 200,
                  unreachable_prefill: bool = False, log: Any = None, models_timeout_s: float = 5,
-                 **decode_kw: Any) -> None:
+                 config_kw: dict[str, Any] | None = None, **decode_kw: Any) -> None:
         self.router = Router()
         p_urls = [f"http://p{i}:8100" for i in range(n_prefill)]
         d_urls = [f"http://d{i}:8200" for i in range(n_decode)]
@@ -217,7 +225,7 @@ class Setup:
             self.router.add(url, fake.app)
         config = ProxyConfig(prefill=tuple(p_urls), decode=tuple(d_urls), public_url=PROXY,
                              connect_timeout_s=2, decode_timeout_s=10, prefill_timeout_s=10,
-                             models_timeout_s=models_timeout_s)
+                             models_timeout_s=models_timeout_s, **(config_kw or {}))
         self.log = log if log is not None else make_logger("test-proxy", 0)
         self.app = create_app(config, transport=self.router, log=self.log)
         self.proxy = self.app.state.proxy
