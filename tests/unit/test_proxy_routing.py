@@ -273,10 +273,11 @@ def test_two_proxies_share_engines_each_owning_its_rendezvous() -> None:
             for i in range(8)))
         await s.settle()
         assert [a.status_code for a in answers] == [200] * 8
-        for d in s.decodes:  # each Decode posted to the proxy its request came through
-            for (_, headers, body) in d.received:
-                assert body["kv_transfer_params"]["metaserver"].startswith(
-                    (PROXY, second_url))
+        # Each request's rendezvous named the proxy it came through: 4 each.
+        owners = [body["kv_transfer_params"]["metaserver"] for d in s.decodes
+                  for (_, _, body) in d.received]
+        assert sorted(owners) == sorted([f"{PROXY}/v1/metaserver"] * 4
+                                        + [f"{second_url}/v1/metaserver"] * 4)
         assert sum(len(p.received) for p in s.prefills) == 8
         assert len(s.proxy.table) == 0 and len(app2.state.proxy.table) == 0
         await s.proxy.aclose()

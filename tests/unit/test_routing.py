@@ -48,10 +48,10 @@ def test_refused_connection_ejects_at_once_errors_after_a_run() -> None:
     a, b = p.get(URLS[0]), p.get(URLS[1])
     assert p.failed(a, Failure.CONNECT, "refused", now=0.0) is not None
     assert not a.pickable and a.state == "ejected"
-    for i in range(2):
+    for _ in range(2):
         assert p.failed(b, Failure.ERROR, "HTTP 500", now=0.0) is None
     p.succeeded(b)  # a good answer starts the count again
-    for i in range(2):
+    for _ in range(2):
         assert p.failed(b, Failure.ERROR, "HTTP 500", now=0.0) is None
     ejection = p.failed(b, Failure.ERROR, "HTTP 500", now=0.0)
     assert ejection is not None and ejection.cause is Failure.ERROR
