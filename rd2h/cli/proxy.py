@@ -44,10 +44,12 @@ stays out for a back-off that doubles while it keeps failing (--eject-backoff up
 
 Failures reach the client honestly: the answer starts only with Decode's first byte,
 so a Prefill leg that fails for good is answered with Prefill's status and error body
-(502 unreachable, 504 timed out) and Decode's request is closed; a client that leaves
-closes both legs. A request goes to another instance only when nothing can have been
-handed off: a refused connection (any instance not yet tried) or a pooled connection
-the engine closed before reading the request (once, same instance).
+(502 unreachable, 504 timed out) and Decode's request is closed (with
+--on-prefill-failure decode, Decode is told at once and answers as its
+kv_load_failure_policy says); a client that leaves closes both legs. A request goes
+to another instance only when nothing can have been handed off: a refused connection
+(any instance not yet tried) or a pooled connection the engine closed before reading
+the request (once, same instance).
 
 Connections to the engines are kept open between requests (pooled) for
 --engine-keepalive seconds, which should stay below the engines' own keep-alive
@@ -177,6 +179,12 @@ def add_proxy_parser(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--local-prefill-tokens", type=int, default=0, metavar="N",
                    help="no Prefill when Decode's prefix cache lacks at most N prompt tokens: "
                         "Decode computes them; 0: off (default: %(default)s)")
+    g.add_argument("--on-prefill-failure", choices=["fail", "decode"], default="fail",
+                   help="a Prefill leg that failed for good: 'fail' closes Decode's request and "
+                        "answers the client with Prefill's status and body; 'decode' leaves the "
+                        "answer to Decode, told at once, which applies its "
+                        "kv_load_failure_policy (recompute: it computes the prompt itself) "
+                        "(default: %(default)s)")
     g.add_argument("--prefiller-header", action="store_true",
                    help="sidecar mode: honour x-prefiller-host-port (one of --prefill)")
     h = p.add_argument_group("health")
@@ -184,7 +192,7 @@ def add_proxy_parser(sub: argparse._SubParsersAction) -> None:
                    help="probe every instance's /health every S seconds (default: %(default)s)")
     h.add_argument("--probe-timeout", type=_seconds, default=1.0, metavar="S",
                    help="deadline of one probe (default: %(default)s)")
-    h.add_argument("--eject-after", type=int, default=3, metavar="N",
+    h.add_argument("--eject-after", type=int, default=5, metavar="N",
                    help="eject after N failed requests in a row (5xx, timeout, broken "
                         "stream); refused connections and failed probes eject at once "
                         "(default: %(default)s)")
@@ -228,7 +236,8 @@ def _run_proxy(args: argparse.Namespace) -> int:
             decode_policy=args.decode_policy, prefill_policy=args.prefill_policy,
             engine_metrics_s=args.engine_metrics, affinity_chunk_chars=args.affinity_chunk,
             affinity_slack=args.affinity_slack, local_prefill_tokens=args.local_prefill_tokens,
-            prefiller_header=args.prefiller_header, probe_interval_s=args.probe_interval,
+            prefiller_header=args.prefiller_header,
+            on_prefill_failure=args.on_prefill_failure, probe_interval_s=args.probe_interval,
             probe_timeout_s=args.probe_timeout, eject_after=args.eject_after,
             eject_base_s=args.eject_backoff, eject_max_s=args.eject_backoff_max,
             admin_token=args.admin_token or os.environ.get("RD2H_PROXY_ADMIN_TOKEN") or None,

@@ -47,7 +47,7 @@ class Failure(str, Enum):
 
 @dataclass(frozen=True)
 class HealthRules:
-    eject_after: int = 3
+    eject_after: int = 5
     eject_base_s: float = 1.0
     eject_max_s: float = 30.0
 

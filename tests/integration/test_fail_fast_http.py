@@ -63,6 +63,7 @@ def decode_app(client: MetaserverClient, engine: str, kv: set[str]) -> FastAPI:
     """One scheduler takes every failure in the real connector; here each request's
     thread takes them into one shared table and looks for its own."""
     app = FastAPI()
+    app.get("/health")(lambda: {})
     seen: dict[str, str] = {}
     lock = threading.Lock()
 
@@ -94,6 +95,7 @@ def decode_app(client: MetaserverClient, engine: str, kv: set[str]) -> FastAPI:
 
 def prefill_app(status: int, kv: set[str] | None = None) -> FastAPI:
     app = FastAPI()
+    app.get("/health")(lambda: {})
 
     @app.post("/v1/completions")
     async def complete(request: Request) -> JSONResponse:
@@ -142,8 +144,10 @@ def deployment() -> Iterator[Any]:
         made.append(d)
         port = free_port()
         log = RecordingLogger()
+        # Decode, told at once, answers a failed Prefill leg itself (what is tested here).
         config = ProxyConfig(prefill=prefill_urls, decode=[d.url],
-                             public_url=f"http://{HOST}:{port}", connect_timeout_s=2.0)
+                             public_url=f"http://{HOST}:{port}", connect_timeout_s=2.0,
+                             on_prefill_failure="decode")
         made.append(Served(create_app(config, log=log), port))
         return f"http://{HOST}:{port}", client, log
 

@@ -79,6 +79,7 @@ class FakePrefill:
 
         self.app.post("/v1/completions")(handle)
         self.app.post("/v1/chat/completions")(handle)
+        self.app.get("/health")(lambda: {})
 
     def event(self, rid: str) -> threading.Event:
         with self.lock:
@@ -124,6 +125,7 @@ class FakeDecode:
         self.app.post("/v1/completions")(handle)
         self.app.post("/v1/chat/completions")(handle)
         self.app.get("/v1/models")(lambda: {"object": "list", "data": [{"id": "decode-model"}]})
+        self.app.get("/health")(lambda: {})
 
 
 def sse(request_id: str) -> list[str]:
@@ -180,13 +182,16 @@ def test_rd2h_proxy_process_routes_through_decode_and_prefill(engines, tmp_path:
                                 "choices": [{"index": 0, "text": "decoded 0"}]}
             _, d_headers, d_body = decode.received[-1]
             assert d_headers["x-request-id"] == rid
+            trace = d_headers["traceparent"]
             assert d_body["kv_transfer_params"] == {
-                "do_remote_prefill": True, "metaserver": f"{proxy_url}/v1/metaserver"}
-            [(p_path, _, p_body)] = [x for x in prefill.received
+                "do_remote_prefill": True, "metaserver": f"{proxy_url}/v1/metaserver",
+                "traceparent": trace}
+            [(p_path, p_headers, p_body)] = [x for x in prefill.received
                                              if x[1]["x-request-id"] == rid]
-            assert p_path == "/v1/completions"
+            assert p_path == "/v1/completions" and p_headers["traceparent"] == trace
             assert p_body == {"model": "m", "prompt": "hello", "max_tokens": 1,
-                              "stream": False, "kv_transfer_params": contact(f"cmpl-{rid}-0")}
+                              "stream": False, "kv_transfer_params": {
+                                  **contact(f"cmpl-{rid}-0"), "traceparent": trace}}
 
             # Chat, streamed back unchanged.
             with client.stream("POST", "/v1/chat/completions", json={

@@ -105,6 +105,7 @@ class FakeEngines:
             app.post("/v1/completions")(handler)
             app.post("/v1/chat/completions")(handler)
             app.get("/v1/models")(lambda: {"object": "list", "data": [{"id": "tiny"}]})
+            app.get("/health")(lambda: {})
 
     def kv_event(self, rid: str) -> asyncio.Event:
         return self.kv.setdefault(rid, asyncio.Event())

@@ -301,3 +301,17 @@ def test_routing_config_is_validated() -> None:
             raise AssertionError(f"{kw} accepted")
 
 
+
+
+def test_prefill_failure_can_be_left_to_decode() -> None:
+    async def scenario() -> None:
+        # Decode told at once applies its kv_load_failure_policy (here: it answers).
+        s = Setup(prefill_status=500, wait_for_kv=False,
+                  config_kw={"on_prefill_failure": "decode", "probe_interval_s": 60})
+        r = await s.client.post("/v1/completions", json=completion())
+        await s.settle()
+        assert r.status_code == 200 and not s.decodes[0].cancelled
+        assert s.proxy.failures.recorded == 1  # Decode was told (the watch)
+        await s.proxy.aclose()
+
+    run(scenario())

@@ -159,7 +159,8 @@ class RendezvousProxy:
             if pin is None:
                 return self._refuse(endpoint, f"{PREFILLER_HEADER} {named!r} is not one of "
                                     "this proxy's Prefill instances", 403)
-        elif not self.router.pools["prefill"].ready():
+        elif self.config.on_prefill_failure == "fail" and not self.router.pools[
+                "prefill"].ready():
             return self._refuse(endpoint, "no Prefill instance is available (all ejected, "
                                 "draining or removed)", 503, "unavailable")
         decode = self.router.pick_decode(body)
@@ -292,7 +293,7 @@ class RendezvousProxy:
         failure: PrefillFailure | None = await self.prefill.dispatch(
             entry, headers, posted, pin, extra)
         if failure is not None and call is not None and call.prefill_failed is not None \
-                and not call.prefill_failed.done():
+                and not call.prefill_failed.done() and self.config.on_prefill_failure == "fail":
             call.prefill_failed.set_result(failure)
 
     def _spawn(self, coro: Any) -> asyncio.Task[None]:

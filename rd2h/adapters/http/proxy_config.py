@@ -53,7 +53,7 @@ class ProxyConfig:
     prefill_policy: str = Policy.LEAST_OUTSTANDING.value
     probe_interval_s: float = 2.0
     probe_timeout_s: float = 1.0
-    eject_after: int = 3
+    eject_after: int = 5
     eject_base_s: float = 1.0
     eject_max_s: float = 30.0
     # Scrape each engine's /metrics this often for load-aware picking; 0: off.
@@ -69,6 +69,10 @@ class ProxyConfig:
     admin_token: str | None = None
     # Sidecar mode: honour x-prefiller-host-port (one of the Prefill URLs).
     prefiller_header: bool = False
+    # A Prefill leg that failed for good: "fail" closes Decode's request and answers the
+    # client with Prefill's status; "decode" leaves the answer to Decode (told at once,
+    # it applies its kv_load_failure_policy: "recompute" computes the prompt itself).
+    on_prefill_failure: str = "fail"
 
     def __post_init__(self) -> None:
         for role in ("prefill", "decode"):
@@ -98,6 +102,9 @@ class ProxyConfig:
             if value not in {p.value for p in Policy}:
                 raise ValueError(f"{name} {value!r} is not one of "
                                  f"{', '.join(p.value for p in Policy)}")
+        if self.on_prefill_failure not in ("fail", "decode"):
+            raise ValueError(f"on_prefill_failure must be 'fail' or 'decode', not "
+                             f"{self.on_prefill_failure!r}")
         if self.admin_token is not None and len(self.admin_token) < 16:
             raise ValueError("the admin token must be at least 16 characters")
         from rd2h.domain.routing import HealthRules

@@ -53,8 +53,11 @@ class EngineRouter:
                 self._gauges(inst)
         self.affinity = (PrefixAffinity(chunk_chars=config.affinity_chunk_chars)
                          if config.affinity_chunk_chars else None)
-        self._client = httpx.AsyncClient(transport=transport, timeout=httpx.Timeout(
-            config.probe_timeout_s))
+        # A fresh connection per probe: a pooled one the engine closed while idle would
+        # fail a probe of a healthy engine.
+        self._client = httpx.AsyncClient(
+            transport=transport, timeout=httpx.Timeout(config.probe_timeout_s),
+            limits=httpx.Limits(max_keepalive_connections=0))
         self._task: asyncio.Task[None] | None = None
         self.probes = 0
 

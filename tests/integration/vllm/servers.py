@@ -149,10 +149,25 @@ def _tp(args: Sequence[str]) -> int:
     return int(args[args.index(flag) + 1]) if flag in args else 1
 
 
-def proxy_server(port: int, prefill: list[str], decode: list[str], log: Path) -> Server:
+def proxy_server(port: int, prefill: list[str], decode: list[str], log: Path,
+                 args: Sequence[str] = (), env: dict[str, str] | None = None) -> Server:
     cmd = [str(VENV_BIN / "rd2h"), "proxy", "--port", str(port), "--prefill", *prefill,
-           "--decode", *decode]
-    return Server("rd2h proxy", cmd, port, log, ready_path="/healthcheck")
+           "--decode", *decode, *args]
+    return Server("rd2h proxy", cmd, port, log, env=env or {}, ready_path="/healthcheck")
+
+
+def wait_admitted(proxy: Server, url: str, deadline_s: float = 60.0) -> float:
+    """Seconds until the proxy's /status shows the instance at ``url`` admitted (its
+    probes readmit an instance that was down or paused)."""
+    t0 = time.monotonic()
+    while True:
+        status = httpx.get(proxy.url + "/status", timeout=5).json()["instances"]
+        states = {i["url"]: i["state"] for role in status.values() for i in role}
+        if states.get(url) == "admitted":
+            return time.monotonic() - t0
+        if time.monotonic() - t0 > deadline_s:
+            raise TimeoutError(f"{url} not admitted by the proxy in {deadline_s} s: {states}")
+        time.sleep(0.2)
 
 
 @contextlib.contextmanager

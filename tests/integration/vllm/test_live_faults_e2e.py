@@ -33,7 +33,7 @@ import httpx
 import pytest
 from fakes.net import free_port, quiet_ports
 from prometheus_client.parser import text_string_to_metric_families
-from servers import Server, proxy_server, rd2h_kv, running, vllm_server
+from servers import Server, proxy_server, rd2h_kv, running, vllm_server, wait_admitted
 
 from rd2h.demo.tiny_model import VOCAB
 
@@ -143,8 +143,11 @@ def cluster(tmp_path_factory, llama_model, llama_reference) -> Iterator[dict[str
         "decode": vllm_server("decode", llama_model, free_port(), root / "decode.log",
                               kv=d_cfg, log_stats=True),
     }
+    # Decode recomputes what no Prefill sends (kv_load_failure_policy: recompute), so a
+    # Prefill leg that failed is Decode's to answer.
     s["proxy"] = proxy_server(free_port(), [s["prefill_a"].url, s["prefill_b"].url],
-                              [s["decode"].url], root / "proxy.log")
+                              [s["decode"].url], root / "proxy.log",
+                              args=["--on-prefill-failure", "decode"])
     with running(*s.values()):
         yield {"model": str(llama_model), "base": llama_reference, "root": root,
                "kv_port": kv_port, **s}
@@ -238,6 +241,8 @@ def _restart_and_check(c: dict[str, Any], engine: Server, prompt: list[int]) -> 
     """Start a killed engine again; a request through the proxy gets the reference."""
     engine.start()
     engine.wait_ready("/health", time.monotonic() + STARTUP_S)
+    took = wait_admitted(c["proxy"], engine.url)
+    print(f"{engine.name} readmitted by the proxy {took:.1f} s after it served /health")
     got = _tokens(httpx.post(c["proxy"].url + "/v1/completions",
                              json=_body(c["model"], prompt), timeout=120))
     assert got == _reference(c, prompt), _logs(c)

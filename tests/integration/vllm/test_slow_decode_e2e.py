@@ -24,7 +24,7 @@ from typing import Any
 import httpx
 import pytest
 from fakes.net import free_port, quiet_ports
-from servers import Server, proxy_server, rd2h_kv, running, vllm_server
+from servers import Server, proxy_server, rd2h_kv, running, vllm_server, wait_admitted
 
 from rd2h.demo.tiny_model import VOCAB
 
@@ -142,6 +142,9 @@ def _fresh_request_is_equal(c: dict[str, Any], seed: int) -> None:
     assert c["decode"].proc is not None and c["decode"].proc.poll() is None, \
         c["decode"].tail(40)
     prompt = _prompt(seed, 80)
+    # A paused Decode fails the proxy's /health probes and is ejected; it is readmitted
+    # by the first good probe after its back-off.
+    wait_admitted(c["proxy"], c["decode"].url)
     r = httpx.post(c["proxy"].url + "/v1/completions", json=_body(c["model"], prompt),
                    timeout=120)
     assert r.status_code == 200, r.text

@@ -21,7 +21,7 @@ from typing import Any
 import httpx
 import pytest
 from fakes.net import free_port, quiet_ports
-from servers import proxy_server, rd2h_kv, running, vllm_server
+from servers import proxy_server, rd2h_kv, running, vllm_server, wait_admitted
 
 from rd2h.demo.tiny_model import VOCAB
 
@@ -120,7 +120,9 @@ def test_a_wrong_destination_serves_wrong_tokens_unless_digests_catch_it(
     assert wrong_verified == 0 and failed_verified == 4
     assert mismatches > 0
     assert "KV digest mismatch" in rig["decode"].log.read_text(errors="replace")
-    # Decode serves again once the bug is gone.
+    # Decode serves again once the bug is gone (the proxy ejects an instance after 5
+    # failed answers in a row; wait for it to be admitted in case it was).
+    wait_admitted(rig["verified"], rig["decode"].url)
     prompt = _prompt(200)
     status, tokens, _ = _post(rig["verified"].url, rig["model"], prompt)
     assert status == 200 and tokens == _reference(rig, prompt)
