@@ -209,12 +209,14 @@ def test_rd2h_proxy_process_routes_through_decode_and_prefill(engines, tmp_path:
             r = client.post("/v1/completions", json={"model": "m", "prompt": ["a", "b", "c"]})
             assert r.status_code == 200 and len(r.json()["choices"]) == 3
             rid = r.headers["x-request-id"]
-            [(_, _, p_body)] = [x for x in prefill.received if x[1]["x-request-id"] == rid]
+            [(_, p_headers, p_body)] = [x for x in prefill.received
+                                        if x[1]["x-request-id"] == rid]
             ids = [f"cmpl-{rid}-{i}" for i in range(3)]
             assert p_body["prompt"] == ["a", "b", "c"]
             assert p_body["kv_transfer_params"] == {
                 "do_remote_decode": True,
-                "batch_kv_transfer_params": {i: contact(i) for i in ids}}
+                "batch_kv_transfer_params": {i: contact(i) for i in ids},
+                "traceparent": p_headers["traceparent"]}
 
             # Unknown metaserver ids are refused; nothing is left pending.
             r = client.post("/v1/metaserver", json=contact(f"cmpl-{'0' * 32}-0"))
