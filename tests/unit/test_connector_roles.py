@@ -11,6 +11,7 @@ offset a test can jump forward), so deadlines are reached without sleeping."""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from typing import Any
@@ -946,3 +947,25 @@ def test_a_local_prompt_in_a_batch_is_computed_by_prefill_without_sending() -> N
         "list-1": {"request_id": "list-1", "prefill": "local", "do_remote_decode": False}}}
     assert resolve_params("list-1", batch) is None
     assert resolve_params("list-0", batch) == D_PARAMS
+
+
+def test_traceparent_is_logged_and_stamped_on_both_schedulers(tmp_path) -> None:
+    from rd2h.adapters.logging.timeline import JsonlTimeline
+
+    trace = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+    sched, log = _psched()
+    sched._timeline = timeline = JsonlTimeline(tmp_path)
+    assert _track(sched, "t-0" + SUFFIX, 8, {**D_PARAMS, "traceparent": trace}) == 1
+    (_, kw), = [e for e in log.at("info") if e[0] == "sending KV to decode"]
+    assert kw["traceparent"] == trace and kw["decode"].endswith(f":{D_PARAMS['remote_port']}")
+    ms = RecordingMetaserver()
+    dlog = RecordingLog()
+    dsched = _dsched_of(ms, dlog, timeline=timeline)
+    dsched.get_num_new_matched_tokens(_req(RID, _params(traceparent=trace), 64), 0)
+    (_, kw), = [e for e in dlog.at("info") if e[0] == "pulling KV from prefill"]
+    assert kw["traceparent"] == trace
+    timeline.close()
+    stamps = [json.loads(line) for p in tmp_path.glob("stamps-*.jsonl")
+              for line in p.read_text().splitlines()]
+    assert {(s["hop"], s.get("trace")) for s in stamps} == {
+        ("prefill.tracked", trace), ("decode.matched", trace)}

@@ -145,7 +145,7 @@ class PrefillScheduler(ConnectorRole):
         self._timeline.stamp(request_id, HopName.PREFILL_TRACKED, trace)
         if trace:
             self._log.info("sending KV to decode", request=request_id, traceparent=trace,
-                           decode=f"{decode.host}:{decode.port}")
+                           decode=f"{decode.host}:{decode.base_port}")
 
     def build_connector_meta(self, scheduled: Sequence[ScheduledRequest]) -> StepPlan:
         sends = tuple(s for s in map(self._schedule, scheduled) if s is not None)
