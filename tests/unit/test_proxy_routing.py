@@ -315,3 +315,66 @@ def test_prefill_failure_can_be_left_to_decode() -> None:
         await s.proxy.aclose()
 
     run(scenario())
+
+
+def test_cli_routing_flags_reach_the_config(monkeypatch) -> None:
+    import rd2h.app.gateways as gateways
+    from rd2h.cli.main import main
+
+    seen: dict[str, Any] = {}
+    monkeypatch.setattr(gateways, "serve_proxy",
+                        lambda config, host, port, level, timeline_dir: seen.update(
+                            config=config))
+    monkeypatch.setenv("RD2H_PROXY_ADMIN_TOKEN", TOKEN)
+    assert main(["proxy", "--prefill", "http://p:1", "--decode", "http://d:2",
+                 "--decode-policy", "power_of_two", "--prefill-policy", "round_robin",
+                 "--probe-interval", "0.5", "--probe-timeout", "0.25", "--eject-after", "2",
+                 "--eject-backoff", "0.5", "--eject-backoff-max", "8",
+                 "--engine-metrics", "3", "--affinity-chunk", "0", "--affinity-slack", "1",
+                 "--local-prefill-tokens", "32", "--prefiller-header",
+                 "--on-prefill-failure", "decode"]) == 0
+    c = seen["config"]
+    assert (c.decode_policy, c.prefill_policy, c.probe_interval_s, c.probe_timeout_s,
+            c.eject_after, c.eject_base_s, c.eject_max_s, c.engine_metrics_s,
+            c.affinity_chunk_chars, c.affinity_slack, c.local_prefill_tokens,
+            c.prefiller_header, c.on_prefill_failure, c.admin_token) == (
+        "power_of_two", "round_robin", 0.5, 0.25, 2, 0.5, 8.0, 3.0, 0, 1.0, 32, True,
+        "decode", TOKEN)
+
+
+def test_proxy_admin_cli_against_a_running_proxy(capsys) -> None:
+    import threading
+
+    import uvicorn
+    from fakes.net import free_port
+
+    from rd2h.cli.main import main
+
+    port = free_port()
+    config = ProxyConfig(prefill=("http://127.0.0.1:9",), decode=("http://127.0.0.1:9",),
+                         public_url=f"http://127.0.0.1:{port}", admin_token=TOKEN,
+                         probe_interval_s=60)
+    server = uvicorn.Server(uvicorn.Config(create_app(config), host="127.0.0.1", port=port,
+                                           log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        for _ in range(100):
+            if server.started:
+                break
+            threading.Event().wait(0.05)
+        proxy = ["proxy-admin", "--proxy", f"http://127.0.0.1:{port}", "--token", TOKEN]
+        assert main([*proxy, "add", "decode", "http://127.0.0.1:8201"]) == 0
+        assert main([*proxy, "drain", "decode", "http://127.0.0.1:8201", "--wait", "5"]) == 0
+        assert "drained: decode http://127.0.0.1:8201" in capsys.readouterr().out
+        assert main([*proxy, "status"]) == 0
+        out = capsys.readouterr().out
+        assert '"url": "http://127.0.0.1:8201"' in out and '"state": "drained"' in out
+        assert main(["proxy-admin", "--proxy", f"http://127.0.0.1:{port}", "--token",
+                     "wrong-token-wrong-token", "status"]) == 1
+        assert "HTTP 401" in capsys.readouterr().err
+        assert main([*proxy, "remove", "decode", "http://127.0.0.1:1"]) == 1
+        assert main([*proxy, "drain"]) == 2  # needs ROLE and URL
+    finally:
+        server.should_exit = True
+        thread.join(10)

@@ -57,7 +57,7 @@ from rd2h.adapters.http.proxy_config import (
 from rd2h.adapters.http.proxy_decode import DecodeLeg
 from rd2h.adapters.http.proxy_errors import error_body
 from rd2h.adapters.http.proxy_metrics import HealthCounters, ProxyMetrics
-from rd2h.adapters.http.proxy_models import MODELS_PATH, fetch_models
+from rd2h.adapters.http.proxy_models import MODELS_PATH, engine_answer
 from rd2h.adapters.http.proxy_outcomes import DispatchFailures, WatchError
 from rd2h.adapters.http.proxy_prefill import PrefillFailure, PrefillLeg
 from rd2h.adapters.http.proxy_relay import DecodeCall, DecodeRelay
@@ -220,26 +220,7 @@ class RendezvousProxy:
 
     async def handle_models(self, request: Request, path: str = MODELS_PATH) -> Response:
         """``GET /v1/models``, ``POST /tokenize`` or ``/detokenize``, from the engines."""
-        started = time.monotonic()
-        body = await request.body() if request.method == "POST" else None
-        self.metrics.in_flight.labels(path).inc()
-        picked = self.router.pick_decode({})
-        rest = [i.url for role in ("decode", "prefill") for i in self.router.pools[role]
-                if i.pickable and i is not picked]
-        engines = ([picked.url] if picked is not None else []) + rest
-        if not engines:  # every instance is out: ask them anyway, the answer is honest
-            engines = [i.url for pool in self.router.pools.values() for i in pool]
-        try:
-            response, label = await fetch_models(
-                self.upstream, engines, _forwarded(request),
-                deadline_s=self.config.models_timeout_s,
-                connect_timeout_s=self.config.connect_timeout_s, log=self.log,
-                metrics=self.metrics, path=path, body=body)
-        finally:
-            self.metrics.in_flight.labels(path).dec()
-        self.metrics.requests.labels(path, label).inc()
-        self.metrics.request_duration.labels(path).observe(time.monotonic() - started)
-        return response
+        return await engine_answer(self, request, _forwarded(request), path)
 
     # -- metaserver ----------------------------------------------------------------------
 

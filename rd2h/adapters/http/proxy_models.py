@@ -105,3 +105,31 @@ async def fetch_models(
     message = f"no engine answered {method} {path}: " + "; ".join(problems)
     log.warning("engine request failed", path=path, status=status, error=message)
     return JSONResponse(error_body(status, message), status_code=status), "unavailable"
+
+
+async def engine_answer(proxy: Any, request: Any, headers: Mapping[str, str],
+                        path: str) -> Response:
+    """Answer ``path`` for ``proxy`` (a ``RendezvousProxy``) from its engines: an
+    admitted Decode instance first (picked as requests are), then every other admitted
+    instance; when every one is out, all of them (the answer is then honest)."""
+    started = time.monotonic()
+    body = await request.body() if request.method == "POST" else None
+    metrics = proxy.metrics
+    metrics.in_flight.labels(path).inc()
+    router = proxy.router
+    picked = router.pick_decode({})
+    rest = [i.url for role in ("decode", "prefill") for i in router.pools[role]
+            if i.pickable and i is not picked]
+    engines = ([picked.url] if picked is not None else []) + rest
+    if not engines:
+        engines = [i.url for pool in router.pools.values() for i in pool]
+    try:
+        response, label = await fetch_models(
+            proxy.upstream, engines, headers, deadline_s=proxy.config.models_timeout_s,
+            connect_timeout_s=proxy.config.connect_timeout_s, log=proxy.log,
+            metrics=metrics, path=path, body=body)
+    finally:
+        metrics.in_flight.labels(path).dec()
+    metrics.requests.labels(path, label).inc()
+    metrics.request_duration.labels(path).observe(time.monotonic() - started)
+    return response
