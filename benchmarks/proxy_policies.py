@@ -224,7 +224,8 @@ def main(argv: list[str] | None = None) -> int:
     model = make_tiny_llama(work / "model")
     progress(f"work dir {work}")
     extra = {"deadlines": {"layer_ack_s": 10.0, "meta_ack_s": 5.0}}
-    eng = ["--enforce-eager", "--max-num-batched-tokens", "512"]
+    # Token-id prompts: no tokenizer needed.
+    eng = ["--enforce-eager", "--max-num-batched-tokens", "512", "--skip-tokenizer-init"]
     prefill = engine("prefill", model, work / "prefill.log", max_model_len=512, extra_args=eng,
                      kv=rd2h_kv("kv_producer", quiet_ports(2), extra))
     decodes = [engine(f"decode {i}", model, work / f"decode{i}.log", max_model_len=512,

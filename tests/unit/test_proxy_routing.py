@@ -378,3 +378,29 @@ def test_proxy_admin_cli_against_a_running_proxy(capsys) -> None:
     finally:
         server.should_exit = True
         thread.join(10)
+
+
+def test_engine_metrics_steer_picking_away_from_a_waiting_queue() -> None:
+    async def scenario() -> None:
+        s = Setup(n_decode=2, config_kw={"probe_interval_s": 0.05, "engine_metrics_s": 0.05})
+        waiting = {"http://d0:8200": 7.0, "http://d1:8200": 0.0}
+        for url, fake in zip(waiting, s.decodes):
+            async def metrics(url: str = url) -> Any:
+                from fastapi.responses import PlainTextResponse
+
+                return PlainTextResponse(
+                    f'vllm:num_requests_waiting{{engine="0"}} {waiting[url]}\n'
+                    f'vllm:kv_cache_usage_perc{{engine="0"}} 0.5\n')
+            fake.app.get("/metrics")(metrics)
+        await s.client.get("/health")  # starts the probes and scrapes
+        pool = s.proxy.router.pools["decode"]
+        await until(lambda: pool.get("http://d0:8200").engine_waiting == 7.0, "scraped")
+        for i in range(4):
+            assert (await s.client.post("/v1/completions",
+                                        json=completion(f"w{i}"))).status_code == 200
+        assert [len(d.received) for d in s.decodes] == [0, 4]
+        status = (await s.client.get("/status")).json()["instances"]["decode"]
+        assert status[0]["engine_waiting"] == 7.0 and status[0]["engine_kv_usage"] == 0.5
+        await s.proxy.aclose()
+
+    run(scenario())

@@ -8,8 +8,10 @@ Series (all names start with ``rd2h_proxy_``):
 
 * ``requests_total{endpoint,outcome}``: client requests by path and how they ended
   (``ok``, ``engine_error``: the engine answered an HTTP error, relayed as is,
-  ``invalid``: refused by the proxy, ``unavailable``: no engine answered,
-  ``broken``: Decode's stream broke mid-answer, ``disconnected``: the client left).
+  ``invalid``: refused by the proxy, ``unavailable``: no engine answered or none
+  was admitted, ``prefill_failed``: the Prefill leg failed for good and its status
+  was relayed, ``broken``: Decode's stream broke mid-answer, ``disconnected``: the
+  client left).
 * ``requests_in_flight{endpoint}``, ``pending_rendezvous``, ``prefill_in_flight``.
 * ``upstream_failures_total{leg,reason}``: failed engine requests (``leg``:
   ``decode``, ``prefill``, ``models``, ``tokenize``, ``detokenize``; ``reason``:
