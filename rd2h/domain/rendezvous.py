@@ -128,6 +128,17 @@ def traceparent(params: Mapping[str, Any] | None) -> str | None:
     return value if isinstance(value, str) and 0 < len(value) <= 64 else None
 
 
+def sampled(trace: str | None) -> bool:
+    """A ``traceparent`` whose flags have the sampled bit: its requests are logged at
+    info level on the engines (others at debug)."""
+    if not trace:
+        return False
+    try:
+        return bool(int(trace.rsplit("-", 1)[1], 16) & 1)
+    except (ValueError, IndexError):
+        return False
+
+
 # A post's ``prefill`` value when Decode computes the prompt itself: no KV is pulled.
 LOCAL_PREFILL = "local"
 

@@ -969,3 +969,12 @@ def test_traceparent_is_logged_and_stamped_on_both_schedulers(tmp_path) -> None:
               for line in p.read_text().splitlines()]
     assert {(s["hop"], s.get("trace")) for s in stamps} == {
         ("prefill.tracked", trace), ("decode.matched", trace)}
+
+
+def test_an_unsampled_trace_is_logged_at_debug_only(dsched) -> None:
+    sched, _, log = dsched
+    trace = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-00"
+    sched.get_num_new_matched_tokens(_req(RID, _params(traceparent=trace), 64), 0)
+    assert not [e for e in log.at("info") if e[0] == "pulling KV from prefill"]
+    (_, kw), = [e for e in log.at("debug") if e[0] == "pulling KV from prefill"]
+    assert kw["traceparent"] == trace

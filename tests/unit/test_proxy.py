@@ -256,8 +256,8 @@ def test_completion_goes_to_decode_then_prefill_with_d_contact() -> None:
         rid = d_headers["x-request-id"]
         assert HEX32.match(rid) and r.headers["x-request-id"] == rid
         assert d_path == "/v1/completions" and d_headers["authorization"] == "Bearer k"
-        trace = d_headers["traceparent"]  # a new one: the client sent none
-        assert re.match(r"^00-[0-9a-f]{32}-[0-9a-f]{16}-01$", trace)
+        trace = d_headers["traceparent"]  # a new one, not sampled: the client sent none
+        assert re.match(r"^00-[0-9a-f]{32}-[0-9a-f]{16}-00$", trace)
         assert d_body == {"model": "m", "prompt": "hello", "max_tokens": 20, "temperature": 0,
                           "kv_transfer_params": {"do_remote_prefill": True,
                                                  "metaserver": f"{PROXY}/v1/metaserver",

@@ -21,11 +21,13 @@ def valid_traceparent(value: str | None) -> bool:
 
 
 def new_traceparent() -> str:
-    return f"00-{secrets.token_hex(16)}-{secrets.token_hex(8)}-01"
+    """A new trace, not sampled (flags 00): the engines log it at debug level only; a
+    client that samples its traces sends its own with flags 01."""
+    return f"00-{secrets.token_hex(16)}-{secrets.token_hex(8)}-00"
 
 
 def traceparent_for(header: str | None) -> str:
-    """The client's ``traceparent`` when valid (lower-cased), else a new sampled one."""
+    """The client's ``traceparent`` when valid (lower-cased), else a new one."""
     if header is not None and valid_traceparent(header):
         return header.strip().lower()
     return new_traceparent()

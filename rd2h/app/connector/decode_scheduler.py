@@ -11,7 +11,7 @@ from typing import Any
 from rd2h.app.connector.plans import DecodeLoad, StepPlan
 from rd2h.app.connector.roles import BlockIds, ConnectorRole, RequestFacts, ScheduledRequest
 from rd2h.domain.chunks import external_request_id
-from rd2h.domain.rendezvous import traceparent
+from rd2h.domain.rendezvous import sampled, traceparent
 from rd2h.ports.metaserver import MetaserverPoster
 from rd2h.ports.runtime import NO_TIMELINE, HopName, Logger, Timeline
 
@@ -87,8 +87,9 @@ class DecodeScheduler(ConnectorRole):
             trace = traceparent(params)
             self._timeline.stamp(request.request_id, HopName.DECODE_MATCHED, trace)
             if trace:
-                self._log.info("pulling KV from prefill", request=request.request_id,
-                               traceparent=trace, tokens=count)
+                (self._log.info if sampled(trace) else self._log.debug)(
+                    "pulling KV from prefill", request=request.request_id,
+                    traceparent=trace, tokens=count)
         return count, count > 0
 
     def update_state_after_alloc(self, request: RequestFacts, block_ids: BlockIds,
@@ -182,9 +183,10 @@ class DecodeScheduler(ConnectorRole):
         """Tell the proxy that no Prefill is needed: this engine computes the prompt."""
         self.local_prefills += 1
         ext = external_request_id(request_id)
-        self._log.info("computing the prompt locally (the proxy sends no Prefill)",
-                       request=request_id, cached_tokens=cached, prompt_tokens=prompt_len,
-                       traceparent=traceparent(params))
+        trace = traceparent(params)
+        (self._log.info if sampled(trace) else self._log.debug)(
+            "computing the prompt locally (the proxy sends no Prefill)", request=request_id,
+            cached_tokens=cached, prompt_tokens=prompt_len, traceparent=trace)
         url = params.get("metaserver")
         if not isinstance(url, str) or params.get("do_virtual"):
             return

@@ -21,7 +21,7 @@ from rd2h.app.connector.roles import BlockIds, ConnectorRole, RequestFacts, Sche
 from rd2h.domain.chunks import chunk_block_range, external_request_id
 from rd2h.domain.errors import ChunkError, Rd2hError
 from rd2h.domain.kv_groups import NO_BLOCK, leading_gap
-from rd2h.domain.rendezvous import traceparent
+from rd2h.domain.rendezvous import sampled, traceparent
 from rd2h.domain.topology import MAX_PORT, check_topology
 from rd2h.ports.runtime import NO_TIMELINE, HopName, Logger, Timeline
 
@@ -144,8 +144,9 @@ class PrefillScheduler(ConnectorRole):
         trace = traceparent(request.params)
         self._timeline.stamp(request_id, HopName.PREFILL_TRACKED, trace)
         if trace:
-            self._log.info("sending KV to decode", request=request_id, traceparent=trace,
-                           decode=f"{decode.host}:{decode.base_port}")
+            (self._log.info if sampled(trace) else self._log.debug)(
+                "sending KV to decode", request=request_id, traceparent=trace,
+                decode=f"{decode.host}:{decode.base_port}")
 
     def build_connector_meta(self, scheduled: Sequence[ScheduledRequest]) -> StepPlan:
         sends = tuple(s for s in map(self._schedule, scheduled) if s is not None)

@@ -180,7 +180,8 @@ def test_decode_holding_the_prompt_answers_without_prefill(fleet) -> None:
     assert out == _reference(f, first)
     before = _counters(f, "local")
     second = first + out + _prompt(10, 7001)  # 26 tokens past Decode's cached blocks
-    got = _tokens(_ask(f, "local", second))
+    sampled = "00-5bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+    got = _tokens(_ask(f, "local", second, headers={"traceparent": sampled}))
     after = _counters(f, "local")
     print(f"\nlocal prefill: counters before {before['prefill_dispatched']} dispatched / "
           f"{before['prefill_skipped']} skipped, after {after['prefill_dispatched']} / "
@@ -189,7 +190,7 @@ def test_decode_holding_the_prompt_answers_without_prefill(fleet) -> None:
     assert after["prefill_skipped"] == before["prefill_skipped"] + 1
     assert after["prefill_dispatched"] == before["prefill_dispatched"]
     logs = f["d0"].log.read_text(errors="replace") + f["d1"].log.read_text(errors="replace")
-    assert "computing the prompt locally" in logs
+    assert "computing the prompt locally" in logs and sampled in logs
 
 
 # ------------------------------------------------------------------ two proxies
