@@ -245,13 +245,24 @@ def main(argv: list[str] | None = None) -> int:
             p.start()
         wait_all_ready(procs, args.startup_timeout, progress)
         name = str(model)
-        prompts = [prompt_of(args.input_len, 50000 + i) for i in range(args.requests)]
-        want = [complete(base.url, name, p, args.max_tokens) for p in prompts]
+        # Fresh prompts for every run (no run finds another's prompts in a prefix cache),
+        # and a warm-up through every proxy first.
+        sets = {(rnd, policy): [prompt_of(args.input_len, 50000 + 1000 * k + i)
+                                for i in range(args.requests)]
+                for k, (rnd, policy) in enumerate(
+                    (r, p) for r in range(args.rounds) for p in POLICIES)}
+        wants = {key: [complete(base.url, name, p, args.max_tokens) for p in prompts]
+                 for key, prompts in sets.items()}
+        for k, policy in enumerate(POLICIES):
+            asyncio.run(streamed_load(proxies[policy].url, name, [
+                prompt_of(args.input_len, 90000 + 100 * k + i) for i in range(4)], 4,
+                args.max_tokens))
         progress(f"skew: decode 1 stopped {args.stop_ms:g} of every {args.period_ms:g} ms")
         rows: dict[str, list[dict[str, Any]]] = {p: [] for p in POLICIES}
         with Throttle(decodes[1].proc.pid, args.stop_ms, args.period_ms):
             for rnd in range(args.rounds):
                 for policy in POLICIES:
+                    prompts, want = sets[(rnd, policy)], wants[(rnd, policy)]
                     before = served(proxies[policy])
                     res = asyncio.run(streamed_load(proxies[policy].url, name, prompts,
                                                     args.concurrency, args.max_tokens))
