@@ -253,15 +253,16 @@ def main(argv: list[str] | None = None) -> int:
                     (r, p) for r in range(args.rounds) for p in POLICIES)}
         wants = {key: [complete(base.url, name, p, args.max_tokens) for p in prompts]
                  for key, prompts in sets.items()}
-        for k, policy in enumerate(POLICIES):
-            asyncio.run(streamed_load(proxies[policy].url, name, [
-                prompt_of(args.input_len, 90000 + 100 * k + i) for i in range(4)], 4,
-                args.max_tokens))
         progress(f"skew: decode 1 stopped {args.stop_ms:g} of every {args.period_ms:g} ms")
         rows: dict[str, list[dict[str, Any]]] = {p: [] for p in POLICIES}
         with Throttle(decodes[1].proc.pid, args.stop_ms, args.period_ms):
+            for k, policy in enumerate(POLICIES):  # warm-up, throttled like the runs
+                asyncio.run(streamed_load(proxies[policy].url, name, [
+                    prompt_of(args.input_len, 90000 + 100 * k + i) for i in range(8)], 4,
+                    args.max_tokens))
             for rnd in range(args.rounds):
-                for policy in POLICIES:
+                # The order turns round each round: no policy always runs first.
+                for policy in POLICIES if rnd % 2 == 0 else POLICIES[::-1]:
                     prompts, want = sets[(rnd, policy)], wants[(rnd, policy)]
                     before = served(proxies[policy])
                     res = asyncio.run(streamed_load(proxies[policy].url, name, prompts,
