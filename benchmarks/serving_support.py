@@ -272,7 +272,7 @@ def proxy(prefill: Proc, decode: Proc, log: Path, env: dict[str, str]) -> Proc:
     port = free_port()
     cmd = [PYTHON, "-m", "rd2h", "proxy", "--port", str(port), "--prefill", prefill.url,
            "--decode", decode.url]
-    return Proc("rd2h proxy", cmd, port, log, env, ready_path="/healthcheck")
+    return Proc("rd2h proxy", cmd, port, log, env, ready_path="/health")
 
 
 def get_json(url: str, timeout: float = 10.0) -> dict:

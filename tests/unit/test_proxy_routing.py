@@ -404,3 +404,21 @@ def test_engine_metrics_steer_picking_away_from_a_waiting_queue() -> None:
         await s.proxy.aclose()
 
     run(scenario())
+
+
+def test_an_engine_that_just_came_up_is_probed_at_once_when_none_is_admitted() -> None:
+    async def scenario() -> None:
+        # Probes every minute: only the on-demand probe can readmit in time.
+        s = Setup(config_kw={"probe_interval_s": 60, "eject_base_s": 0.05,
+                             "eject_max_s": 0.05})
+        d0 = s.router.apps.pop("d0:8200")  # still starting
+        await s.client.get("/health")  # the first probe round ejects it
+        pool = s.proxy.router.pools["decode"]
+        await until(lambda: not pool.get("http://d0:8200").healthy, "ejected at start")
+        s.router.apps["d0:8200"] = d0  # up now
+        await asyncio.sleep(0.1)  # its back-off is over
+        r = await s.client.post("/v1/completions", json=completion())
+        assert r.status_code == 200 and pool.get("http://d0:8200").healthy
+        await s.proxy.aclose()
+
+    run(scenario())

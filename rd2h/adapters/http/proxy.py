@@ -160,10 +160,12 @@ class RendezvousProxy:
                 return self._refuse(endpoint, f"{PREFILLER_HEADER} {named!r} is not one of "
                                     "this proxy's Prefill instances", 403)
         elif self.config.on_prefill_failure == "fail" and not self.router.pools[
-                "prefill"].ready():
+                "prefill"].ready() and not await self.router.rescue("prefill"):
             return self._refuse(endpoint, "no Prefill instance is available (all ejected, "
                                 "draining or removed)", 503, "unavailable")
         decode = self.router.pick_decode(body)
+        if decode is None and await self.router.rescue("decode"):
+            decode = self.router.pick_decode(body)
         if decode is None:
             return self._refuse(endpoint, "no Decode instance is available (all ejected, "
                                 "draining or removed)", 503, "unavailable")

@@ -104,6 +104,8 @@ class PrefillLeg:
         timeout = httpx.Timeout(deadline, connect=self._config.connect_timeout_s)
         tried: list[str] = []
         inst = pin if pin is not None else self._router.pick_prefill()
+        if inst is None and await self._router.rescue("prefill"):
+            inst = self._router.pick_prefill()
         fresh = resent = False
         while True:
             if inst is None:

@@ -142,6 +142,18 @@ class EngineRouter:
         now = time.monotonic()
         return {role: [i.status(now) for i in pool] for role, pool in self.pools.items()}
 
+    async def rescue(self, role: str) -> bool:
+        """No ``role`` instance is pickable: probe the ejected ones whose back-off is over
+        now, instead of waiting for the next round (an engine that just came up, a
+        fleet that just recovered); True when one was readmitted."""
+        pool = self.pools[role]
+        now = time.monotonic()
+        due = [i for i in pool if not i.healthy and not i.removed and not i.draining
+               and i.ejected_until <= now]
+        if due:
+            await asyncio.gather(*(self._probe(i, False) for i in due))
+        return pool.ready()
+
     async def _probe_loop(self) -> None:
         interval = self._config.probe_interval_s
         next_scrape = 0.0

@@ -153,7 +153,8 @@ def proxy_server(port: int, prefill: list[str], decode: list[str], log: Path,
                  args: Sequence[str] = (), env: dict[str, str] | None = None) -> Server:
     cmd = [str(VENV_BIN / "rd2h"), "proxy", "--port", str(port), "--prefill", *prefill,
            "--decode", *decode, *args]
-    return Server("rd2h proxy", cmd, port, log, env=env or {}, ready_path="/healthcheck")
+    # Ready once its probes admitted a Prefill and a Decode instance (pair-aware).
+    return Server("rd2h proxy", cmd, port, log, env=env or {}, ready_path="/health")
 
 
 def wait_admitted(proxy: Server, url: str, deadline_s: float = 60.0) -> float:
