@@ -130,6 +130,16 @@ class SfaRemoteD2HConnector(KVConnectorBase_V1, SupportsHMA):
         return self._role.request_finished(request.request_id), None
 
     @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
+        """No (vLLM 0.33+ asks; 0.32 has no sleep-mode hook for connectors). Sleep
+        mode moves the KV cache, and rd2h's transports registered its memory at
+        ``register_kv_caches`` and told every peer where it is: after a wake they would
+        point at memory that moved. With False, vLLM refuses ``--enable-sleep-mode``
+        beside this connector at start, naming it, instead of serving from stale
+        registrations."""
+        return False
+
+    @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
         return True  # layer-wise hooks cannot run inside captured graphs
 
