@@ -102,4 +102,5 @@ def test_the_old_module_path_still_loads_the_connector_with_a_warning() -> None:
         old = importlib.import_module("rd2h.adapters.vllm.connector")
     assert old.SfaRemoteD2HConnector is SfaRemoteD2HConnector
     # As vLLM's KVConnectorFactory loads a module path and a class name.
-    assert importlib.import_module("rd2h.adapters.vllm.connector").SfaRemoteD2HConnector is SfaRemoteD2HConnector
+    module = importlib.import_module("rd2h.adapters.vllm.connector")
+    assert module.SfaRemoteD2HConnector is SfaRemoteD2HConnector
