@@ -109,8 +109,10 @@ class Rd2hOptions(BaseModel):
         "Prefill is told it; network transports (mooncake) bind and advertise it",
     )
     engine_id: str = Field("", description="advertised engine id (default: vLLM's)")
-    cma_threads: int = Field(1, ge=1, le=64)
-    mooncake_protocol: Literal["tcp", "rdma"] = "tcp"
+    cma_threads: int = Field(1, ge=1, le=64,
+                             description="cma: threads that split one batched read")
+    mooncake_protocol: Literal["tcp", "rdma"] = Field(
+        "tcp", description="Mooncake transfer protocol")
     mooncake_device: str = Field("", description="RDMA device names (mooncake rdma)")
     mooncake_env: dict[str, str] = Field(
         default_factory=dict, description="MC_* tuning variables for the Mooncake engine"
@@ -151,11 +153,15 @@ class Rd2hOptions(BaseModel):
         "and tensor; Decode checks the blocks it read against them and fails the layer on "
         "any difference (Decode checks whatever a peer states). Needs the KV cache in host "
         "memory; costs CPU on both sides (README 'End-to-end KV digests')")
-    device_events: Literal["auto", "cpu", "npu"] = "auto"
+    device_events: Literal["auto", "cpu", "npu"] = Field(
+        "auto", description="Prefill: how a layer's KV write is awaited before it is "
+        "announced (npu: an Ascend event; cpu: already written; auto: npu when torch_npu "
+        "is installed, else cpu)")
     deadlines: Deadlines = Field(default_factory=Deadlines)
     metaserver_timeout_s: float = Field(5.0, gt=0, description="one metaserver POST")
     metaserver_retries: int = Field(3, ge=0, description="immediate retries on transport error")
-    metaserver_retry_interval_s: float = Field(1.0, gt=0)
+    metaserver_retry_interval_s: float = Field(
+        1.0, gt=0, description="retry interval after the immediate retries")
     max_frame_bytes: int = Field(
         16 * 1024 * 1024, ge=1024,
         description="longest control frame (a READ_READY_BATCH of 256 requests x 1,024 "
@@ -178,7 +184,8 @@ class Rd2hOptions(BaseModel):
     curve_allowed_keys: tuple[str, ...] = Field(
         (), description="Decode with CURVE: the Prefill public keys it accepts")
     limits: Limits = Field(default_factory=Limits)
-    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "WARNING"
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field(
+        "WARNING", description="rd2h's log level on the engine (stderr)")
     idle_wait_ms: float = Field(
         5.0, ge=0, le=100,
         description="Decode: a step that computes nothing (every request waits for its "
