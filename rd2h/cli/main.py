@@ -11,6 +11,7 @@ from rd2h.cli.keys import add_keys_parser
 from rd2h.cli.probe import add_probe_parser
 from rd2h.cli.proxy import add_proxy_parser
 from rd2h.cli.proxy_admin import add_proxy_admin_parser
+from rd2h.cli.serve import add_serve_parser
 from rd2h.cli.timeline import add_timeline_parser
 
 
@@ -25,6 +26,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_probe_parser(sub)
     add_proxy_parser(sub)
     add_proxy_admin_parser(sub)
+    add_serve_parser(sub)
     add_keys_parser(sub)
     add_timeline_parser(sub)
     return parser
