@@ -96,7 +96,7 @@ class Proc:
             self.cmd, stdout=self._fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             # A process group of its own (stopped as one), in the benchmark's session:
             # the kernel's autogroup makes each session one scheduling group, which
-            # starved an engine's threads beside its own spinning workers (README
+            # starved an engine's threads beside its own spinning workers (docs/development.md,
             # "Tests on a loaded machine").
             env={**os.environ, **self.env}, process_group=0,
         )

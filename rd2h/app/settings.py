@@ -68,7 +68,7 @@ class Deadlines(BaseModel):
 
 
 class Limits(BaseModel):
-    """Bounds on what peers can make an endpoint hold (README: "Bounded state")."""
+    """Bounds on what peers can make an endpoint hold (docs/security.md: "Bounded state")."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -152,7 +152,7 @@ class Rd2hOptions(BaseModel):
         description="Prefill: state a digest (XXH3-64) of every announced block, per layer "
         "and tensor; Decode checks the blocks it read against them and fails the layer on "
         "any difference (Decode checks whatever a peer states). Needs the KV cache in host "
-        "memory; costs CPU on both sides (README 'End-to-end KV digests')")
+        "memory; costs CPU on both sides (docs/operations/verify-kv.md 'End-to-end KV digests')")
     device_events: Literal["auto", "cpu", "npu"] = Field(
         "auto", description="Prefill: how a layer's KV write is awaited before it is "
         "announced (npu: an Ascend event; cpu: already written; auto: npu when torch_npu "
@@ -166,7 +166,7 @@ class Rd2hOptions(BaseModel):
         16 * 1024 * 1024, ge=1024,
         description="longest control frame (a READ_READY_BATCH of 256 requests x 1,024 "
         "blocks is ~1.5 MiB); with limits.max_frame_objects it bounds what decoding one "
-        "frame can cost (README: 'Decode cost of a frame')")
+        "frame can cost (docs/security.md: 'Decode cost of a frame')")
     auth_secret: SecretStr | None = Field(
         None,
         description="shared secret (>= 16 characters) for HMAC-SHA256 signing of every "

@@ -100,7 +100,7 @@ def add_demo_parser(sub: argparse._SubParsersAction) -> None:
     ):
         p.add_argument(flag, type=float, default=None, metavar="S",
                        help=f"{text} (unset: the library default, {seconds:g} s; "
-                            "see README 'Deadlines')%(default).0s")
+                            "see docs/operations/deadlines.md 'Deadlines')%(default).0s")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     p.add_argument("--log-level", default=d.log_level,
                    choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="rd2h log level (stderr)")

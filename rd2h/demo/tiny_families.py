@@ -1,6 +1,6 @@
 """Tiny random-weight checkpoints of current model families, made locally with
-``transformers`` from small configs, for the model-family matrix (README "Model
-families"): each stresses a different part of the KV cache a connector must move.
+``transformers`` from small configs, for the model-family matrix (docs/guide/vllm.md,
+"Model families"): each stresses a different part of the KV cache a connector must move.
 
 | name | architecture | what is special |
 |---|---|---|

@@ -4,7 +4,7 @@ prefill on vLLM's CPU backend) and DeepSeek-V2 (MLA: the production cache shape,
 
 Both models are served for real in the end-to-end tests and the serving benchmark. MLA
 needs ``MLA_ARGS`` (tests/integration/vllm/servers.py) on vLLM 0.32's CPU backend (the
-CPU rotary-embedding custom op is wrong for MLA's strided views; see the README), and
+CPU rotary-embedding custom op is wrong for MLA's strided views; see docs/guide/vllm.md), and
 there chunked prefill and prefix caching are off.
 
 torch, transformers and tokenizers are imported inside the builders only.

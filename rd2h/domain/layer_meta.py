@@ -21,7 +21,7 @@ LAYER_METADATA_KEYS = (
 # Optional key (an extension: older peers neither send nor need it): blocks in each
 # tensor's advertised region, so Decode can refuse reads beyond it.
 NUM_BLOCKS_KEY = "num_blocks"
-# Optional key (the head-split extension, README "Head-split main KV"): the KV heads
+# Optional key (the head-split extension, docs/guide/vllm.md "Head-split main KV"): the KV heads
 # this rank's main tensors hold, ``[first, count, total]``. A Decode rank holding more
 # heads pulls each contributor's heads into their slice of its blocks; a peer without
 # the extension ignores the key and refuses the smaller blocks as before.

@@ -5,7 +5,7 @@ Ascend layout: K and V), an optional indexer and an optional LIC8 scale that
 follows the indexer's block layout. One external block of a tensor occupies
 ``block_len * block_size_scale`` bytes.
 
-Head-split extension (README "Head-split main KV"): when both sides state the KV
+Head-split extension (docs/guide/vllm.md "Head-split main KV"): when both sides state the KV
 heads their main tensors hold (``HeadRange``) and a block is head-major (each head's
 bytes contiguous inside it), a Prefill rank holding a part of Decode's heads fills
 its slice of each Decode block: ``main_slices`` gives the byte offset per tensor.

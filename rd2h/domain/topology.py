@@ -26,9 +26,9 @@ class TpMapping:
     """Where one Prefill rank sends, and which contributor it is there (spec 8).
 
     Prefill TP = ratio x Decode TP: one Decode rank (``d_rank``), as member ``member``
-    of a group of ``ratio``. Decode TP = fan-out x Prefill TP (an extension, README
-    "Topologies"): ``d_ranks`` are the fan-out Decode ranks this rank alone serves, as
-    member 0 of a group of 1 each."""
+    of a group of ``ratio``. Decode TP = fan-out x Prefill TP (an extension,
+    docs/guide/vllm.md "Topologies"): ``d_ranks`` are the fan-out Decode ranks this
+    rank alone serves, as member 0 of a group of 1 each."""
 
     p_tp: int
     d_tp: int

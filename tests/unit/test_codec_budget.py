@@ -269,4 +269,4 @@ def test_the_deployment_defaults_bound_is_the_one_the_readme_states():
     bound = codec.worst_case_decode_bytes()
     print(f"\ndeployment defaults (16 MiB frames, 1,048,576 units): bound "
           f"{bound / 2**20:.0f} MiB")
-    assert round(bound / 2**20) == 369  # README "Decode cost of a frame"
+    assert round(bound / 2**20) == 369  # docs/security.md "Decode cost of a frame"

@@ -491,7 +491,7 @@ def test_tp_sizes_that_do_not_divide_are_rejected() -> None:
 
 
 def test_decode_tp_above_prefill_tp_is_accepted() -> None:
-    """Decode TP 2 behind a Prefill TP 1 (fan-out 2: README "Topologies")."""
+    """Decode TP 2 behind a Prefill TP 1 (fan-out 2: docs/guide/vllm.md "Topologies")."""
     assert decode_endpoint({**D_PARAMS, "remote_tp_size": 2}, 1)[0].tp_size == 2
 
 

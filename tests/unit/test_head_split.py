@@ -1,4 +1,4 @@
-"""Head-split main KV (README "Head-split main KV"): a GQA model's KV heads split over
+"""Head-split main KV (docs/guide/vllm.md "Head-split main KV"): a GQA model's KV heads split over
 the Prefill ranks of a contributor group; each member pulls its own heads into its
 slice of the Decode block. Real bytes: the plans are executed with memmove on numpy
 buffers laid out like vLLM's CPU cache ([blocks, heads, block_size, 2 x head_size])."""

@@ -50,7 +50,7 @@ class Server:
             # every session is a scheduling group of its own, and an engine alone in a
             # session shares one group's CPU between vLLM's spinning worker loops and
             # every other thread of the engine (rd2h's and vLLM's own): requests then
-            # stalled for seconds, up to 37 s (README "Tests on a loaded machine").
+            # stalled for seconds, up to 37 s (docs/development.md "Tests on a loaded machine").
             process_group=0,
         )
         stall.live[id(self)] = self
@@ -143,7 +143,8 @@ def vllm_server(
 def _tp(args: Sequence[str]) -> int:
     """The engine's TP size. At TP 1 the engine core runs the model itself
     (VLLM_ENABLE_V1_MULTIPROCESSING=0 keeps vLLM's CPU platform from forcing a worker
-    process, whose shared-memory queues spin on every step: README "Serving latency")."""
+    process, whose shared-memory queues spin on every step: docs/guide/vllm.md,
+    "Serving latency")."""
     args = list(args)
     flag = "--tensor-parallel-size"
     return int(args[args.index(flag) + 1]) if flag in args else 1

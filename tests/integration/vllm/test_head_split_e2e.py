@@ -1,5 +1,5 @@
-"""Head-split main KV on real vLLM engines (#22 parts 4 and 5, README "Head-split main
-KV" and "Topologies").
+"""Head-split main KV on real vLLM engines (#22 parts 4 and 5, docs/guide/vllm.md,
+"Head-split main KV" and "Topologies").
 
 The tiny Llama has 2 KV heads (GQA), split over the TP ranks. Two topologies:
 

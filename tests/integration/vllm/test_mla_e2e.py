@@ -4,7 +4,7 @@
 A Prefill engine and a Decode engine with ``SfaRemoteD2HConnector`` (cma) behind
 ``rd2h proxy``, and a plain engine (session fixture ``mla_reference``), all with
 ``servers.MLA_ARGS`` (CPU_MLA, block size 16, float32, vLLM 0.32's CPU rotary op
-off: see README "MLA on vLLM's CPU backend"). Greedy tokens through the proxy must
+off: see docs/guide/vllm.md "MLA on vLLM's CPU backend"). Greedy tokens through the proxy must
 equal the plain engine's, and the plain engine's must equal an independent float64
 forward of the same checkpoint in transformers, so the reference is itself known
 right. Prompts: partial last blocks, exact blocks, several blocks, a prompt list.

@@ -16,7 +16,7 @@ These cases were opt-in until 2026-12-02: requests stalled for 20-30 s (one fail
 while the machine was loaded. The stall captures (``stall.py``) traced that to the
 kernel's autogroup: each engine ran in a session of its own, and its spinning TP
 workers starved its other threads; the harness now keeps the engines in the test's
-session (``servers.py``, README "Tests on a loaded machine").
+session (``servers.py``, docs/development.md "Tests on a loaded machine").
 
 The model is the tiny DeepSeek-V2 (MLA): rd2h's ownership rules (spec 2, 5) take main
 KV to be replicated on every Prefill rank, which holds for MLA's latent cache. A
