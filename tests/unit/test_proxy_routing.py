@@ -422,3 +422,19 @@ def test_an_engine_that_just_came_up_is_probed_at_once_when_none_is_admitted() -
         await s.proxy.aclose()
 
     run(scenario())
+
+
+def test_failover_leaves_no_request_counted_in_flight_on_either_instance() -> None:
+    async def scenario() -> None:
+        # p0 refuses: the dispatch moves to p1; in-flight counts must end at 0 on both
+        # (a count left on p0 would keep least-outstanding off it for good).
+        s = Setup(n_prefill=2, unreachable_prefill=True, config_kw={"probe_interval_s": 60})
+        r = await s.client.post("/v1/completions", json=completion())
+        await s.settle()
+        assert r.status_code == 200 and len(s.prefills[1].received) == 1
+        pool = s.proxy.router.pools["prefill"]
+        assert [i.in_flight for i in pool] == [0, 0]
+        assert [i.in_flight for i in s.proxy.router.pools["decode"]] == [0]
+        await s.proxy.aclose()
+
+    run(scenario())

@@ -114,7 +114,8 @@ class PrefillLeg:
                                       "no Prefill instance is available")
             tried.append(inst.url)
             trace = AttemptTrace()
-            self._router.begin(inst)
+            current = inst  # ``inst`` may name the next instance by the time this ends
+            self._router.begin(current)
             try:
                 r = await self._upstream.send(
                     "POST", inst.url + entry.endpoint.path, json=body, headers=headers,
@@ -148,7 +149,7 @@ class PrefillLeg:
                 return PrefillFailure(status, error_body(status, f"prefill failed: {reason}"),
                                       reason)
             finally:
-                self._router.end(inst)
+                self._router.end(current)
             if not r.is_error:
                 self._router.succeeded(inst)
                 self._counters.prefill_ok += 1
