@@ -428,7 +428,13 @@ def test_failover_leaves_no_request_counted_in_flight_on_either_instance() -> No
     async def scenario() -> None:
         # p0 refuses: the dispatch moves to p1; in-flight counts must end at 0 on both
         # (a count left on p0 would keep least-outstanding off it for good).
-        s = Setup(n_prefill=2, unreachable_prefill=True, config_kw={"probe_interval_s": 60})
+        s = Setup(n_prefill=2, config_kw={"probe_interval_s": 60})
+
+        async def refuse(request: httpx.Request) -> None:
+            raise httpx.ConnectError("connection refused", request=request)
+
+        # p0 answers its probes but refuses the dispatch (it died in between).
+        s.router.faults[("p0:8100", "/v1/completions")] = [refuse]
         r = await s.client.post("/v1/completions", json=completion())
         await s.settle()
         assert r.status_code == 200 and len(s.prefills[1].received) == 1
