@@ -51,8 +51,11 @@ def test_rd2h_serve_serves_then_stops_everything(tmp_path, llama_reference, llam
     work = tmp_path / "serve"
     proc = subprocess.Popen(
         [str(VENV_BIN / "rd2h"), "serve", "--port", str(port), "--workdir", str(work),
-         "--max-model-len", "512", "--engine-arg=--enforce-eager", "--startup-timeout",
-         "480"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+         "--max-model-len", "512", "--engine-arg=--enforce-eager",
+         # The reference engine's numerics (vLLM's CPU default dtype would differ).
+         "--engine-arg=--dtype=float32", "--engine-arg=--block-size=32",
+         "--startup-timeout", "480"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True,
         start_new_session=True)
     lines: list[str] = []
     ready = threading.Event()
