@@ -193,20 +193,14 @@ def _run(args: argparse.Namespace) -> int:
     cpu = not Path("/dev/davinci0").exists() and not Path("/dev/nvidia0").exists()
     procs: list[_Proc] = []
     extra = {"transport": args.transport}
-    for i in range(args.prefills):
-        kv = {"kv_connector": "SfaRemoteD2HConnector",
-              "kv_connector_module_path": "rd2h.entry.connector", "kv_role": "kv_producer",
-              "kv_port": _quiet_ports(args.prefill_tp + 1),
-              "kv_connector_extra_config": extra}
-        procs.append(_engine(f"prefill {i}", model, kv, work / f"prefill{i}.log",
-                             args.prefill_tp, args, cpu))
-    for i in range(args.decodes):
-        kv = {"kv_connector": "SfaRemoteD2HConnector",
-              "kv_connector_module_path": "rd2h.entry.connector", "kv_role": "kv_consumer",
-              "kv_port": _quiet_ports(args.decode_tp + 1),
-              "kv_connector_extra_config": extra}
-        procs.append(_engine(f"decode {i}", model, kv, work / f"decode{i}.log",
-                             args.decode_tp, args, cpu))
+    for role, kv_role, count, tp in (("prefill", "kv_producer", args.prefills, args.prefill_tp),
+                                     ("decode", "kv_consumer", args.decodes, args.decode_tp)):
+        for i in range(count):
+            kv = {"kv_connector": "SfaRemoteD2HConnector",
+                  "kv_connector_module_path": "rd2h.entry.connector", "kv_role": kv_role,
+                  "kv_port": _quiet_ports(tp + 1), "kv_connector_extra_config": extra}
+            procs.append(_engine(f"{role} {i}", model, kv, work / f"{role}{i}.log", tp,
+                                 args, cpu))
     prefills = [p.url for p in procs if p.name.startswith("prefill")]
     decodes = [p.url for p in procs if p.name.startswith("decode")]
     proxy = _Proc("proxy", [sys.executable, "-m", "rd2h", "proxy", "--port", str(args.port),
