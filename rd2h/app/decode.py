@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from rd2h.app.loop import LoopThread
+from rd2h.app.read_checks import ReadChecks
 from rd2h.app.telemetry import DecodeStats, add_sample, report_decode
 from rd2h.domain.compat import Compat
 from rd2h.domain.decode_session import (
@@ -33,14 +34,12 @@ from rd2h.domain.decode_session import (
     SendAck,
     SendRefusal,
 )
-from rd2h.domain.digests import BlockChecks
 from rd2h.domain.errors import ProtocolError, TransferError
 from rd2h.domain.layout import DestinationLayout
 from rd2h.domain.orphans import DEFAULT_ORPHANS_PER_PEER, DEFAULT_ORPHANS_TOTAL
 from rd2h.domain.planning import ReadPlan
 from rd2h.domain.protocol import ReadReadyBatch
 from rd2h.domain.request_book import StepOutcome
-from rd2h.domain.wire_values import clip, few
 from rd2h.ports import runtime as rt
 from rd2h.ports.codec import WireCodec
 from rd2h.ports.control import ControlServer
@@ -48,6 +47,7 @@ from rd2h.ports.transfer import TransferEngine
 
 _RETRY_S = 0.05  # after a failed receive (a zmq error), wait this long before the next
 _IDLE_WAIT_S = 3600.0  # nothing due: only input wakes the loop (this bounds one wait)
+_BATCH = 64  # messages handled per wake at most (then deadlines and losses again)
 
 
 class DecodeReceiver(LoopThread):
@@ -62,7 +62,7 @@ class DecodeReceiver(LoopThread):
     codec adds its ``signing``); an MF_META whose map differs is refused.
     ``wall`` (Unix seconds) and ``hold_margin_s``: an announcement's hold (until when
     Prefill keeps its blocks) must not have ended, less the margin, before the read
-    starts nor when it ended, else the layer fails (see ``_hold_ended``).
+    starts nor when it ended, else the layer fails (see ``ReadChecks.hold_ended``).
     """
 
     def __init__(
@@ -92,10 +92,6 @@ class DecodeReceiver(LoopThread):
         digest: rt.Digest | None = None,
     ) -> None:
         self._timeline = timeline
-        self._digest = digest  # checks the digests an announcement states (verify_kv)
-        self._digest_peers: set[str] = set()  # Prefill sessions seen stating digests
-        self._wall = wall
-        self._hold_margin_s = hold_margin_s
         super().__init__(f"rd2h-decode-{d_rank}", start_timeout_s, stop_timeout_s)
         self._server_factory = server_factory
         self._codec = codec
@@ -117,6 +113,7 @@ class DecodeReceiver(LoopThread):
         self._server: ControlServer | None = None
         self._sleep_until = 0.0  # when the loop's wait ends (under the lock; ``_wait_s``)
         self.stats = DecodeStats()
+        self._checks = ReadChecks(self.stats, log, wall, hold_margin_s, digest)
 
     @property
     def d_rank(self) -> int:
@@ -228,7 +225,7 @@ class DecodeReceiver(LoopThread):
         assert self._server is not None
         while not self._stop.is_set():
             try:
-                item = self._server.recv(self._wait_s())
+                items = self._receive(self._wait_s())
                 self._apply_losses()
             except Exception as exc:  # socket closed under us or a zmq error
                 if self._stop.is_set():
@@ -236,28 +233,40 @@ class DecodeReceiver(LoopThread):
                 self._log.error("control socket receive failed", error=repr(exc))
                 self._stop.wait(_RETRY_S)
                 continue
-            if item is None:
-                continue
-            t0 = self._clock.now()
-            try:
-                self._handle(*item)
-            except Exception as exc:  # never let one message kill the loop
-                self.stats.malformed += 1
-                self._log.error("message handling failed", error=repr(exc))
-            self.stats.handle_seconds += self._clock.now() - t0
+            for identity, payload in items:
+                if self._stop.is_set():
+                    break
+                t0 = self._clock.now()
+                try:
+                    self._handle(identity, payload)
+                except Exception as exc:  # never let one message kill the loop
+                    self.stats.malformed += 1
+                    self._log.error("message handling failed", error=repr(exc))
+                self.stats.handle_seconds += self._clock.now() - t0
+
+    def _receive(self, timeout: float) -> list[tuple[bytes, bytes]]:
+        """Every message already queued (up to ``_BATCH``), or wait ``timeout`` for one:
+        a busy rank handles what piled up in one wake, with one loss check and one
+        deadline look for all of it (each read still checks for losses after it)."""
+        assert self._server is not None
+        many = getattr(self._server, "recv_many", None)
+        if many is not None:
+            return list(many(timeout, _BATCH))
+        item = self._server.recv(timeout)
+        return [] if item is None else [item]
 
     def _wait_s(self) -> float:
         """Expire what is due, then wait until the session's next deadline (none:
         ``_IDLE_WAIT_S``); ``_due_sooner`` wakes the wait when that moves earlier."""
-        with self._lock:
-            due = self._session.next_deadline()
-        if due is not None and due <= self._clock.now():
-            self.expire()
-        with self._lock:
-            now, due = self._clock.now(), self._session.next_deadline()
-            wait = _IDLE_WAIT_S if due is None else max(0.0, due - now)
-            self._sleep_until = now + wait if due is None else due
-        return wait
+        for expired in (False, True):
+            with self._lock:
+                now, due = self._clock.now(), self._session.next_deadline()
+                if expired or due is None or due > now:
+                    wait = _IDLE_WAIT_S if due is None else max(0.0, due - now)
+                    self._sleep_until = now + wait if due is None else due
+                    return wait
+            self.expire()  # outside the lock: it reports (and may wake the engine side)
+        raise AssertionError("unreachable")
 
     def _due_sooner(self) -> None:
         """Under the lock, after the engine side changed the session: wake the loop if
@@ -319,11 +328,12 @@ class DecodeReceiver(LoopThread):
                 self._codec.forget(out.peer)
 
     def _read(self, read: Read) -> list[Output]:
-        """One batched read; a loss seen just before or during it fails the layer."""
-        self._apply_losses()
+        """One batched read; a loss seen before it ended fails the layer (the check after
+        the read covers the time since the previous one: the batch's start or the last
+        read's end)."""
         with self._lock:
             go = self._session.begin_read(read.token)
-        error = self._hold_ended(read, "before the read") if go else None
+        error = self._checks.hold_ended(read, "before the read") if go else None
         if go and error is None:
             plan = read.plan
             t0 = self._clock.now()
@@ -341,49 +351,14 @@ class DecodeReceiver(LoopThread):
                 add_sample(self.stats.read_latencies_ms, (end - t0) * 1e3)
                 self.stats.bytes_read += plan.total_bytes
                 self.stats.descriptors += plan.num_descriptors
-                error = self._hold_ended(read, "when the read ended")
+                error = self._checks.hold_ended(read, "when the read ended")
                 if error is None and plan.checks is not None:
-                    error = self._verify(read, plan.checks)
+                    error = self._checks.verify(read, plan.checks)
                 if error is None and self._on_read is not None:
                     self._on_read(read.p_session, plan)
             self._apply_losses()
         with self._lock:
             return self._session.read_done(read.token, self._clock.now(), error)
-
-    def _hold_ended(self, read: Read, when: str) -> str | None:
-        """Why the read must not complete requests: Prefill's hold on the blocks ended
-        ``when`` (less ``hold_margin_s``), so they may be refilled; None if not (or no
-        hold stated: older builds)."""
-        if read.hold_until_ms is None:
-            return None
-        late_ms = self._wall() * 1000.0 + self._hold_margin_s * 1000.0 - read.hold_until_ms
-        if late_ms < 0:
-            return None
-        self.stats.reads_past_hold += 1
-        return (f"Prefill's hold on the announced blocks ended {when} ({late_ms / 1000:.3f} s "
-                f"past it, with a {self._hold_margin_s:g} s margin for clock skew): Prefill "
-                f"may have reused them, so this layer is not completed from them")
-
-    def _verify(self, read: Read, checks: BlockChecks) -> str | None:
-        """``verify_kv``: digests of the blocks as they landed vs Prefill's (None: equal)."""
-        if self._digest is None:
-            return None
-        if read.p_session not in self._digest_peers and len(self._digest_peers) < 1024:
-            self._digest_peers.add(read.p_session)  # once per peer (bounded)
-            self._log.info("verify_kv: this prefill peer states KV digests; each read of it "
-                           "is checked", session=clip(read.p_session, 128))
-        got = self._digest(checks.addrs.tolist(), checks.sizes.tolist())
-        bad = [w for w, g, e in zip(checks.what, got, checks.expected.tolist()) if g != e]
-        self.stats.blocks_verified += len(got)
-        if not bad:
-            return None
-        self.stats.digest_mismatches += len(bad)
-        named = [f"{ext} {tensor} block {block}" for ext, tensor, block in bad]
-        self._log.error("KV digest mismatch: bytes read differ from Prefill's",
-                        layer=read.layer_idx, **few(named))
-        return (f"KV digest mismatch in {len(bad)} of {len(got)} blocks read (request, "
-                f"tensor, Prefill block: {', '.join(named[:3])}"
-                f"{', ...' if len(named) > 3 else ''})")
 
     def _report(self, outs: Iterable[Output]) -> None:
         outs = list(outs)

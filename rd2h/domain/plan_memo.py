@@ -4,6 +4,14 @@ from __future__ import annotations
 
 from typing import Any
 
+from rd2h.domain.layout import (
+    DestinationLayout,
+    MainSlice,
+    SourceLayout,
+    main_slices,
+    validate_layout,
+)
+
 
 class PlanMemo:
     """The last block plan (``rd2h.domain.planning.BlockPlan``) per owner (a Prefill
@@ -17,6 +25,26 @@ class PlanMemo:
         self.capacity = capacity
         self._entries: dict[object, tuple[tuple[object, ...], tuple[object, ...], Any]] = {}
         self.hits = 0
+        # (id(src), id(dst)) -> (src, dst, head slices) of a pair that passed
+        # ``validate_layout``; holding both objects keeps their ids from being reused.
+        self._layouts: dict[tuple[int, int], tuple[object, object, Any]] = {}
+        self.layout_capacity = 8 * 1024
+
+    def layouts(self, src: SourceLayout,
+                dst: DestinationLayout) -> tuple[MainSlice, ...] | None:
+        """``validate_layout(src, dst)`` (raises ``LayoutMismatch``) and ``main_slices``,
+        checked once per pair of layout objects (a peer's layouts are fixed by its
+        MF_META, Decode's by its cache); a pair that failed is checked again each time."""
+        key = (id(src), id(dst))
+        hit = self._layouts.get(key)
+        if hit is not None and hit[0] is src and hit[1] is dst:
+            return hit[2]
+        validate_layout(src, dst)
+        slices = main_slices(src, dst)
+        if len(self._layouts) >= self.layout_capacity:
+            self._layouts.clear()  # many peers' MF_META came and went: start again
+        self._layouts[key] = (src, dst, slices)
+        return slices
 
     def get(self, owner: object, key: tuple[object, ...],
             dests: tuple[object, ...]) -> Any:
@@ -37,6 +65,7 @@ class PlanMemo:
 
     def forget(self, owner: object) -> None:
         self._entries.pop(owner, None)
+        self._layouts.clear()  # a peer's layouts went with it (the next ones are new)
 
     def __len__(self) -> int:
         return len(self._entries)

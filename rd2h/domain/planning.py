@@ -14,13 +14,15 @@ tensors of a component) and addresses are computed only for run starts.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from itertools import chain
 from operator import attrgetter, getitem
+from typing import Any
 
 import numpy as np
 
+from rd2h.domain.descriptors import DescriptorTemplate, Group
 from rd2h.domain.destination import Destination
 from rd2h.domain.digests import block_checks
 from rd2h.domain.errors import PlanningError
@@ -181,60 +183,6 @@ def _check_range(hi: int, lo: int, dst: DestTensor, layer: str, what: str) -> No
         raise PlanningError(layer, f"{what} destination block {lo} is negative")
 
 
-def _descriptors(
-    groups: Sequence[tuple[_Component, Sequence[tuple[TensorComponent, DestTensor]], str,
-                           Sequence[MainSlice] | None]],
-    layer: str,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Descriptors of every tensor of every component, written straight into three
-    preallocated arrays (runs of consecutive blocks become one descriptor). A component
-    with ``slices`` (head split) copies one slice per block (``MainSlice``): one
-    descriptor per block."""
-    parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
-    edges = []
-    at = 0
-    for comp, pairs, what, slices in groups:
-        if comp.src.size == 0 or not pairs:
-            continue
-        for _, dst in pairs:
-            _check_range(comp.dst_hi, comp.dst_lo, dst, layer, what)
-        if slices is None:
-            p_start, d_start, length = comp.runs
-        else:  # slices of blocks are not contiguous on Decode: no runs
-            p_start, d_start = comp.src, comp.dst
-            length = np.ones(p_start.shape[0], dtype=np.int64)
-        # Every tensor of the component at once: row t is tensor t's descriptors.
-        size = np.array([src.bytes_per_block for src, _ in pairs], dtype=np.int64)[:, None]
-        stride = np.array([dst.bytes_per_block for _, dst in pairs], dtype=np.int64)[:, None]
-        d_base = np.array([dst.base_addr for _, dst in pairs], dtype=np.int64)[:, None]
-        p_base = np.array([src.base_addr for src, _ in pairs], dtype=np.int64)[:, None]
-        nbytes = size
-        if slices is not None:
-            d_base = d_base + np.array([x.dst_offset for x in slices], dtype=np.int64)[:, None]
-            p_base = p_base + np.array([x.src_offset for x in slices], dtype=np.int64)[:, None]
-            nbytes = np.array([x.nbytes for x in slices], dtype=np.int64)[:, None]
-        parts.append(((d_start * stride + d_base).ravel(), (p_start * size + p_base).ravel(),
-                      (length * nbytes).ravel()))
-        m = p_start.shape[0]
-        for _ in pairs:
-            at += m
-            edges.append(at)
-    if not parts:
-        return _EMPTY.copy(), _EMPTY.copy(), _EMPTY.copy()
-    if len(parts) == 1:
-        local, remote, lengths = parts[0]
-    else:
-        local, remote, lengths = (np.concatenate(arrays) for arrays in zip(*parts))
-    # A tensor boundary contiguous on both sides (adjacent tensors) still merges.
-    cut = np.asarray(edges[:-1], dtype=np.int64)
-    if cut.size and (
-        (local[cut - 1] + lengths[cut - 1] == local[cut])
-        & (remote[cut - 1] + lengths[cut - 1] == remote[cut])
-    ).any():
-        return coalesce(local, remote, lengths)
-    return local, remote, lengths
-
-
 @dataclass(frozen=True)
 class BlockPlan:
     """The layer-independent part of a plan: the blocks this rank owns of each request
@@ -244,6 +192,36 @@ class BlockPlan:
     ext_ids: tuple[str, ...]
     main: _Component
     index: _Component
+    # Descriptor templates by layer shape (tensor block sizes, head slices): see
+    # ``rd2h.domain.descriptors``; filled as layers of each shape are planned.
+    templates: dict[object, Any] = field(default_factory=dict, compare=False)
+
+    def built(self, main_tensors: int, idx_tensors: int) -> tuple[np.ndarray, int | None]:
+        """Descriptors built per request before coalescing, and the first request that
+        owns blocks yet gets none (None: no such request)."""
+        key = ("built", main_tensors, idx_tensors)
+        hit = self.templates.get(key)
+        if hit is None:
+            built = self.main.counts * main_tensors + self.index.counts * idx_tensors
+            built.setflags(write=False)
+            empty = np.flatnonzero((self.main.counts + self.index.counts > 0) & (built == 0))
+            hit = self.templates[key] = (built, int(empty[0]) if empty.size else None)
+        return hit  # type: ignore[return-value]
+
+    def descriptors(self, groups: Sequence[Group],
+                    layer: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """This layer's descriptors (runs of consecutive blocks become one descriptor)."""
+        for comp, pairs, what, _ in groups:
+            if comp.src.size and pairs:
+                for _, dst in pairs:
+                    _check_range(comp.dst_hi, comp.dst_lo, dst, layer, what)
+        shape = tuple((tuple((s.bytes_per_block, d.bytes_per_block) for s, d in pairs),
+                       None if slices is None else tuple(slices))
+                      for _, pairs, _, slices in groups)
+        template = self.templates.get(shape)
+        if template is None:
+            template = self.templates[shape] = DescriptorTemplate.build(groups)
+        return template.layer(groups)
 
 
 def _block_plan(
@@ -299,6 +277,12 @@ def _block_plan(
     return BlockPlan(ext_ids, main, index)
 
 
+def _checked_layouts(src: SourceLayout, dst: DestinationLayout) -> tuple[MainSlice, ...] | None:
+    """``validate_layout`` (raises on a mismatch), then the head split's slices."""
+    validate_layout(src, dst)
+    return main_slices(src, dst)
+
+
 def plan_reads(
     batch: ReadReadyBatch,
     src: SourceLayout,
@@ -325,8 +309,7 @@ def plan_reads(
     (every layer of a chunk does); the per-layer checks and addresses always run.
     Raises ``LayoutMismatch`` or ``PlanningError``; either fails the whole layer.
     """
-    validate_layout(src, dst)
-    slices = main_slices(src, dst)
+    slices = memo.layouts(src, dst) if memo is not None else _checked_layouts(src, dst)
     layer = batch.layer_name
     reqs = batch.read_reqs
     dests = tuple(map(destinations.get, map(attrgetter("ext_req_id"), reqs)))
@@ -347,20 +330,17 @@ def plan_reads(
         layer, "indexer", index, [t for t in (src.indexer, src.scale) if t is not None], reqs
     )
 
-    idx_tensors = 1 + (src.scale is not None)
-    built = main.counts * len(src.main) + index.counts * idx_tensors
-    empty = np.flatnonzero((main.counts + index.counts > 0) & (built == 0))
-    if empty.size:
-        raise PlanningError(
-            layer, "this rank owns blocks but built no descriptor", reqs[int(empty[0])].ext_req_id
-        )
+    built, empty = blocks.built(len(src.main), 1 + (src.scale is not None))
+    if empty is not None:
+        raise PlanningError(layer, "this rank owns blocks but built no descriptor",
+                            reqs[empty].ext_req_id)
 
     idx_pairs: list[tuple[TensorComponent, DestTensor]] = []
     if src.indexer is not None and dst.indexer is not None:
         idx_pairs.append((src.indexer, dst.indexer))
         if src.scale is not None and dst.scale is not None:
             idx_pairs.append((src.scale, dst.scale))
-    local, remote, lengths = _descriptors(
+    local, remote, lengths = blocks.descriptors(
         [(main, list(zip(src.main, dst.main)), "main", slices),
          (index, idx_pairs, "indexer", None)], layer
     )

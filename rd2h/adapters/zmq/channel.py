@@ -59,6 +59,9 @@ from rd2h.domain.topology import tcp_endpoint
 
 __all__ = ["BindError", "ZmqControlClients", "ZmqControlServer"]
 
+_NOBLOCK = int(zmq.NOBLOCK)
+_MORE_NOBLOCK = int(zmq.NOBLOCK | zmq.SNDMORE)
+
 
 
 class BindError(Rd2hError):
@@ -169,10 +172,33 @@ class ZmqControlServer:
                 if not events:
                     return None
                 continue  # connection events only: apply them and keep waiting
+            item = self._take()
+            if item is not None:
+                return item
+
+    def recv_many(self, timeout: float, limit: int) -> list[tuple[bytes, bytes]]:
+        """Every message already queued, up to ``limit``, without waiting; if none is,
+        ``recv(timeout)``'s one. Stops early at a lost connection (the caller applies
+        losses before the next batch). Each message's connection events apply first,
+        as in ``recv``."""
+        out: list[tuple[bytes, bytes]] = []
+        while len(out) < limit and not self._lost:
+            item = self._take()
+            if item is None:
+                break
+            out.append(item)
+        if out or self._lost:
+            return out
+        item = self.recv(timeout)
+        return [] if item is None else [item]
+
+    def _take(self) -> tuple[bytes, bytes] | None:
+        """The next queued message, without waiting; None when nothing is queued."""
+        while True:
             try:
                 frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
-                continue
+                return None
             # Events queued before this message (a closed or reused descriptor) first.
             gone = self._drain_monitor()
             if len(frames) < 2:
@@ -189,8 +215,7 @@ class ZmqControlServer:
                 continue
             # Exactly one payload frame is the contract; extra frames make it
             # malformed, which the decoder reports (we pass the joined bytes on).
-            payload = rest[0] if len(rest) == 1 else b"".join(rest)
-            return identity, payload
+            return identity, rest[0] if len(rest) == 1 else b"".join(rest)
 
     def wake(self) -> None:
         """Make a concurrent or the next ``recv`` return None at once. Thread-safe."""
@@ -205,8 +230,11 @@ class ZmqControlServer:
     def send(self, identity: bytes, payload: bytes) -> bool:
         """Reply to ``identity``; False if it cannot be delivered (peer gone, queue full).
         The peer's own deadline covers an undelivered reply."""
-        try:
-            self._sock.send_multipart([identity, b"", payload], zmq.NOBLOCK)
+        sock = self._sock
+        try:  # the frames one by one, with plain int flags (no IntFlag arithmetic per frame)
+            sock.send(identity, _MORE_NOBLOCK)
+            sock.send(b"", _MORE_NOBLOCK)
+            sock.send(payload, _NOBLOCK)
         except zmq.ZMQError:
             return False
         return True
