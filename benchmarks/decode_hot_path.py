@@ -334,9 +334,11 @@ def bench_prefill(w: Workload, repeat: int) -> dict[str, list[float]]:
         engine, receiver, endpoint = started_receiver(w, codec, log)
         senders = {}
         for p in (0, 1):
+            # One Prefill process per contributor: each its own session (Decode takes a
+            # second MF_META of one session as that process restarted).
             sender = PrefillSender(clients_factory=ZmqControlClients, codec=codec,
-                                   p_session=P_SESSION, layers=w.src, clock=MonotonicClock(),
-                                   log=log)
+                                   p_session=f"{HOST}:{1 + p}", layers=w.src,
+                                   clock=MonotonicClock(), log=log)
             sender.start()
             assert not sender.prepare([endpoint], 5.0)
             senders[p] = sender

@@ -55,21 +55,25 @@ def pinned(proc: sp.Proc, core: int) -> sp.Proc:
     return proc
 
 
-def start_target(name: str, model: Path, folder: Path, max_len: int) -> dict[str, sp.Proc]:
+def start_target(name: str, model: Path, folder: Path, max_len: int,
+                 rd2h_src: str | None = None) -> dict[str, sp.Proc]:
     folder.mkdir(parents=True, exist_ok=True)
     extra = ["--no-enable-prefix-caching", "--max-num-batched-tokens", "2048"]
     env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "4"}
+    if rd2h_src is not None:  # another tree's rd2h (e.g. a worktree of an older commit)
+        env["PYTHONPATH"] = rd2h_src
 
     def eng(role: str, kv: dict, more: dict | None = None) -> sp.Proc:
         return sp.engine(f"{name} {role}", model, folder / f"{role}.log", max_model_len=max_len,
                          kv=kv, extra_args=extra, env={**env, **(more or {})})
 
-    if name == "rd2h":
+    if name in ("rd2h", "rd2h-baseline"):
         port = sp.quiet_ports(4)
         procs = {"prefill": pinned(eng("prefill", sp.rd2h_kv("kv_producer", port)), 0),
                  "decode": pinned(eng("decode", sp.rd2h_kv("kv_consumer", port)), 1)}
         procs["proxy"] = pinned(sp.proxy(procs["prefill"], procs["decode"],
-                                         folder / "proxy.log", {}), 0)
+                                         folder / "proxy.log",
+                                         {"PYTHONPATH": rd2h_src} if rd2h_src else {}), 0)
     else:
         nixl_env = {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(sp.quiet_ports(2))}  # as shipped
         procs = {"prefill": pinned(eng("prefill", sp.nixl_kv(), nixl_env), 0),
@@ -140,7 +144,10 @@ def phase(port: int, model: str, args: argparse.Namespace, pulls: bool) -> dict[
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--connectors", default="rd2h,nixl")
+    ap.add_argument("--connectors", default="rd2h,nixl",
+                    help="rd2h, nixl, and rd2h-baseline (rd2h from --baseline-src)")
+    ap.add_argument("--baseline-src", metavar="DIR",
+                    help="the tree whose rd2h package rd2h-baseline runs")
     ap.add_argument("--running", type=int, default=4, help="requests decoding throughout")
     ap.add_argument("--prompt", type=int, default=2048, help="tokens of each pulled prompt")
     ap.add_argument("--output", type=int, default=400, help="tokens of each running request")
@@ -148,6 +155,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=1, help="alone/pulls pairs per connector")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
+    if "rd2h-baseline" in args.connectors.split(",") and not args.baseline_src:
+        ap.error("rd2h-baseline needs --baseline-src DIR")
     model = WORKDIR / "model-kv-heavy"
     make_kv_heavy_llama(model)
     make_word_tokenizer(model, max_length=KV_HEAVY["max_positions"])
@@ -156,7 +165,8 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.connectors.split(","):
         progress(f"{name}: starting Prefill (core 0), Decode (core 1), proxy (core 0)")
         guardian = sp.Guardian()
-        procs = start_target(name, model, WORKDIR / name, args.prompt + args.output + 64)
+        procs = start_target(name, model, WORKDIR / name, args.prompt + args.output + 64,
+                             args.baseline_src if name == "rd2h-baseline" else None)
         for p in procs.values():
             guardian.watch(p.proc.pid)
         try:

@@ -120,7 +120,7 @@ class BaseTransferEngine(ABC):
         """Copy ``lengths[i]`` bytes from ``remote_addrs[i]`` of peer ``session`` to
         ``local_addrs[i]`` here, for all i. The batch is checked as a whole before the
         first byte moves; what a failed read leaves copied is the transport's to say."""
-        with self._named(peer=session):
+        try:  # (``_named`` inline: this is the per-message hot path)
             self._check_open()
             local, remote, lens = validate_batch(local_addrs, remote_addrs, lengths)
             peer = self._peer(session)
@@ -128,6 +128,9 @@ class BaseTransferEngine(ABC):
                 return
             self._book.regions.require_inside(local, lens, "local")
             self._read(peer, local, remote, lens)
+        except TransferError as exc:
+            self._name_error(exc, session)
+            raise
 
     def close(self) -> None:
         """Unregister and forget every region, then release the transport. Idempotent.
@@ -165,9 +168,12 @@ class BaseTransferEngine(ABC):
         try:
             yield
         except TransferError as exc:
-            where = "" if peer is None else f" reading from {peer!r}"
-            exc.args = (f"{self.engine_name} engine {self.session_id}{where}: {exc}",)
+            self._name_error(exc, peer)
             raise
+
+    def _name_error(self, exc: TransferError, peer: str | None) -> None:
+        where = "" if peer is None else f" reading from {peer!r}"
+        exc.args = (f"{self.engine_name} engine {self.session_id}{where}: {exc}",)
 
     def _check_open(self) -> None:
         if self.closed:
