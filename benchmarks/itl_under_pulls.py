@@ -75,14 +75,20 @@ def start_target(name: str, model: Path, folder: Path, max_len: int,
                                          folder / "proxy.log",
                                          {"PYTHONPATH": rd2h_src} if rd2h_src else {}), 0)
     else:
-        nixl_env = {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(sp.quiet_ports(2))}  # as shipped
-        procs = {"prefill": pinned(eng("prefill", sp.nixl_kv(), nixl_env), 0),
-                 "decode": pinned(eng("decode", sp.nixl_kv(), nixl_env), 1)}
+        def side(role: str, core: int) -> sp.Proc:  # NIXL as shipped; a side channel each
+            port = {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(sp.quiet_ports(2))}
+            return pinned(eng(role, sp.nixl_kv(), port), core)
+
+        procs = {"prefill": side("prefill", 0), "decode": side("decode", 1)}
         procs["proxy"] = pinned(sp.peer_proxy(procs["prefill"], procs["decode"],
                                               folder / "proxy.log"), 0)
     for p in procs.values():
         p.start()
-    sp.wait_all_ready(list(procs.values()), 600, progress)
+    try:
+        sp.wait_all_ready(list(procs.values()), 600, progress)
+    except BaseException:
+        sp.stop_all(list(procs.values())[::-1])
+        raise
     return procs
 
 
@@ -165,11 +171,12 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.connectors.split(","):
         progress(f"{name}: starting Prefill (core 0), Decode (core 1), proxy (core 0)")
         guardian = sp.Guardian()
-        procs = start_target(name, model, WORKDIR / name, args.prompt + args.output + 64,
-                             args.baseline_src if name == "rd2h-baseline" else None)
-        for p in procs.values():
-            guardian.watch(p.proc.pid)
+        procs: dict[str, sp.Proc] = {}
         try:
+            procs = start_target(name, model, WORKDIR / name, args.prompt + args.output + 64,
+                                 args.baseline_src if name == "rd2h-baseline" else None)
+            for p in procs.values():
+                guardian.watch(p.proc.pid)
             port = procs["proxy"].port
             phase(port, str(model), argparse.Namespace(**{**vars(args), "output": 20}), True)
             runs = []
@@ -179,6 +186,9 @@ def main(argv: list[str] | None = None) -> int:
                     runs.append({"pulls": pulls, **phase(port, str(model), args, pulls)})
             results[name] = runs
             failed = failed or any(r["errors"] for r in runs)
+        except (RuntimeError, TimeoutError, OSError) as exc:
+            progress(f"{name}: failed: {type(exc).__name__}: {str(exc).splitlines()[0][:300]}")
+            failed = True
         finally:
             sp.stop_all(list(procs.values())[::-1])
             guardian.release()

@@ -34,7 +34,7 @@ package found in DIR (for instance a ``git worktree`` of an older commit) and pr
 both side by side.
 
 Run:  .venv/bin/python benchmarks/production_scale.py [--case NAME ...] [--json]
-          [--baseline-src DIR] [--smoke]
+          [--baseline-src DIR] [--repeat N] [--smoke]
 """
 
 from __future__ import annotations
@@ -46,6 +46,7 @@ import json
 import os
 import resource
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -311,7 +312,6 @@ def decode_side(case: Case) -> dict[str, Any]:
     time.sleep(0.2)
     ident = receiver._thread.ident
     ns0, c0, p0, t0 = _task_ns(), _thread_cpu(ident), time.process_time(), time.monotonic()
-    first_at = receiver.stats.first_ready_at
     parent.send("go")
     _, got, failed = parent.recv()
     t1 = time.monotonic()
@@ -329,7 +329,7 @@ def decode_side(case: Case) -> dict[str, Any]:
         "loop_us_per_message": (c1 - c0) / n * 1e6,
         "zmq_us_per_message": (ns1.get("zmq", 0) - ns0.get("zmq", 0)) / n / 1e3,
         "process_us_per_message": (p1 - p0) / n * 1e6,
-        "wall_s": t1 - t0, "busy_s": busy, "first_at_was_none": first_at is None,
+        "wall_s": t1 - t0, "busy_s": busy,
         "announcements_per_s": n / busy if busy > 0 else 0.0,
         "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
     }
@@ -436,11 +436,24 @@ def _spawn(name: str, src: str | None) -> dict[str, Any]:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def _median_of(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per figure, the median over repeated runs (counts are equal in every run)."""
+    out = json.loads(json.dumps(runs[0]))
+    for side in ("decode", "prefill"):
+        for key, value in out[side].items():
+            if isinstance(value, float):
+                out[side][key] = statistics.median(r[side][key] for r in runs)
+    out["runs"] = len(runs)
+    out["complete_every_run"] = all(complete(r) for r in runs)
+    return out
+
+
 def complete(res: dict[str, Any]) -> bool:
     d, p = res["decode"], res["prefill"]
-    return (d["replies"] == d["messages"] == d["layers_done"] and not d["replies_failed"]
-            and not d["layers_failed"] and p["decode_layers_done"] == p["layers"]
-            and not p["decode_layers_failed"])
+    return bool(res.get("complete_every_run", True)
+                and d["replies"] == d["messages"] == d["layers_done"]
+                and not d["replies_failed"] and not d["layers_failed"]
+                and p["decode_layers_done"] == p["layers"] and not p["decode_layers_failed"])
 
 
 ROWS = [
@@ -497,18 +510,27 @@ def main(argv: list[str] | None = None) -> int:
                     help="a tiny case (4 layers, 4K tokens) that checks the benchmark runs")
     ap.add_argument("--baseline-src", metavar="DIR",
                     help="also run each case with the rd2h package in DIR, side by side")
+    ap.add_argument("--repeat", type=int, default=3,
+                    help="runs per case and tree; figures are medians (default 3)")
     ap.add_argument("--json", action="store_true", help="print the raw figures as JSON")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
         return _child(args)
+    if args.repeat < 1:
+        ap.error("--repeat must be at least 1")
     names = ["smoke"] if args.smoke else (args.case or list(CASES))
     results: dict[str, Any] = {}
     ok = True
     for name in names:
         print(f"running {name} ...", file=sys.stderr, flush=True)
-        new = _spawn(name, str(HERE.parent.parent))
-        old = _spawn(name, args.baseline_src) if args.baseline_src else None
+        new_runs, old_runs = [], []
+        for _ in range(args.repeat):  # interleaved: drift hits both trees alike
+            new_runs.append(_spawn(name, str(HERE.parent.parent)))
+            if args.baseline_src:
+                old_runs.append(_spawn(name, args.baseline_src))
+        new = _median_of(new_runs)
+        old = _median_of(old_runs) if old_runs else None
         results[name] = {"new": new, "baseline": old}
         ok = ok and complete(new) and (old is None or complete(old))
         if not args.json:

@@ -14,8 +14,8 @@ SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "production_scale.
 
 
 def test_smoke_run_completes_and_counts_every_message() -> None:
-    out = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--json"], check=True,
-                         capture_output=True, text=True, timeout=300)
+    out = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--repeat", "1", "--json"],
+                         check=True, capture_output=True, text=True, timeout=300)
     res = json.loads(out.stdout)["smoke"]["new"]
     d, p, case = res["decode"], res["prefill"], res["case"]
     chunks = -(-case["prompt"] // case["chunk"])
