@@ -42,6 +42,7 @@ from rd2h.domain.prefill_state import (
     Announcement,
     Entry,
     Link,
+    LinkEvent,
     Links,
     LinkState,
     Phase,
@@ -143,7 +144,7 @@ class PrefillSession(SessionQueries):
         link = self._links.get(endpoint)
         if link is None or link.state != LinkState.HANDSHAKING:
             return []
-        link.state = LinkState.READY
+        link.move(LinkEvent.ACK)
         out: list[Output] = [HandshakeDone(endpoint, None)]
         if generation is not None and link.generation not in (None, generation):
             for entry in [e for a in list(self._announcements.values())
@@ -187,7 +188,7 @@ class PrefillSession(SessionQueries):
         if error is not None and link.state == LinkState.READY:
             # Decode may have restarted behind the same endpoint (ZMQ reconnects silently
             # and a new ROUTER has no MF_META of ours): handshake again before the next.
-            link.state = LinkState.DOWN
+            link.move(LinkEvent.READ_FAILED)
         return self._end(entry, error, latency=now - entry.sent_at)
 
     def sent(self, endpoint: str, aid: int, now: float) -> None:
@@ -293,7 +294,7 @@ class PrefillSession(SessionQueries):
         return self._start_handshake(entry.endpoint, link, now) if down else []
 
     def _start_handshake(self, endpoint: str, link: Link, now: float) -> list[Output]:
-        link.state = LinkState.HANDSHAKING
+        link.move(LinkEvent.HANDSHAKE)
         link.deadline = now + self.timeouts.meta_ack_s
         return [Connect(endpoint), SendMeta(endpoint)]
 
@@ -308,7 +309,8 @@ class PrefillSession(SessionQueries):
                           now: float, *, notify: bool = False) -> list[Output]:
         """Drop the connection (with ``notify``: keep it, see ``ack_refused``); sends to
         it fail at once for ``reconnect_after_s``."""
-        link.state, link.reason, link.notify = LinkState.BACKOFF, reason, notify
+        link.move(LinkEvent.HANDSHAKE_FAILED)
+        link.reason, link.notify = reason, notify
         link.deadline = now + self.timeouts.reconnect_after_s
         out: list[Output] = [HandshakeDone(endpoint, reason)]
         if not notify:
@@ -327,8 +329,8 @@ class PrefillSession(SessionQueries):
         entries = [e for ann in self._announcements.values() for e in ann.entries.values()
                    if e.endpoint == endpoint and e.phase != Phase.HELD]
         link = self._links.get(endpoint)
-        if link is not None and link.state != LinkState.BACKOFF:
-            link.state = LinkState.DOWN
+        if link is not None:
+            link.move(LinkEvent.RESET)  # a backoff stays one (``TRANSITIONS``)
         out: list[Output] = [Disconnect(endpoint)] if close else []
         for entry in entries:
             out += self._end(entry, reason, hold_at=now)
