@@ -69,7 +69,6 @@ class Announced:
 @dataclass
 class _Request:
     open_tickets: set[Ticket] = field(default_factory=set)
-    final_sent: bool = False
     finished: bool = False  # vLLM finished it here
     error: str | None = None
     withheld: bool = False  # a later send was not announced because of ``error``
@@ -126,12 +125,9 @@ class PrefillRequestBook:
                 if not r.announced:
                     r.announced = True
                     first.append(rid)
-        done = []
-        for rid in dict.fromkeys(final):
-            r = self._requests.setdefault(rid, _Request())
-            r.final_sent = True
-            done.append(rid)
-        return Announced(tuple(first), tuple(done))
+        for rid in final:
+            self._requests.setdefault(rid, _Request())
+        return Announced(tuple(first), tuple(dict.fromkeys(final)))
 
     # -- Decode's answers
     def record_answers(
@@ -206,10 +202,6 @@ class PrefillRequestBook:
         """The error of each of ``request_ids`` that has one."""
         return {rid: r.error for rid in request_ids
                 if (r := self._requests.get(rid)) is not None and r.error is not None}
-
-    def final_sent(self, request_id: str) -> bool:
-        r = self._requests.get(request_id)
-        return r is not None and r.final_sent
 
     def held(self) -> dict[str, int]:
         """Requests (and their main blocks) this rank still holds for Decode."""

@@ -279,9 +279,6 @@ class RecordingSender:
         self.log.append(("submit", layer_idx))
         return len(targets)
 
-    def take_resolved(self) -> list[Any]:
-        return []
-
     def take_outcomes(self) -> tuple[list[Any], dict[Any, Any]]:
         return [], {}
 
