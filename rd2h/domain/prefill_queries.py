@@ -38,6 +38,13 @@ class SessionQueries:
         """Whether ``take_resolved`` has something to report."""
         return bool(self._resolved)
 
+    def event_deadline(self, aid: int) -> float | None:
+        """Until when announcement ``aid`` waits for its device event (None: it does not,
+        e.g. its entries ended meanwhile)."""
+        ann = self._announcements.get(aid)
+        return None if ann is None else min(
+            (e.deadline for e in ann.entries.values() if e.phase == Phase.EVENT), default=None)
+
     def next_deadline(self) -> float | None:
         """When ``tick`` next acts: an entry, a handshake, an idle link (None: never)."""
         times = [e.deadline for a in self._announcements.values() for e in a.entries.values()

@@ -106,10 +106,6 @@ class PrefillSession(SessionQueries):
         self._announcements[aid] = ann
         return aid
 
-    def awaiting_event(self, aid: int) -> bool:
-        ann = self._announcements.get(aid)
-        return ann is not None and any(e.phase == Phase.EVENT for e in ann.entries.values())
-
     def event_done(self, aid: int, now: float) -> list[Output]:
         """The layer's KV is on the device: announce it to every endpoint still pending."""
         out: list[Output] = []

@@ -67,7 +67,7 @@ def test_handshake_then_send_then_answer() -> None:
     s = session()
     aid = announce(s, 0, ["A"], now=1.0, ticket="t0")
     assert not s.gate(0).open and s.gate(0).waiting_on == ("A",)
-    assert s.awaiting_event(aid) and s.next_deadline() == 1.0 + T.device_event_s
+    assert s.event_deadline(aid) == s.next_deadline() == 1.0 + T.device_event_s
     outs = s.event_done(aid, now=1.5)
     assert outs == [Connect("A"), SendMeta("A")]
     assert s.next_deadline() == 1.5 + T.meta_ack_s  # the handshake's deadline now
