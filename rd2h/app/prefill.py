@@ -23,17 +23,19 @@ import secrets
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Hashable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 from rd2h.app.loop import LoopThread
 from rd2h.app.prefill_device import DeviceEventWaiter
+from rd2h.app.prefill_requests import SessionRequestsView
 from rd2h.app.telemetry import SenderStats, report_prefill
 from rd2h.domain.announce import LayerTarget, group_batches
 from rd2h.domain.compat import Compat, compat_of
 from rd2h.domain.errors import LayerSendError, ProtocolError
 from rd2h.domain.layout import SourceLayout
 from rd2h.domain.prefill_events import Connect, Disconnect, Output, SendBatch, SendMeta
+from rd2h.domain.prefill_requests import Named
 from rd2h.domain.prefill_session import PrefillSession, PrefillTimeouts
 from rd2h.domain.protocol import MfMeta, ReadDone, ReadFailed, ReadReadyBatch
 from rd2h.ports.codec import WireCodec
@@ -96,6 +98,8 @@ class PrefillSender(LoopThread):
         self._outbox: dict[str, deque[tuple[SendMeta | SendBatch, bytes]]] = {}
         self._clients: ControlClients | None = None
         self.stats = SenderStats()
+        # The session's request book, for the vLLM role (under the same lock).
+        self.requests = SessionRequestsView(self._cond, self._session, clock)
 
     # ------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -116,17 +120,19 @@ class PrefillSender(LoopThread):
         layer_idx: int,
         event: DeviceEvent | None,
         targets: Iterable[LayerTarget],
-        ticket: Hashable | None = None,
+        named: Named | None = None,
+        final: Iterable[str] = (),
     ) -> int:
         """Queue a layer's announcements; returns the number of endpoints targeted.
 
-        With a ``ticket``, ``take_resolved()`` later reports ``(ticket, endpoint, error)``
-        as each endpoint of this announcement replies or fails."""
+        ``named`` (per endpoint, the (request id, ext id) pairs it announces) and
+        ``final``: the session's request book holds those requests until each
+        endpoint's entry ends (``requests``)."""
         batches = group_batches(layer_idx, self._session.layer_name(layer_idx), targets)
         with self._cond:
-            if not self.started:
-                raise LayerSendError(layer_idx, "prefill sender not started")
-            aid = self._session.announce(layer_idx, batches, self._clock.now(), ticket)
+            aid = self._session.announce(
+                layer_idx, batches, self._clock.now(), named, final,
+                refused=None if self.started else "prefill sender not started")
             if batches:
                 self._events.add(aid, event)
         if batches and self._clients is not None:
@@ -170,20 +176,6 @@ class PrefillSender(LoopThread):
                         layer_idx, f"no acknowledgement from {who} within {timeout:g} s{failed}"
                     )
                 self._cond.wait(min(remaining, 1.0))
-
-    def take_outcomes(self) -> tuple[list[tuple[Hashable, str | None, str | None]],
-                                     dict[tuple[Hashable, str], tuple[str, ...]]]:
-        """``take_resolved()`` and the session's ``take_skipped()``, taken together."""
-        with self._cond:
-            return self._session.take_resolved(), self._session.take_skipped()
-
-    def wait_resolved(self, timeout: float) -> bool:
-        """Block until ``take_resolved`` has something to report, at most ``timeout``
-        seconds; True if it has. (A stopped sender resolves everything it held.)"""
-        with self._cond:
-            if not self._session.has_resolved:
-                self._cond.wait(timeout)
-            return self._session.has_resolved
 
     @property
     def timeouts(self) -> PrefillTimeouts:

@@ -1,11 +1,13 @@
 """One Prefill rank's request state from its first send to its release (spec 11).
 
-Flow per worker step: ``start_step(sends)`` (which sends are announced), then per
-layer ``announce(ticket, targets)``; Decode's answers come back through
-``record_answers`` (or ``resolve`` / ``skip`` one ticket at a time); ``release``
-hands vLLM the requests it finished whose announcements were all answered. A ticket
-is one layer announcement to one Decode endpoint: a slow Decode instance holds back
-only the requests it reads, not those other instances read in the same layer.
+Owned by ``PrefillSession`` (``rd2h.domain.prefill_requests``); the ticket is the
+session's announcement id. Flow per worker step: ``start_step(sends)`` (which sends
+are announced), then per layer ``announce(ticket, targets)``; Decode's answers come
+back through ``record_answers`` (or ``resolve`` / ``skip`` one ticket at a time);
+``release`` hands vLLM the requests it finished whose announcements were all
+answered. A ticket is one layer announcement to one Decode endpoint: a slow Decode
+instance holds back only the requests it reads, not those other instances read in
+the same layer.
 
 Nothing here locks, logs or reads a clock: every call returns what happened
 (requests withheld, failed, skipped, released) and the driver logs it.
@@ -16,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-Ticket = tuple[int, str]  # (announcement ticket, Decode endpoint)
+Ticket = tuple[int, str]  # (announcement id, Decode endpoint)
 
 
 @dataclass(frozen=True)

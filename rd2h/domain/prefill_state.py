@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 
@@ -108,7 +108,7 @@ class Entry:
 @dataclass(eq=False)
 class Announcement:
     layer_idx: int
-    ticket: Hashable | None
+    named: bool  # it names requests: the book holds them until each entry ended
     entries: dict[str, Entry] = field(default_factory=dict)
     error: str | None = None
 
