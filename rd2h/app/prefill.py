@@ -9,7 +9,9 @@ READ_READY_BATCH, disconnect). Every rule and deadline lives in the session
 (``rd2h.domain.prefill_session``). Sends never block the loop: a frame that
 cannot go yet waits in an outbox until it goes or its deadline ends the entry.
 The loop has no poll interval: it sleeps until the session's next deadline or the next
-input (a reply, a lost connection; ``submit`` and ``prepare`` wake it): see ``_wait_s``.
+input (a reply, a lost connection, a connection that can take a frame of the outbox
+again; ``submit`` and ``prepare`` wake it, and so does a layer's device event when it
+completes, waited on by a helper: ``rd2h.app.prefill_device``): see ``_wait_s``.
 If the thread ends for any reason, every pending layer fails and its gates
 open, so the compute path raises instead of deadlocking.
 """
@@ -21,16 +23,19 @@ import secrets
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Hashable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 from rd2h.app.loop import LoopThread
+from rd2h.app.prefill_device import DeviceEventWaiter
+from rd2h.app.prefill_requests import SessionRequestsView
 from rd2h.app.telemetry import SenderStats, report_prefill
 from rd2h.domain.announce import LayerTarget, group_batches
 from rd2h.domain.compat import Compat, compat_of
 from rd2h.domain.errors import LayerSendError, ProtocolError
 from rd2h.domain.layout import SourceLayout
 from rd2h.domain.prefill_events import Connect, Disconnect, Output, SendBatch, SendMeta
+from rd2h.domain.prefill_requests import Named
 from rd2h.domain.prefill_session import PrefillSession, PrefillTimeouts
 from rd2h.domain.protocol import MfMeta, ReadDone, ReadFailed, ReadReadyBatch
 from rd2h.ports.codec import WireCodec
@@ -39,8 +44,6 @@ from rd2h.ports.runtime import Clock, DeviceEvent, Logger
 
 __all__ = ["LayerTarget", "PrefillSender", "SenderStats", "group_batches"]
 
-_OUTBOX_RETRY_S = 0.002  # how soon a frame that could not go yet is tried again
-_EVENT_WAIT_S = 0.02  # the longest a pending device event holds the loop (no signal)
 _IDLE_WAIT_S = 3600.0  # nothing due: only input wakes the loop (this bounds one wait)
 
 
@@ -88,18 +91,22 @@ class PrefillSender(LoopThread):
         layer_map = {lay.layer_name: lay.to_metadata() for lay in layers.values()}
         self._meta = MfMeta(p_session, layer_map, stated, secrets.randbits(63))
         self._cond = threading.Condition()  # guards the session, the queues and the jobs
-        self._events: deque[tuple[int, DeviceEvent | None]] = deque()
+        self._events = DeviceEventWaiter(self._cond, clock, self._session.event_deadline,
+                                         self._interrupt)
         self._jobs: deque[_Handshake] = deque()
         self._active: list[_Handshake] = []
         self._outbox: dict[str, deque[tuple[SendMeta | SendBatch, bytes]]] = {}
         self._clients: ControlClients | None = None
         self.stats = SenderStats()
+        # The session's request book, for the vLLM role (under the same lock).
+        self.requests = SessionRequestsView(self._cond, self._session, clock)
 
     # ------------------------------------------------------------ lifecycle
     def start(self) -> None:
         if self.started:
             raise RuntimeError("prefill sender already started")
         self._clients = self._clients_factory()
+        self._events.start("rd2h-prefill-events")
         self._launch()
 
     def _interrupt(self) -> None:
@@ -113,19 +120,21 @@ class PrefillSender(LoopThread):
         layer_idx: int,
         event: DeviceEvent | None,
         targets: Iterable[LayerTarget],
-        ticket: Hashable | None = None,
+        named: Named | None = None,
+        final: Iterable[str] = (),
     ) -> int:
         """Queue a layer's announcements; returns the number of endpoints targeted.
 
-        With a ``ticket``, ``take_resolved()`` later reports ``(ticket, endpoint, error)``
-        as each endpoint of this announcement replies or fails."""
+        ``named`` (per endpoint, the (request id, ext id) pairs it announces) and
+        ``final``: the session's request book holds those requests until each
+        endpoint's entry ends (``requests``)."""
         batches = group_batches(layer_idx, self._session.layer_name(layer_idx), targets)
         with self._cond:
-            if not self.started:
-                raise LayerSendError(layer_idx, "prefill sender not started")
-            aid = self._session.announce(layer_idx, batches, self._clock.now(), ticket)
+            aid = self._session.announce(
+                layer_idx, batches, self._clock.now(), named, final,
+                refused=None if self.started else "prefill sender not started")
             if batches:
-                self._events.append((aid, event))
+                self._events.add(aid, event)
         if batches and self._clients is not None:
             self._clients.wake()
         return len(batches)
@@ -168,20 +177,6 @@ class PrefillSender(LoopThread):
                     )
                 self._cond.wait(min(remaining, 1.0))
 
-    def take_outcomes(self) -> tuple[list[tuple[Hashable, str | None, str | None]],
-                                     dict[tuple[Hashable, str], tuple[str, ...]]]:
-        """``take_resolved()`` and the session's ``take_skipped()``, taken together."""
-        with self._cond:
-            return self._session.take_resolved(), self._session.take_skipped()
-
-    def wait_resolved(self, timeout: float) -> bool:
-        """Block until ``take_resolved`` has something to report, at most ``timeout``
-        seconds; True if it has. (A stopped sender resolves everything it held.)"""
-        with self._cond:
-            if not self._session.has_resolved:
-                self._cond.wait(timeout)
-            return self._session.has_resolved
-
     @property
     def timeouts(self) -> PrefillTimeouts:
         return self._session.timeouts  # every announcement entry ends by these
@@ -195,7 +190,7 @@ class PrefillSender(LoopThread):
         (acknowledged, failed or expired); False if ``timeout`` passed first."""
         deadline = self._clock.now() + timeout
         with self._cond:
-            while self._events or not self._session.idle:
+            while self._events.pending or not self._session.idle:
                 remaining = deadline - self._clock.now()
                 if remaining <= 0:
                     return False
@@ -206,7 +201,7 @@ class PrefillSender(LoopThread):
         """Leak accounting: every value is 0 when no announcement is in flight."""
         with self._cond:
             out = self._session.counters()
-            out["queued_tasks"] = len(self._events)
+            out["queued_tasks"] = self._events.pending
             return out
 
     # ------------------------------------------------------------ sender thread
@@ -218,7 +213,7 @@ class PrefillSender(LoopThread):
                 self._feed(self._clients.poll(self._wait_s()))
                 self._flush()
                 self._start_jobs()
-                self._take_events(_OUTBOX_RETRY_S if self._outbox else _EVENT_WAIT_S)
+                self._take_events()
         except BaseException as exc:
             reason = f"prefill sender crashed: {exc!r}"
             self._log.error("prefill sender crashed", error=repr(exc))
@@ -226,7 +221,7 @@ class PrefillSender(LoopThread):
             with self._cond:
                 failed = self._session.pending_layers
                 self._note(self._session.stop(reason))
-                self._events.clear()
+                self._events.close()
                 for job in self._jobs:
                     job.errors.update(dict.fromkeys(job.endpoints, reason))
                     job.done.set()
@@ -242,14 +237,14 @@ class PrefillSender(LoopThread):
             self._clients.close()
 
     def _wait_s(self) -> float:
-        """Until the session's next deadline (none: ``_IDLE_WAIT_S``); 0 with work queued;
-        ``_OUTBOX_RETRY_S`` at most with a frame in the outbox (nothing signals it can go)."""
+        """Until the session's next deadline (none: ``_IDLE_WAIT_S``); 0 with work queued.
+        A frame in the outbox needs no wake-up of its own: the transport's poll returns
+        when its connection can take it again, and its entry's deadline is the session's."""
         with self._cond:
-            if self._jobs or self._events:
+            if self._jobs or self._events.has_done:
                 return 0.0
             due = self._session.next_deadline()
-        wait = _IDLE_WAIT_S if due is None else max(0.0, due - self._clock.now())
-        return min(wait, _OUTBOX_RETRY_S) if self._outbox else wait
+        return _IDLE_WAIT_S if due is None else max(0.0, due - self._clock.now())
 
     def _feed(self, frames: list[tuple[str, bytes]]) -> None:
         """Replies first, then lost connections (a reply that arrived before its
@@ -307,24 +302,14 @@ class PrefillSender(LoopThread):
             self._note(outs)
         self._execute(outs)
 
-    def _take_events(self, wait_s: float) -> None:
-        """Announce every layer whose device event is done, in order (wait ``wait_s`` at most)."""
-        while not self._stop.is_set():
-            with self._cond:
-                if not self._events:
-                    return
-                aid, event = self._events[0]
-                if not self._session.awaiting_event(aid):  # failed or expired meanwhile
-                    self._events.popleft()
-                    self._cond.notify_all()
-                    continue
-            if event is not None and not event.wait(wait_s):
-                return  # not yet: its deadline is the session's (``tick``)
-            with self._cond:
-                self._events.popleft()
-                outs = self._session.event_done(aid, self._clock.now())
-                self._note(outs)
-            self._execute(outs)
+    def _take_events(self) -> None:
+        """Announce every layer whose device event completed, in order."""
+        with self._cond:
+            now, outs = self._clock.now(), []
+            for aid in self._events.take_done():
+                outs += self._session.event_done(aid, now)
+            self._note(outs)
+        self._execute(outs)
 
     # ------------------------------------------------------------ actions
     def _execute(self, outs: list[Output]) -> None:

@@ -1,11 +1,13 @@
 """One Prefill rank's request state from its first send to its release (spec 11).
 
-Flow per worker step: ``start_step(sends)`` (which sends are announced), then per
-layer ``announce(ticket, targets)``; Decode's answers come back through
-``record_answers`` (or ``resolve`` / ``skip`` one ticket at a time); ``release``
-hands vLLM the requests it finished whose announcements were all answered. A ticket
-is one layer announcement to one Decode endpoint: a slow Decode instance holds back
-only the requests it reads, not those other instances read in the same layer.
+Owned by ``PrefillSession`` (``rd2h.domain.prefill_requests``); the ticket is the
+session's announcement id. Flow per worker step: ``start_step(sends)`` (which sends
+are announced), then per layer ``announce(ticket, targets)``; Decode's answers come
+back through ``record_answers`` (or ``resolve`` / ``skip`` one ticket at a time);
+``release`` hands vLLM the requests it finished whose announcements were all
+answered. A ticket is one layer announcement to one Decode endpoint: a slow Decode
+instance holds back only the requests it reads, not those other instances read in
+the same layer.
 
 Nothing here locks, logs or reads a clock: every call returns what happened
 (requests withheld, failed, skipped, released) and the driver logs it.
@@ -16,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-Ticket = tuple[int, str]  # (announcement ticket, Decode endpoint)
+Ticket = tuple[int, str]  # (announcement id, Decode endpoint)
 
 
 @dataclass(frozen=True)
@@ -69,7 +71,6 @@ class Announced:
 @dataclass
 class _Request:
     open_tickets: set[Ticket] = field(default_factory=set)
-    final_sent: bool = False
     finished: bool = False  # vLLM finished it here
     error: str | None = None
     withheld: bool = False  # a later send was not announced because of ``error``
@@ -126,12 +127,9 @@ class PrefillRequestBook:
                 if not r.announced:
                     r.announced = True
                     first.append(rid)
-        done = []
-        for rid in dict.fromkeys(final):
-            r = self._requests.setdefault(rid, _Request())
-            r.final_sent = True
-            done.append(rid)
-        return Announced(tuple(first), tuple(done))
+        for rid in final:
+            self._requests.setdefault(rid, _Request())
+        return Announced(tuple(first), tuple(dict.fromkeys(final)))
 
     # -- Decode's answers
     def record_answers(
@@ -206,10 +204,6 @@ class PrefillRequestBook:
         """The error of each of ``request_ids`` that has one."""
         return {rid: r.error for rid in request_ids
                 if (r := self._requests.get(rid)) is not None and r.error is not None}
-
-    def final_sent(self, request_id: str) -> bool:
-        r = self._requests.get(request_id)
-        return r is not None and r.final_sent
 
     def held(self) -> dict[str, int]:
         """Requests (and their main blocks) this rank still holds for Decode."""

@@ -3,8 +3,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Hashable
-
 from rd2h.domain.gates import GateState, StorageSlotGates
 from rd2h.domain.prefill_state import Announcement, Links, Phase, PrefillTimeouts
 
@@ -16,27 +14,17 @@ class SessionQueries:
     _gates: StorageSlotGates
     _announcements: dict[int, Announcement]
     _links: Links
-    _resolved: list[tuple[Hashable, str | None, str | None]]
-    _skipped: dict[tuple[Hashable, str], tuple[str, ...]]
-    _tickets: set[Hashable]
     _dead: str | None
 
     def gate(self, layer_idx: int) -> GateState:
         return self._gates.state(layer_idx)
 
-    def take_resolved(self) -> list[tuple[Hashable, str | None, str | None]]:
-        out, self._resolved = self._resolved, []
-        return out
-
-    def take_skipped(self) -> dict[tuple[Hashable, str], tuple[str, ...]]:
-        """``(ticket, endpoint) -> ext ids`` the endpoint skipped (no longer known there)."""
-        out, self._skipped = self._skipped, {}
-        return out
-
-    @property
-    def has_resolved(self) -> bool:
-        """Whether ``take_resolved`` has something to report."""
-        return bool(self._resolved)
+    def event_deadline(self, aid: int) -> float | None:
+        """Until when announcement ``aid`` waits for its device event (None: it does not,
+        e.g. its entries ended meanwhile)."""
+        ann = self._announcements.get(aid)
+        return None if ann is None else min(
+            (e.deadline for e in ann.entries.values() if e.phase == Phase.EVENT), default=None)
 
     def next_deadline(self) -> float | None:
         """When ``tick`` next acts: an entry, a handshake, an idle link (None: never)."""
@@ -64,6 +52,6 @@ class SessionQueries:
             "pending_layers": len(self._gates.pending_layers),
             "closed_slots": self._gates.closed_slots,
             "unacked_sends": sum(len(link.inflight) for link in self._links.values()),
-            "open_tickets": len(self._tickets),
+            "open_tickets": sum(1 for a in self._announcements.values() if a.named),
         }
 

@@ -14,7 +14,8 @@ layer's device event, ``device_event_s``), ``HANDSHAKE`` (the endpoint's MF_META
 
 An entry ends answered (READ_DONE) or failed (READ_FAILED, a deadline, a lost
 connection, a refused handshake, the session stopped); either way its gate counts
-it, and an announcement's ticket resolves with its last entry. Replies from one
+it, and so does the request book (``rd2h.domain.prefill_requests``): an announcement
+that names requests holds them there until each of its entries ended. Replies from one
 endpoint come in send order: the oldest entry of (layer, endpoint) owns the next.
 """
 
@@ -22,11 +23,12 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from collections.abc import Hashable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 
 from rd2h.domain.errors import CompletionError, LayerSendError
 from rd2h.domain.gates import StorageSlotGates
 from rd2h.domain.layout import SourceLayout
+from rd2h.domain.prefill_book import PrefillRequestBook
 from rd2h.domain.prefill_events import (
     Connect,
     Disconnect,
@@ -38,10 +40,12 @@ from rd2h.domain.prefill_events import (
     SendMeta,
 )
 from rd2h.domain.prefill_queries import SessionQueries
+from rd2h.domain.prefill_requests import Named, RequestNews, SessionRequests
 from rd2h.domain.prefill_state import (
     Announcement,
     Entry,
     Link,
+    LinkEvent,
     Links,
     LinkState,
     Phase,
@@ -52,7 +56,7 @@ from rd2h.domain.protocol import ReadDone, ReadFailed, ReadReadyBatch
 __all__ = ["PrefillSession", "PrefillTimeouts"]
 
 
-class PrefillSession(SessionQueries):
+class PrefillSession(SessionQueries, SessionRequests):
     def __init__(self, layers: Mapping[int, SourceLayout], timeouts: PrefillTimeouts) -> None:
         self.timeouts = timeouts
         self._names = {idx: lay.layer_name for idx, lay in layers.items()}
@@ -62,10 +66,10 @@ class PrefillSession(SessionQueries):
         self._ids = itertools.count()
         self._announcements: dict[int, Announcement] = {}
         self._links = Links()
-        self._resolved: list[tuple[Hashable, str | None, str | None]] = []
-        # (ticket, endpoint) -> requests that endpoint skipped (it no longer knows them)
-        self._skipped: dict[tuple[Hashable, str], tuple[str, ...]] = {}
-        self._tickets: set[Hashable] = set()  # open ones
+        self._book = PrefillRequestBook()
+        self._news: list[RequestNews] = []
+        # (announcement, endpoint) -> requests that endpoint skipped (no longer known there)
+        self._skipped: dict[tuple[int, str], tuple[str, ...]] = {}
         self._dead: str | None = None
 
     # ------------------------------------------------------------ inputs
@@ -77,37 +81,32 @@ class PrefillSession(SessionQueries):
 
     def announce(
         self, layer_idx: int, batches: Mapping[str, ReadReadyBatch], now: float,
-        ticket: Hashable | None = None,
+        named: Named | None = None, final: Iterable[str] = (), refused: str | None = None,
     ) -> int:
         """A layer was written: close its gates and wait for its device event (then
         ``event_done``). Returns the announcement id, which each READ_READY_BATCH
-        carries (``seq``) and its reply echoes. With a ``ticket``, ``take_resolved()``
-        later reports ``(ticket, endpoint, error)`` once per endpoint, as each one
-        ends (``(ticket, None, None)`` for an announcement to no endpoint)."""
+        carries (``seq``) and its reply echoes. ``named``: per endpoint, the (request
+        id, ext id) pairs it announces, held in the book until that endpoint's entry
+        ends; ``final``: the requests whose last send it carries. ``refused`` (or a
+        stopped session): raise ``LayerSendError``, the named requests failed."""
         self.layer_name(layer_idx)
-        if self._dead is not None:
-            raise LayerSendError(layer_idx, self._dead)
-        if ticket is not None and ticket in self._tickets:
-            raise ValueError(f"ticket {ticket!r} is already open")
-        self._gates.announce(layer_idx, list(batches))
         aid = next(self._ids)
+        if named:
+            self._open_tickets(aid, named, final)
+        if (reason := refused or self._dead) is not None:
+            for endpoint in named or ():
+                self._close_ticket(aid, endpoint, f"layer {layer_idx}: {reason}", None)
+            raise LayerSendError(layer_idx, reason)
+        self._gates.announce(layer_idx, list(batches))
         if not batches:
-            if ticket is not None:
-                self._resolved.append((ticket, None, None))
             return aid
-        ann = Announcement(layer_idx, ticket)
-        if ticket is not None:
-            self._tickets.add(ticket)
+        ann = Announcement(layer_idx, bool(named))
         deadline = now + self.timeouts.device_event_s
         for ep, batch in batches.items():
             ann.entries[ep] = Entry(aid, layer_idx, ep, dataclasses.replace(batch, seq=aid),
                                     Phase.EVENT, deadline)
         self._announcements[aid] = ann
         return aid
-
-    def awaiting_event(self, aid: int) -> bool:
-        ann = self._announcements.get(aid)
-        return ann is not None and any(e.phase == Phase.EVENT for e in ann.entries.values())
 
     def event_done(self, aid: int, now: float) -> list[Output]:
         """The layer's KV is on the device: announce it to every endpoint still pending."""
@@ -143,7 +142,7 @@ class PrefillSession(SessionQueries):
         link = self._links.get(endpoint)
         if link is None or link.state != LinkState.HANDSHAKING:
             return []
-        link.state = LinkState.READY
+        link.move(LinkEvent.ACK)
         out: list[Output] = [HandshakeDone(endpoint, None)]
         if generation is not None and link.generation not in (None, generation):
             for entry in [e for a in list(self._announcements.values())
@@ -181,13 +180,13 @@ class PrefillSession(SessionQueries):
         link.last_used = now
         ann = self._announcements.get(entry.aid)
         # Skipped requests: only ids this announcement named (a peer cannot drop others).
-        if (isinstance(message, ReadDone) and message.skipped and ann and ann.ticket is not None
+        if (isinstance(message, ReadDone) and message.skipped and ann and ann.named
                 and (gone := tuple(set(message.skipped) & set(entry.batch.named_ext_ids)))):
-            self._skipped[(ann.ticket, endpoint)] = gone
+            self._skipped[(entry.aid, endpoint)] = gone
         if error is not None and link.state == LinkState.READY:
             # Decode may have restarted behind the same endpoint (ZMQ reconnects silently
             # and a new ROUTER has no MF_META of ours): handshake again before the next.
-            link.state = LinkState.DOWN
+            link.move(LinkEvent.READ_FAILED)
         return self._end(entry, error, latency=now - entry.sent_at)
 
     def sent(self, endpoint: str, aid: int, now: float) -> None:
@@ -293,7 +292,7 @@ class PrefillSession(SessionQueries):
         return self._start_handshake(entry.endpoint, link, now) if down else []
 
     def _start_handshake(self, endpoint: str, link: Link, now: float) -> list[Output]:
-        link.state = LinkState.HANDSHAKING
+        link.move(LinkEvent.HANDSHAKE)
         link.deadline = now + self.timeouts.meta_ack_s
         return [Connect(endpoint), SendMeta(endpoint)]
 
@@ -308,7 +307,8 @@ class PrefillSession(SessionQueries):
                           now: float, *, notify: bool = False) -> list[Output]:
         """Drop the connection (with ``notify``: keep it, see ``ack_refused``); sends to
         it fail at once for ``reconnect_after_s``."""
-        link.state, link.reason, link.notify = LinkState.BACKOFF, reason, notify
+        link.move(LinkEvent.HANDSHAKE_FAILED)
+        link.reason, link.notify = reason, notify
         link.deadline = now + self.timeouts.reconnect_after_s
         out: list[Output] = [HandshakeDone(endpoint, reason)]
         if not notify:
@@ -327,8 +327,8 @@ class PrefillSession(SessionQueries):
         entries = [e for ann in self._announcements.values() for e in ann.entries.values()
                    if e.endpoint == endpoint and e.phase != Phase.HELD]
         link = self._links.get(endpoint)
-        if link is not None and link.state != LinkState.BACKOFF:
-            link.state = LinkState.DOWN
+        if link is not None:
+            link.move(LinkEvent.RESET)  # a backoff stays one (``TRANSITIONS``)
         out: list[Output] = [Disconnect(endpoint)] if close else []
         for entry in entries:
             out += self._end(entry, reason, hold_at=now)
@@ -371,10 +371,9 @@ class PrefillSession(SessionQueries):
     def _resolve(self, entry: Entry, ann: Announcement, error: str | None) -> list[Output]:
         """The entry's gate and ticket resolve: its storage is free for this endpoint."""
         self._gates.acknowledge(entry.layer_idx, entry.endpoint, error)
-        if ann.ticket is not None:
-            self._resolved.append((ann.ticket, entry.endpoint, error))
+        if ann.named:
+            self._close_ticket(entry.aid, entry.endpoint, error,
+                               self._skipped.pop((entry.aid, entry.endpoint), None))
         if not ann.entries:
             del self._announcements[entry.aid]
-            if ann.ticket is not None:
-                self._tickets.discard(ann.ticket)
         return []

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 
@@ -59,6 +59,39 @@ class LinkState(StrEnum):
     BACKOFF = "backoff"
 
 
+class LinkEvent(StrEnum):
+    """What moves a ``Link`` from one ``LinkState`` to another (``TRANSITIONS``)."""
+
+    HANDSHAKE = "handshake"  # MF_META goes out on a link with none acknowledged
+    ACK = "ack"  # Decode acknowledged it
+    HANDSHAKE_FAILED = "handshake_failed"  # refused, unsent, disconnected or timed out
+    BACKOFF_OVER = "backoff_over"  # ``reconnect_after_s`` passed since
+    READ_FAILED = "read_failed"  # READ_FAILED: Decode may have restarted; handshake again
+    RESET = "reset"  # no reply will come on the connection (lost, or a reply was late)
+    STOP = "stop"  # the session stopped
+
+
+_S, _E = LinkState, LinkEvent
+# Every allowed (state, event) -> new state; ``Link.move`` refuses any other pair. A
+# reset leaves a backoff as it is (its handshake failed already; it ends at its deadline).
+TRANSITIONS: Mapping[tuple[LinkState, LinkEvent], LinkState] = {
+    (_S.DOWN, _E.HANDSHAKE): _S.HANDSHAKING,
+    (_S.HANDSHAKING, _E.ACK): _S.READY,
+    (_S.HANDSHAKING, _E.HANDSHAKE_FAILED): _S.BACKOFF,
+    (_S.BACKOFF, _E.BACKOFF_OVER): _S.DOWN,
+    (_S.READY, _E.READ_FAILED): _S.DOWN,
+    (_S.DOWN, _E.RESET): _S.DOWN,
+    (_S.HANDSHAKING, _E.RESET): _S.DOWN,
+    (_S.READY, _E.RESET): _S.DOWN,
+    (_S.BACKOFF, _E.RESET): _S.BACKOFF,
+    **{(state, _E.STOP): _S.DOWN for state in LinkState},
+}
+
+
+class LinkTransitionError(ValueError):
+    """A ``Link.move`` that ``TRANSITIONS`` does not allow (a bug in the session)."""
+
+
 @dataclass(eq=False)
 class Entry:
     aid: int
@@ -75,7 +108,7 @@ class Entry:
 @dataclass(eq=False)
 class Announcement:
     layer_idx: int
-    ticket: Hashable | None
+    named: bool  # it names requests: the book holds them until each entry ended
     entries: dict[str, Entry] = field(default_factory=dict)
     error: str | None = None
 
@@ -101,6 +134,16 @@ class Link:
     notify: bool = False
     generation: int | None = None  # the Decode process's, from its ACK (None: unknown)
 
+    def move(self, event: LinkEvent) -> LinkState:
+        """The one way ``state`` changes: by ``TRANSITIONS``; any other pair raises
+        ``LinkTransitionError``. Returns the new state."""
+        new = TRANSITIONS.get((self.state, event))
+        if new is None:
+            raise LinkTransitionError(f"link {self.state.value}: no transition on "
+                                      f"{event.value}")
+        self.state = new
+        return new
+
 
 class Links(dict[str, Link]):
     """The session's links by endpoint."""
@@ -111,7 +154,8 @@ class Links(dict[str, Link]):
         if link is None:
             link = self[endpoint] = Link(last_used=now)
         if link.state == LinkState.BACKOFF and now >= link.deadline:
-            link.state, link.reason, link.notify = LinkState.DOWN, "", False
+            link.move(LinkEvent.BACKOFF_OVER)
+            link.reason, link.notify = "", False
         return link
 
     def deadlines(self, idle_s: float) -> list[float]:
@@ -131,7 +175,7 @@ class Links(dict[str, Link]):
         """Every link down; returns the endpoints whose handshake was under way."""
         handshaking = [ep for ep, link in self.items() if link.state == LinkState.HANDSHAKING]
         for link in self.values():
-            link.state = LinkState.DOWN
+            link.move(LinkEvent.STOP)
         return handshaking
 
     def close_idle(self, now: float, idle_s: float) -> list[str]:

@@ -51,12 +51,14 @@ class ControlClients(Protocol):
     def disconnect(self, endpoint: str) -> None: ...
 
     def send(self, endpoint: str, payload: bytes, timeout: float = 5.0) -> None:
-        """Queue one frame; raises ``ConnectionError`` if the endpoint is unreachable."""
+        """Queue one frame; raises ``ConnectionError`` if the endpoint is unreachable
+        (or cannot take the frame) within ``timeout``; ``poll`` then returns once it can."""
         ...
 
     def poll(self, timeout: float) -> list[tuple[str, bytes]]:
         """Replies that arrived, as ``(endpoint, payload)``; waits at most ``timeout``
-        (also with no connection), or less when ``wake`` is called."""
+        (also with no connection), or less when ``wake`` is called or a connection whose
+        ``send`` raised can take a frame now (it may return nothing then)."""
         ...
 
     def disconnected(self) -> list[str]:

@@ -14,7 +14,8 @@ suite (``tests/integration/test_control_contract.py``):
   that disconnects is a loss for the server; after a loss the next send connects
   again (a new identity), like a DEALER reconnecting;
 * ``wake`` interrupts a ``poll`` (clients) or a ``recv`` (server) from any thread;
-  every wait takes a timeout.
+  every wait takes a timeout; a ``poll`` also returns once a server binds an endpoint
+  a send found none at (the send can go now, like a DEALER's ``POLLOUT``).
 
 ``ScriptedDecode`` serves endpoints of a network the way a test scripts it (ACK every
 MF_META; answer, fail or hold each announcement): a Prefill sender against it talks to
@@ -27,6 +28,7 @@ import itertools
 import queue
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -51,6 +53,7 @@ class MemoryNetwork:
         self._lock = threading.RLock()
         self._servers: dict[str, MemoryServer] = {}
         self._ids = itertools.count(1)
+        self._clients: weakref.WeakSet[MemoryClients] = weakref.WeakSet()
 
     def server(self, endpoint: str) -> MemoryServer:
         with self._lock:
@@ -58,10 +61,15 @@ class MemoryNetwork:
                 raise OSError(f"cannot bind {endpoint}: address already in use")
             server = MemoryServer(self, endpoint)
             self._servers[endpoint] = server
+            for clients in list(self._clients):
+                clients._bound(endpoint)
             return server
 
     def clients(self) -> MemoryClients:
-        return MemoryClients(self)
+        clients = MemoryClients(self)
+        with self._lock:
+            self._clients.add(clients)
+        return clients
 
     @property
     def endpoints(self) -> set[str]:
@@ -168,6 +176,7 @@ class MemoryClients:
         self._replies: queue.Queue[tuple[str, bytes]] = queue.Queue()
         self._lost: list[str] = []
         self._gone: set[str] = set()  # lost, not reconnected since
+        self._blocked: set[str] = set()  # a send found no server there
 
     def connect(self, endpoint: str) -> None:
         with self._net._lock:
@@ -197,6 +206,8 @@ class MemoryClients:
                         conn.server._deliver(conn, payload)
                     return
             if time.monotonic() >= deadline:
+                with self._net._lock:
+                    self._blocked.add(endpoint)
                 raise ConnectionError(
                     f"decode endpoint {endpoint} is not reachable within {timeout:g} s"
                 )
@@ -228,6 +239,12 @@ class MemoryClients:
 
     def wake(self) -> None:
         self._replies.put(_WAKE)
+
+    def _bound(self, endpoint: str) -> None:
+        """Under the network lock: a server now listens at ``endpoint``."""
+        if endpoint in self._blocked and endpoint in self._conns:
+            self._blocked.discard(endpoint)
+            self.wake()
 
     def close(self) -> None:
         for endpoint in list(self._conns):

@@ -30,6 +30,10 @@ class ZmqNet:
                 continue
         raise RuntimeError("no free port")
 
+    def server_at(self, endpoint: str) -> ZmqControlServer:
+        return ZmqControlServer(HOST, int(endpoint.rsplit(":", 1)[1]), heartbeat_ivl_s=0.2,
+                                heartbeat_timeout_s=1.0)
+
     def clients(self) -> ZmqControlClients:
         return ZmqControlClients(heartbeat_ivl_s=0.2, heartbeat_timeout_s=1.0)
 
@@ -46,6 +50,9 @@ class MemNet:
         self.n += 1
         return self.net.server(f"tcp://{HOST}:{40000 + self.n}")
 
+    def server_at(self, endpoint: str) -> Any:
+        return self.net.server(endpoint)
+
     def clients(self) -> Any:
         return self.net.clients()
 
@@ -61,6 +68,10 @@ def net(request: pytest.FixtureRequest) -> Iterator[Any]:
     class Tracking:
         def server(self) -> Any:
             made.append(factory.server())
+            return made[-1]
+
+        def server_at(self, endpoint: str) -> Any:
+            made.append(factory.server_at(endpoint))
             return made[-1]
 
         def clients(self) -> Any:
@@ -143,6 +154,26 @@ def test_sending_where_nothing_listens_fails_within_the_timeout(net: Any) -> Non
     with pytest.raises(ConnectionError, match="not reachable"):
         clients.send(endpoint, b"x", timeout=0.2)
     assert time.monotonic() - t0 < 2.0
+
+
+def test_a_poll_returns_once_a_refused_send_can_go(net: Any) -> None:
+    """A send refused because nothing took the frame yet (no peer, ``timeout`` 0) makes
+    ``poll`` return once it can go: the Prefill sender's outbox needs no retry timer."""
+    clients = net.clients()
+    endpoint = net.unbound_endpoint()
+    clients.connect(endpoint)
+    with pytest.raises(ConnectionError, match="not reachable"):
+        clients.send(endpoint, b"x", timeout=0.0)
+    threading.Timer(0.2, net.server_at, (endpoint,)).start()
+    t0 = time.monotonic()
+    while True:  # each poll ends on a transport event; the last one on the send's
+        assert clients.poll(WAIT) == []
+        assert time.monotonic() - t0 < WAIT / 2
+        try:
+            clients.send(endpoint, b"hello", timeout=0.0)
+            break
+        except ConnectionError:
+            continue
 
 
 def test_waits_end_at_their_timeout(net: Any) -> None:

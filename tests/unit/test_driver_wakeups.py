@@ -209,3 +209,44 @@ def test_the_receiver_expires_requests_at_their_deadline_without_a_worker_step()
         assert receiver.stop(WAIT)
         transfer.close()
     assert steps.ended[-1] == "input"  # stop wakes the last wait
+
+
+class GatedEvent:
+    """A device event that completes when the test says; records each wait's timeout."""
+
+    def __init__(self) -> None:
+        self.done = threading.Event()
+        self.timeouts: list[float] = []
+
+    def wait(self, timeout: float) -> bool:
+        self.timeouts.append(timeout)
+        return self.done.wait(min(timeout, 4 * WAIT))
+
+
+def test_the_sender_wakes_when_a_device_event_completes_not_to_look_at_it() -> None:
+    """A pending device event is waited on off the loop (up to the session's deadline for
+    it), and its completion wakes the loop: no wait of the loop is cut short to poll it."""
+    clock = ManualClock()
+    clients = SteppedClients(clock)
+    deadlines = Deadlines(meta_ack_s=10, layer_ack_s=30, device_event_s=20, idle_link_s=300)
+    container = bootstrap(Rd2hSettings(role="prefill", deadlines=deadlines), clock=clock,
+                          control_clients=lambda: clients, codec=CODEC,
+                          logger=RecordingLogger())
+    sender = container.prefill_sender(
+        p_session="p", layers={0: SourceLayout(NAME, (TensorComponent(0x100000, 64),))})
+    steps = clients.stepper
+    event = GatedEvent()
+    sender.start()
+    try:
+        assert steps.next_wait() == IDLE
+        target = LayerTarget("A", ReadRequest("r", (0,), (), 0, 0), True, 0, 1)
+        assert sender.submit(0, event, [target]) == 1  # input: wakes it at once
+        assert steps.next_wait() == pytest.approx(20, abs=0.5)  # the event's deadline
+        assert clients.sent == []  # not announced before its KV is on the device
+        event.done.set()  # the helper wakes the loop: the layer goes out at once
+        assert steps.next_wait() == pytest.approx(10, abs=0.5)  # the MF_META ACK's deadline
+        assert [type(m) for _, m in clients.sent] == [MfMeta]
+        assert event.timeouts == [pytest.approx(20, abs=0.5)]  # one wait, to its deadline
+        assert steps.ended == ["input", "input"]  # no other wake-up
+    finally:
+        assert sender.stop(WAIT)

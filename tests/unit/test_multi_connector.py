@@ -10,11 +10,13 @@ rules change, the same configuration also runs through vanilla ``MultiConnector`
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import pytest
 import torch
 from fakes import vllm_connectors as rec
+from fakes.clock import ManualClock
 from vllm.config import KVTransferConfig, VllmConfig
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
@@ -33,6 +35,8 @@ from vllm.v1.request import Request
 
 from rd2h.adapters.vllm.multi import MultiConnectorConfigError, Rd2hMultiConnector
 from rd2h.adapters.vllm.stats import Rd2hConnectorStats
+from rd2h.app.prefill_requests import SessionRequestsView
+from rd2h.domain.prefill_session import PrefillSession
 from rd2h.domain.prefill_state import PrefillTimeouts
 
 WORKER, SCHEDULER = KVConnectorRole.WORKER, KVConnectorRole.SCHEDULER
@@ -271,19 +275,17 @@ class RecordingSender:
 
     def __init__(self) -> None:
         self.log: list[tuple[str, int]] = []
+        # The request book of a session this fake never announces to.
+        self.requests = SessionRequestsView(threading.Condition(),
+                                            PrefillSession({}, PrefillTimeouts()), ManualClock())
 
     def wait_for_layer_send(self, layer_idx: int, timeout: float) -> None:
         self.log.append(("wait", layer_idx))
 
-    def submit(self, layer_idx: int, event: Any, targets: Any, ticket: Any = None) -> int:
+    def submit(self, layer_idx: int, event: Any, targets: Any, named: Any = None,
+               final: Any = ()) -> int:
         self.log.append(("submit", layer_idx))
         return len(targets)
-
-    def take_resolved(self) -> list[Any]:
-        return []
-
-    def take_outcomes(self) -> tuple[list[Any], dict[Any, Any]]:
-        return [], {}
 
     @property
     def timeouts(self) -> PrefillTimeouts:

@@ -30,7 +30,6 @@ def test_tickets_resolve_in_order_and_release_waits_for_the_last() -> None:
     assert book.start_step([("a", 2)]) == StepSends(frozenset({"a"}))
     assert book.announce(0, {D1: [("a", "A")]}) == Announced(first=("a",))
     assert book.announce(1, {D1: [("a", "A")]}, final=["a"]) == Announced(final=("a",))
-    assert book.final_sent("a")
     assert book.counters() == {"requests": 1, "tickets": 2}
     assert book.open_tickets(["a"]) == {"a": 2}
     assert book.record_answers([(0, D1, None)], {}) == []

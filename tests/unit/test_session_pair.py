@@ -88,10 +88,10 @@ class SessionPair(RuleBasedStateMachine):
                 self.p[r].sent(EP, out.announcement, self.now)
             else:
                 assert not isinstance(out, Connect) or out.endpoint == EP
-        for ticket, _, _ in self.p[r].take_resolved():
-            assert ticket in self.open, f"ticket {ticket} resolved twice or never opened"
-            del self.open[ticket]
-            self.resolved.add(ticket)
+        for ticket in [t for t in self.open if t[0] == r]:  # the book holds each until then
+            if not self.p[r].open_requests([f"q{ticket[1]}"]):
+                del self.open[ticket]
+                self.resolved.add(ticket)
 
     def run_d(self, outs: list[Any], named: tuple[str, ...] = ()) -> None:
         for out in outs:
@@ -140,7 +140,7 @@ class SessionPair(RuleBasedStateMachine):
         ticket = (r, self.tickets)
         self.tickets += 1
         batches = group_batches(layer, name(layer), [target])
-        aid = self.p[r].announce(layer, batches, self.now, ticket)
+        aid = self.p[r].announce(layer, batches, self.now, {EP: [(f"q{ticket[1]}", ext)]})
         self.open[ticket] = layer
         self.events.append((r, aid))
 

@@ -107,6 +107,7 @@ class ZmqControlClients:
             pass
         # IMMEDIATE: nothing is queued until the connection completes.
         if not sock.poll(max(0, int(timeout * 1000)), zmq.POLLOUT):
+            self._poller.register(sock, zmq.POLLIN | zmq.POLLOUT)  # ``poll`` says when
             raise ConnectionError(
                 f"decode endpoint {endpoint} is not reachable within {timeout:g} s"
             )
@@ -120,6 +121,9 @@ class ZmqControlClients:
     def poll(self, timeout: float) -> list[tuple[str, bytes]]:
         out: list[tuple[str, bytes]] = []
         events = dict(self._poller.poll(max(0, int(timeout * 1000))))
+        for sock, flags in events.items():
+            if flags & zmq.POLLOUT and sock in self._by_socket:  # a refused send can go
+                self._poller.register(sock, zmq.POLLIN)
         if self._wake_r in events:
             try:
                 while os.read(self._wake_r, 4096):

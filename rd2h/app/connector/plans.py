@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
@@ -51,8 +51,6 @@ class StepPlan:
 
     loads: tuple[DecodeLoad, ...] = ()
     sends: tuple[PrefillSend, ...] = ()
-    # Prefill requests that finished on the scheduler and wait for their sends.
-    finished_sending_wait: tuple[str, ...] = field(default=())
     # Prefill requests vLLM preempted in this step after some of their blocks were
     # announced: vLLM freed those blocks and this step's forward may overwrite them.
     preempted: tuple[str, ...] = ()

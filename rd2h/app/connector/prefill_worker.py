@@ -1,13 +1,12 @@
 """Prefill worker role: announce each layer of this step's completed blocks,
 gate buffer reuse, tell vLLM when a finished request's blocks may be freed, and
 hold a step whose preempted requests Decode may still be reading
-(``handle_preemptions``)."""
+(``handle_preemptions``). The request state lives in the sender's session
+(``PrefillSender.requests``), under its one lock: this role keeps none of its own."""
 
 from __future__ import annotations
 
 import dataclasses
-import itertools
-import threading
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -16,14 +15,10 @@ from rd2h.app.connector.roles import ConnectorRole, TransferResults
 from rd2h.app.prefill import LayerTarget, PrefillSender
 from rd2h.domain.chunks import layer_index
 from rd2h.domain.digests import source_spans
-from rd2h.domain.errors import CompletionError, LayerSendError
+from rd2h.domain.errors import CompletionError
 from rd2h.domain.layout import SourceLayout
-from rd2h.domain.prefill_book import (
-    BookEvent,
-    PrefillRequestBook,
-    RequestFailed,
-    RequestWithheld,
-)
+from rd2h.domain.prefill_book import Announced, RequestFailed, RequestWithheld
+from rd2h.domain.prefill_requests import RequestNews
 from rd2h.domain.protocol import ReadRequest
 from rd2h.domain.topology import compute_mapping, remote_port, tcp_endpoint
 from rd2h.ports.runtime import (
@@ -98,18 +93,13 @@ class PrefillWorker(ConnectorRole):
         self._stop_timeout = stop_timeout_s
         self._sends: tuple[PrefillSend, ...] = ()
         self._dispatched: set[int] = set()
-        self._ticket_ids = itertools.count()
-        # The request state (tickets per layer announcement and endpoint, errors,
-        # releases): sans IO, driven under the lock.
-        self._book = PrefillRequestBook()
-        self._lock = threading.Lock()
+        self._requests = sender.requests  # the session's request book
         self.layers_announced = 0
         self.requests_settled = 0
 
     # -- counters
     def kv_connector_stats(self) -> dict[str, Any]:
-        with self._lock:  # requests (and their main blocks) still held for Decode
-            held = self._book.held()
+        held = self._requests.held()  # requests (and their main blocks) held for Decode
         return {"layers_announced": self.layers_announced,
                 "requests_failed": self.requests_failed,
                 "requests_aborted": self.requests_skipped,
@@ -117,12 +107,12 @@ class PrefillWorker(ConnectorRole):
 
     @property
     def requests_failed(self) -> int:
-        return self._book.requests_failed
+        return self._requests.failed
 
     @property
     def requests_skipped(self) -> int:
         """Requests Decode no longer knew (aborted there)."""
-        return self._book.requests_skipped
+        return self._requests.skipped
 
     @property
     def sender(self) -> PrefillSender:
@@ -138,13 +128,11 @@ class PrefillWorker(ConnectorRole):
         """This step's sends. A request with a failed announcement gets no more: Decode
         failed it, or never read the failed part and must not complete it without that
         (it fails at its own deadline instead)."""
-        self._collect_resolved()
         sends = plan.sends
-        with self._lock:
-            verdict = self._book.start_step(
-                (s.internal_id, s.main_start + len(s.main_block_ids)) for s in sends)
-        self._log_events(verdict.withheld)
-        self._sends = tuple(s for s in sends if s.internal_id in verdict.kept)
+        kept = self._requests.start_step(
+            (s.internal_id, s.main_start + len(s.main_block_ids)) for s in sends)
+        self._report(self._requests.take_news())
+        self._sends = tuple(s for s in sends if s.internal_id in kept)
         self._dispatched.clear()
 
     def wait_for_layer_reuse(self, layer_idx: int) -> None:
@@ -186,22 +174,11 @@ class PrefillWorker(ConnectorRole):
                 names.setdefault(endpoint, []).append((s.internal_id, s.ext_id))
         if not targets:
             return
-        ticket = next(self._ticket_ids)
         final = [s.internal_id for s in self._sends if s.final] if idx == self._last_layer else []
-        with self._lock:
-            news = self._book.announce(ticket, names, final)
-            for rid in news.first:
-                self._timeline.stamp(rid, HopName.PREFILL_FIRST_LAYER)
-            for rid in news.final:
-                self._timeline.stamp(rid, HopName.PREFILL_ANNOUNCED_ALL)
         try:
-            self._sender.submit(idx, self._events.record(), targets, ticket=ticket)
-        except LayerSendError as exc:
-            with self._lock:
-                failed = [e for endpoint in names
-                          for e in self._book.resolve((ticket, endpoint), str(exc))]
-            self._log_events(failed)
-            raise
+            self._sender.submit(idx, self._events.record(), targets, names, final)
+        finally:
+            self._report(self._requests.take_news())
         self.layers_announced += 1
 
     # -- preemption
@@ -216,23 +193,17 @@ class PrefillWorker(ConnectorRole):
         rids = tuple(dict.fromkeys(plan.preempted))
         timeout = self.settle_timeout_s
         started = self._clock.now()
-        deadline = started + timeout
-        self._collect_resolved()
-        waited_on = still = self._open_tickets(rids)
-        while still:
-            remaining = deadline - self._clock.now()
-            if remaining <= 0:
-                raise CompletionError(
-                    f"preempted request(s) {sorted(still)}: Decode has not answered "
-                    f"{sum(still.values())} announcement(s) of their blocks within "
-                    f"{timeout:g} s; vLLM freed those blocks and would "
-                    f"overwrite them while Decode may still read them"
-                )
-            self._sender.wait_resolved(min(remaining, 1.0))
-            self._collect_resolved()
-            still = self._open_tickets(rids)
-        with self._lock:
-            failed = self._book.errors(rids)
+        waited_on = self._requests.open_requests(rids)
+        still = self._requests.wait_settled(rids, timeout) if waited_on else {}
+        self._report(self._requests.take_news())
+        if still:
+            raise CompletionError(
+                f"preempted request(s) {sorted(still)}: Decode has not answered "
+                f"{sum(still.values())} announcement(s) of their blocks within "
+                f"{timeout:g} s; vLLM freed those blocks and would "
+                f"overwrite them while Decode may still read them"
+            )
+        failed = self._requests.errors(rids)
         self.requests_settled += len(rids)
         self._log.info("preempted requests settled before their blocks are reused",
                        requests=list(rids), open_announcements=sum(waited_on.values()),
@@ -255,30 +226,25 @@ class PrefillWorker(ConnectorRole):
             return self._settle_timeout_s
         return self._sender.timeouts.gate_budget_s
 
-    def _open_tickets(self, rids: Iterable[str]) -> dict[str, int]:
-        with self._lock:
-            return self._book.open_tickets(rids)
-
     # -- completion
-    def _collect_resolved(self) -> None:
-        resolved, skipped = self._sender.take_outcomes()
-        with self._lock:  # in the order the answers came
-            events = self._book.record_answers(resolved, skipped)  # type: ignore[arg-type]
-        self._log_events(events)
-
     def get_transfer_results(self, finished_req_ids: Iterable[str]) -> TransferResults:
         """Finished sending: requests vLLM finished whose announcements have all been
         answered."""
-        self._collect_resolved()
-        with self._lock:
-            done = self._book.release(finished_req_ids)
-            for rid in done:
-                self._timeline.stamp(rid, HopName.PREFILL_RELEASED)
+        self._report(self._requests.take_news())
+        done = self._requests.release(finished_req_ids)
+        for rid in done:
+            self._timeline.stamp(rid, HopName.PREFILL_RELEASED)
         return TransferResults(finished_sending=frozenset(done))
 
-    def _log_events(self, events: Iterable[BookEvent | RequestWithheld]) -> None:
-        for e in events:
-            if isinstance(e, RequestFailed):
+    def _report(self, news: Iterable[RequestNews]) -> None:
+        """Timeline stamps and logs of what happened to requests, in order."""
+        for e in news:
+            if isinstance(e, Announced):
+                for rid in e.first:
+                    self._timeline.stamp(rid, HopName.PREFILL_FIRST_LAYER)
+                for rid in e.final:
+                    self._timeline.stamp(rid, HopName.PREFILL_ANNOUNCED_ALL)
+            elif isinstance(e, RequestFailed):
                 self._log.warning("decode did not read a request's layer",
                                   request=e.request, error=e.error)
             elif isinstance(e, RequestWithheld):
@@ -289,8 +255,7 @@ class PrefillWorker(ConnectorRole):
                                "announced", request=e.request, endpoint=e.endpoint)
 
     def counters(self) -> dict[str, int]:
-        with self._lock:
-            out = self._book.counters()
+        out = self._requests.counters()
         out.update(self._sender.counters())
         return out
 
