@@ -13,12 +13,18 @@ import numpy as np
 
 from rd2h.domain.errors import TransferError
 
-_INT64_MAX = np.iinfo(np.int64).max
+_INT64_MAX = int(np.iinfo(np.int64).max)
 _NONE = np.zeros(0, np.intp)
 _NONE.setflags(write=False)
+_I64 = np.dtype(np.int64)
+# The ufuncs' reductions called directly (``a.min()`` adds a Python-level wrapper per call;
+# a batch's checks are a handful of reductions over a few dozen values).
+_min, _max, _all = np.minimum.reduce, np.maximum.reduce, np.logical_and.reduce
 
 
 def _as_int64(name: str, values: np.ndarray) -> np.ndarray:
+    if type(values) is np.ndarray and values.dtype == _I64 and values.ndim == 1:
+        return values  # what the planner hands over: nothing to convert
     arr = np.asarray(values)
     if arr.ndim != 1:
         raise TransferError(f"{name} must be a 1-D array, got shape {arr.shape}")
@@ -47,11 +53,15 @@ def validate_batch(
         )
     if lens.size == 0:
         return local, remote, lens
-    # The common case, every descriptor valid, in a few whole-array reductions; the
-    # exact search below (which names the first bad descriptor) runs otherwise.
-    if lens.min() > 0:
-        room = _INT64_MAX - lens  # lengths are positive: no overflow
-        if np.minimum(local, remote).min() >= 0 and (np.maximum(local, remote) <= room).all():
+    # The common case, every descriptor valid, in a few whole-array reductions compared
+    # in exact integers (no start is negative, and the highest start plus the longest
+    # length fits: so does every range); the exact search below (which names the first
+    # bad descriptor) runs otherwise.
+    if int(_min(lens)) > 0:
+        longest = int(_max(lens))
+        if (int(_min(local)) >= 0 and int(_min(remote)) >= 0
+                and int(_max(local)) <= _INT64_MAX - longest
+                and int(_max(remote)) <= _INT64_MAX - longest):
             return local, remote, lens
     bad = np.flatnonzero(lens <= 0)
     if bad.size:
@@ -130,8 +140,9 @@ class RegionTable:
         starts, max_ends = self._snapshot
         if starts.size == 0:
             return np.arange(addrs.size)
-        idx = np.searchsorted(starts, addrs, side="right") - 1
-        if idx.size and idx.min() >= 0 and (max_ends[idx] >= addrs + lengths).all():
+        idx = starts.searchsorted(addrs, side="right")
+        idx -= 1
+        if idx.size and int(_min(idx)) >= 0 and _all(max_ends[idx] >= addrs + lengths):
             return _NONE  # every range inside a region (the common case)
         covered = (idx >= 0) & (max_ends[np.maximum(idx, 0)] >= addrs + lengths)
         return np.flatnonzero(~covered)

@@ -55,6 +55,10 @@ class DescriptorTemplate:
     row: np.ndarray
     edges: tuple[int, ...]
     tensors: int  # rows: the tensors that have descriptors, in order
+    # Per edge, as integers: (row before, end of the descriptor before it, row after,
+    # start of the one after), local then remote offsets (``layer_at``'s boundary merge).
+    seams: tuple[tuple[int, int, int, int, int, int], ...] = ()
+    total_bytes: int = 0
 
     @staticmethod
     def build(groups: Sequence[Group]) -> DescriptorTemplate:
@@ -80,9 +84,27 @@ class DescriptorTemplate:
                 edges.append(at)
         if not local:
             return DescriptorTemplate(_EMPTY, _EMPTY, _EMPTY, np.zeros(0, np.intp), (), 0)
-        return DescriptorTemplate(
-            _frozen(np.concatenate(local)), _frozen(np.concatenate(remote)),
-            _frozen(np.concatenate(lengths)), np.concatenate(rows), tuple(edges[:-1]), tensor)
+        lo, ro, ln = (_frozen(np.concatenate(a)) for a in (local, remote, lengths))
+        row = np.concatenate(rows)
+        cuts = tuple(edges[:-1])
+        seams = tuple((int(row[c - 1]), int(lo[c - 1] + ln[c - 1]), int(row[c]), int(lo[c]),
+                       int(ro[c - 1] + ln[c - 1]), int(ro[c])) for c in cuts)
+        return DescriptorTemplate(lo, ro, ln, row, cuts, tensor, seams, int(ln.sum()))
+
+    def layer_at(self, d: np.ndarray, p: np.ndarray, d_ints: Sequence[int],
+                 p_ints: Sequence[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``layer`` with the layer's base addresses given per row (``LayerPair.bases``):
+        arrays for the offsets, integers for the boundary merge."""
+        if not self.tensors:
+            return _EMPTY.copy(), _EMPTY.copy(), _EMPTY.copy()
+        row = self.row
+        local = self.local_off + d[row]
+        remote = self.remote_off + p[row]
+        for ra, end_l, rb, start_l, end_r, start_r in self.seams:
+            if (end_l + d_ints[ra] == start_l + d_ints[rb]
+                    and end_r + p_ints[ra] == start_r + p_ints[rb]):
+                return coalesce(local, remote, self.lengths.copy())
+        return local, remote, self.lengths
 
     def layer(self, groups: Sequence[Group]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """This layer's descriptors (``groups`` of the same shape the template was built

@@ -4,13 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from rd2h.domain.layout import (
-    DestinationLayout,
-    MainSlice,
-    SourceLayout,
-    main_slices,
-    validate_layout,
-)
+from rd2h.domain.layer_pair import LayerPair
+from rd2h.domain.layout import DestinationLayout, MainSlice, SourceLayout
 
 
 class PlanMemo:
@@ -25,26 +20,29 @@ class PlanMemo:
         self.capacity = capacity
         self._entries: dict[object, tuple[tuple[object, ...], tuple[object, ...], Any]] = {}
         self.hits = 0
-        # (id(src), id(dst)) -> (src, dst, head slices) of a pair that passed
-        # ``validate_layout``; holding both objects keeps their ids from being reused.
-        self._layouts: dict[tuple[int, int], tuple[object, object, Any]] = {}
+        # (id(src), id(dst)) -> the ``LayerPair`` of a pair that passed
+        # ``validate_layout``; it holds both objects, so their ids are not reused.
+        self._layouts: dict[tuple[int, int], LayerPair] = {}
         self.layout_capacity = 8 * 1024
 
-    def layouts(self, src: SourceLayout,
-                dst: DestinationLayout) -> tuple[MainSlice, ...] | None:
-        """``validate_layout(src, dst)`` (raises ``LayoutMismatch``) and ``main_slices``,
-        checked once per pair of layout objects (a peer's layouts are fixed by its
+    def pair(self, src: SourceLayout, dst: DestinationLayout) -> LayerPair:
+        """The ``LayerPair`` of two layouts (``validate_layout`` raises ``LayoutMismatch``),
+        derived once per pair of layout objects (a peer's layouts are fixed by its
         MF_META, Decode's by its cache); a pair that failed is checked again each time."""
         key = (id(src), id(dst))
         hit = self._layouts.get(key)
-        if hit is not None and hit[0] is src and hit[1] is dst:
-            return hit[2]
-        validate_layout(src, dst)
-        slices = main_slices(src, dst)
+        if hit is not None and hit.src is src and hit.dst is dst:
+            return hit
+        pair = LayerPair.of(src, dst)
         if len(self._layouts) >= self.layout_capacity:
             self._layouts.clear()  # many peers' MF_META came and went: start again
-        self._layouts[key] = (src, dst, slices)
-        return slices
+        self._layouts[key] = pair  # it holds both objects: their ids are not reused
+        return pair
+
+    def layouts(self, src: SourceLayout,
+                dst: DestinationLayout) -> tuple[MainSlice, ...] | None:
+        """``validate_layout(src, dst)`` and ``main_slices``, once per pair (``pair``)."""
+        return self.pair(src, dst).slices
 
     def get(self, owner: object, key: tuple[object, ...],
             dests: tuple[object, ...]) -> Any:

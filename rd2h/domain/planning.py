@@ -27,14 +27,12 @@ from rd2h.domain.destination import Destination
 from rd2h.domain.digests import block_checks
 from rd2h.domain.errors import PlanningError
 from rd2h.domain.kv_groups import NO_BLOCK
+from rd2h.domain.layer_pair import LayerPair
 from rd2h.domain.layout import (
     DestinationLayout,
     DestTensor,
-    MainSlice,
     SourceLayout,
     TensorComponent,
-    main_slices,
-    validate_layout,
 )
 from rd2h.domain.plan_memo import PlanMemo
 from rd2h.domain.protocol import ReadReadyBatch, ReadRequest
@@ -208,20 +206,28 @@ class BlockPlan:
             hit = self.templates[key] = (built, int(empty[0]) if empty.size else None)
         return hit  # type: ignore[return-value]
 
-    def descriptors(self, groups: Sequence[Group],
-                    layer: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """This layer's descriptors (runs of consecutive blocks become one descriptor)."""
-        for comp, pairs, what, _ in groups:
-            if comp.src.size and pairs:
+    def descriptors(self, pair: LayerPair,
+                    layer: str) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+        """This layer's descriptors (runs of consecutive blocks become one descriptor) and
+        the bytes they read. Destination ids are checked against the pair's limits as
+        integers; the exact check, naming the tensor, runs only when one is crossed."""
+        main, index = self.main, self.index
+        has_main = bool(main.src.size) and bool(pair.main_pairs)
+        has_index = bool(index.src.size) and bool(pair.index_pairs)
+        for comp, pairs, what, room, used in (
+                (main, pair.main_pairs, "main", pair.main_dst_blocks, has_main),
+                (index, pair.index_pairs, "indexer", pair.index_dst_blocks, has_index)):
+            if used and (comp.dst_hi >= room or comp.dst_lo < 0):
                 for _, dst in pairs:
                     _check_range(comp.dst_hi, comp.dst_lo, dst, layer, what)
-        shape = tuple((tuple((s.bytes_per_block, d.bytes_per_block) for s, d in pairs),
-                       None if slices is None else tuple(slices))
-                      for _, pairs, _, slices in groups)
-        template = self.templates.get(shape)
+        template = self.templates.get(pair.shape)
         if template is None:
-            template = self.templates[shape] = DescriptorTemplate.build(groups)
-        return template.layer(groups)
+            groups: list[Group] = [(main, pair.main_pairs, "main", pair.slices),
+                                   (index, pair.index_pairs, "indexer", None)]
+            template = self.templates[pair.shape] = DescriptorTemplate.build(groups)
+        bases = pair.bases(has_main, has_index)
+        local, remote, lengths = template.layer_at(*bases)
+        return local, remote, lengths, template.total_bytes
 
 
 def _block_plan(
@@ -277,12 +283,6 @@ def _block_plan(
     return BlockPlan(ext_ids, main, index)
 
 
-def _checked_layouts(src: SourceLayout, dst: DestinationLayout) -> tuple[MainSlice, ...] | None:
-    """``validate_layout`` (raises on a mismatch), then the head split's slices."""
-    validate_layout(src, dst)
-    return main_slices(src, dst)
-
-
 def plan_reads(
     batch: ReadReadyBatch,
     src: SourceLayout,
@@ -309,7 +309,8 @@ def plan_reads(
     (every layer of a chunk does); the per-layer checks and addresses always run.
     Raises ``LayoutMismatch`` or ``PlanningError``; either fails the whole layer.
     """
-    slices = memo.layouts(src, dst) if memo is not None else _checked_layouts(src, dst)
+    pair = memo.pair(src, dst) if memo is not None else LayerPair.of(src, dst)
+    slices = pair.slices
     layer = batch.layer_name
     reqs = batch.read_reqs
     dests = tuple(map(destinations.get, map(attrgetter("ext_req_id"), reqs)))
@@ -325,25 +326,20 @@ def plan_reads(
             memo.put(owner, key, dests, blocks)
     main, index = blocks.main, blocks.index
 
-    _check_source(layer, "main", main, src.main, reqs)
-    _check_source(
-        layer, "indexer", index, [t for t in (src.indexer, src.scale) if t is not None], reqs
-    )
+    # The pair's limits first, as integers; the exact check names the block at fault.
+    if main.src.size and main.src_hi >= pair.main_src_limit:
+        _check_source(layer, "main", main, src.main, reqs)
+    if index.src.size and index.src_hi >= pair.index_src_limit:
+        _check_source(
+            layer, "indexer", index, [t for t in (src.indexer, src.scale) if t is not None],
+            reqs)
 
     built, empty = blocks.built(len(src.main), 1 + (src.scale is not None))
     if empty is not None:
         raise PlanningError(layer, "this rank owns blocks but built no descriptor",
                             reqs[empty].ext_req_id)
 
-    idx_pairs: list[tuple[TensorComponent, DestTensor]] = []
-    if src.indexer is not None and dst.indexer is not None:
-        idx_pairs.append((src.indexer, dst.indexer))
-        if src.scale is not None and dst.scale is not None:
-            idx_pairs.append((src.scale, dst.scale))
-    local, remote, lengths = blocks.descriptors(
-        [(main, list(zip(src.main, dst.main)), "main", slices),
-         (index, idx_pairs, "indexer", None)], layer
-    )
+    local, remote, lengths, nbytes = blocks.descriptors(pair, layer)
     checks = None
     if slices is None and any(r.digests is not None for r in reqs):  # head split: unchecked
         cut_m, cut_i = np.cumsum(main.counts)[:-1], np.cumsum(index.counts)[:-1]
@@ -354,5 +350,5 @@ def plan_reads(
                               [t for t in (dst.indexer, dst.scale) if t is not None])
     return ReadPlan(
         local, remote, lengths, blocks.ext_ids, main.counts, index.counts, built,
-        int(main.src.size + index.src.size), checks,
+        int(main.src.size + index.src.size), checks, nbytes,
     )

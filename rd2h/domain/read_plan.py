@@ -44,6 +44,7 @@ class ReadPlan:
     blocks: int
     # ``verify_kv``: the digests to check after the read (None: none stated).
     checks: BlockChecks | None = None
+    nbytes: int | None = None  # ``lengths``' sum, where the planner knows it already
 
     @cached_property
     def requests(self) -> tuple[RequestOwnership, ...]:
@@ -63,6 +64,8 @@ class ReadPlan:
 
     @property
     def total_bytes(self) -> int:
+        if self.nbytes is not None:
+            return self.nbytes
         return int(self.lengths.sum()) if self.lengths.size else 0
 
     @property

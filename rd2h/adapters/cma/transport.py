@@ -35,6 +35,8 @@ DEFAULT_PARALLEL_MIN_BYTES = 4 << 20
 """Batches smaller than this are read on the calling thread even when ``threads > 1``."""
 
 _IOVEC_BYTES = 16
+_sum = np.add.reduce
+_PEERS_KEPT = 4096  # sessions whose pid is remembered (then the memo starts again)
 
 # (pid, local_iov, liovcnt, remote_iov, riovcnt, flags) -> bytes read or -1 (errno set).
 ReadvFn = Callable[[int, int, int, int, int, int], int]
@@ -96,7 +98,7 @@ def read_range(
     i = start
     while i < stop:
         count = min(IOV_MAX, stop - i)
-        want = int(lens[i : i + count].sum())
+        want = int(_sum(lens[i : i + count]))
         offset = i * _IOVEC_BYTES
         got = readv(pid, local_ptr + offset, count, remote_ptr + offset, count, 0)
         if got == want:
@@ -155,6 +157,7 @@ class CmaTransferEngine(BaseTransferEngine):
         self._host = socket.gethostname()
         self._session_id = f"{self._host}:{os.getpid()}"
         self._threads = threads
+        self._pids: dict[str, int] = {}
         self._parallel_min_bytes = parallel_min_bytes
         self._pool = (
             ThreadPoolExecutor(threads, thread_name_prefix="rd2h-cma") if threads > 1 else None
@@ -166,7 +169,18 @@ class CmaTransferEngine(BaseTransferEngine):
         return self._session_id
 
     def _peer(self, session: str) -> int:
-        """The peer's pid: ``session`` must be ``"<this host>:<pid>"``."""
+        """The peer's pid: ``session`` must be ``"<this host>:<pid>"`` (a session that
+        passed is remembered: every read of a peer names the same one)."""
+        pid = self._pids.get(session)
+        if pid is not None:
+            return pid
+        pid = self._parse_peer(session)
+        if len(self._pids) >= _PEERS_KEPT:
+            self._pids.clear()
+        self._pids[session] = pid
+        return pid
+
+    def _parse_peer(self, session: str) -> int:
         host, sep, pid_text = session.rpartition(":")
         if not sep or not host or not pid_text.isdigit() or int(pid_text) <= 0:
             raise TransferError(f"malformed cma session {session!r}; expected '<host>:<pid>'")

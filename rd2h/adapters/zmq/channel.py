@@ -47,9 +47,9 @@ from rd2h.adapters.zmq.sockets import (
     DEFAULT_HEARTBEAT_IVL_S,
     DEFAULT_HEARTBEAT_TIMEOUT_S,
     DEFAULT_RECV_HWM,
+    MonitorReader,
     check_hwm,
     close_monitor,
-    monitor_events,
     non_empty,
     set_heartbeat,
     source_fd,
@@ -61,7 +61,9 @@ __all__ = ["BindError", "ZmqControlClients", "ZmqControlServer"]
 
 _NOBLOCK = int(zmq.NOBLOCK)
 _MORE_NOBLOCK = int(zmq.NOBLOCK | zmq.SNDMORE)
-
+# pyzmq's compiled send: the Python layer above it only adds DRAFT routing_id/group
+# handling and the zero-copy threshold (replies are far below it); once per frame.
+_send = zmq.backend.Socket.send
 
 
 class BindError(Rd2hError):
@@ -125,6 +127,7 @@ class ZmqControlServer:
         self._monitor = self._sock.get_monitor_socket(
             zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED
         )
+        self._events = MonitorReader(self._monitor)
         self._poller = zmq.Poller()
         self._poller.register(self._sock, zmq.POLLIN)
         self._poller.register(self._monitor, zmq.POLLIN)
@@ -144,7 +147,7 @@ class ZmqControlServer:
         """Apply queued connection events in order; the descriptors that closed (and
         were not accepted again since). Known peers on them are queued as lost."""
         gone: set[int] = set()
-        for event, fd in monitor_events(self._monitor):
+        for event, fd in self._events.events():
             if event == zmq.EVENT_DISCONNECTED:
                 gone.add(fd)
                 identity = self._peer_of_fd.pop(fd, None)
@@ -162,6 +165,7 @@ class ZmqControlServer:
             if self._lost:
                 return None  # let the caller handle the loss at once
             wait_ms = max(0, int((deadline - time.monotonic()) * 1000))
+            self._events.polled()  # the poll reads the monitor's ZMQ_EVENTS
             events = dict(self._poller.poll(wait_ms))
             if self._wake_r in events:
                 with contextlib.suppress(BlockingIOError):
@@ -232,9 +236,9 @@ class ZmqControlServer:
         The peer's own deadline covers an undelivered reply."""
         sock = self._sock
         try:  # the frames one by one, with plain int flags (no IntFlag arithmetic per frame)
-            sock.send(identity, _MORE_NOBLOCK)
-            sock.send(b"", _MORE_NOBLOCK)
-            sock.send(payload, _NOBLOCK)
+            _send(sock, identity, _MORE_NOBLOCK)
+            _send(sock, b"", _MORE_NOBLOCK)
+            _send(sock, payload, _NOBLOCK)
         except zmq.ZMQError:
             return False
         return True

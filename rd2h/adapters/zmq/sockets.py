@@ -4,6 +4,7 @@ frames and socket-monitor events."""
 from __future__ import annotations
 
 import contextlib
+import select
 
 import zmq
 from zmq.utils.monitor import parse_monitor_message
@@ -54,6 +55,38 @@ def monitor_events(monitor: zmq.Socket) -> list[tuple[int, int]]:
         event = parse_monitor_message(frames)
         out.append((int(event["event"]), int(event["value"])))
     return out
+
+
+class MonitorReader:
+    """``monitor_events`` of one monitor socket, without asking libzmq while nothing can
+    have arrived.
+
+    A socket's ``ZMQ_FD`` is edge-triggered (zmq_getsockopt(3)): once ``ZMQ_EVENTS`` has
+    been read and showed nothing queued, the descriptor turns readable before anything
+    new can be received. So after a look that found the monitor empty, a ``poll(0)`` of
+    that descriptor (one cheap syscall, no libzmq call) tells whether another look is
+    needed; a readable descriptor only means "look again" (it may be spurious).
+    """
+
+    def __init__(self, monitor: zmq.Socket) -> None:
+        self.socket = monitor
+        self._poll = select.poll()
+        self._poll.register(monitor.get(zmq.FD), select.POLLIN)
+        self._empty = False  # the last look drained it and nothing signalled since
+
+    def polled(self) -> None:
+        """Someone else asked libzmq about the monitor (``zmq.Poller`` reads ZMQ_EVENTS,
+        which consumes the descriptor's signal): the next ``events`` looks for real."""
+        self._empty = False
+
+    def events(self) -> list[tuple[int, int]]:
+        """Every queued ``(event, value)``, in order (``monitor_events``)."""
+        if self._empty and not self._poll.poll(0):
+            return []
+        self._empty = False
+        out = monitor_events(self.socket)
+        self._empty = True  # ``monitor_events`` stops only when ZMQ_EVENTS shows nothing
+        return out
 
 
 def close_monitor(sock: zmq.Socket, monitor: zmq.Socket) -> None:
