@@ -107,3 +107,32 @@ def test_plain_entries_are_checked_column_wise_like_entry_by_entry() -> None:
     assert legacy.read_reqs == (ReadRequest("a", (1, 2), (1, 2), 0, 0),)
     longer = message_from_fields([READ_READY_BATCH, 1, "l", [["a", [1], [2], 0, 0, "x"]]])
     assert longer.read_reqs == (ReadRequest("a", (1,), (2,), 0, 0),)
+
+
+def test_memo_finds_the_entries_only_at_their_own_place_in_the_frame() -> None:
+    """The fast look-up (canonical head, then the remembered entries right after it)
+    matches only element 3 itself: a non-canonical head falls back to the parse, and the
+    remembered entries' bytes elsewhere in the frame (a later element) are not taken for
+    element 3."""
+    codec = MsgpackCodec()
+    first = codec.decode(codec.encode(batch(0)), b"peer")
+    wire = codec_module._element_bytes(codec.encode(batch(0)), 3)
+    assert wire is not None
+    plain = codec.encode(batch(1, seq=1))  # what an rd2h Prefill sends: found at once
+    assert codec_module._entries_at(plain, msgpack.unpackb(plain), wire)
+    # layer index 1 as a uint64 (non-canonical): still decoded, still memoised by the parse
+    odd = (b"\x98" + msgpack.packb(READ_READY_BATCH, use_bin_type=True) + b"\xcf"
+           + (1).to_bytes(8, "big") + msgpack.packb("layer.1") + wire
+           + msgpack.packb([]) + b"\x00\x01\x01")
+    got = codec.decode(odd, b"peer")
+    assert got == batch(1, seq=1) and got.read_reqs is first.read_reqs
+    assert not codec_module._entries_at(odd, msgpack.unpackb(odd), wire)
+    # the remembered entries' bytes in a later element (an extension field old builds
+    # ignore), other entries at element 3
+    moved = (ReadRequest("a", (3, 4, 6), (3, 4, 6), 0, 0),)
+    tricky = frame(READ_READY_BATCH, 2, "layer.2", [["a", [3, 4, 6], [3, 4, 6], 0, 0]], [],
+                   0, 1, 2, 10**12, wire)
+    assert wire in tricky
+    assert not codec_module._entries_at(tricky, msgpack.unpackb(tricky), wire)
+    got = codec.decode(tricky, b"peer")
+    assert got.read_reqs == moved and got.read_reqs is not first.read_reqs
