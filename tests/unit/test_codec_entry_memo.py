@@ -8,6 +8,7 @@ import msgpack
 import pytest
 
 import rd2h.adapters.msgpack.codec as codec_module
+import rd2h.adapters.msgpack.entries as entry_memo
 from rd2h.adapters.msgpack import MsgpackCodec
 from rd2h.domain.errors import ProtocolError
 from rd2h.domain.protocol import (
@@ -75,7 +76,7 @@ def test_a_large_frame_is_not_scanned_again_for_the_memo(monkeypatch) -> None:
         raise AssertionError("a frame over MEMO_MAX_FRAME_BYTES was scanned again")
 
     codec = MsgpackCodec()
-    monkeypatch.setattr(codec_module, "_element_bytes", scan)
+    monkeypatch.setattr(codec_module, "element_bytes", scan)
     monkeypatch.setattr(codec_module, "MEMO_MAX_FRAME_BYTES", 16)
     first = codec.decode(codec.encode(batch(0)), b"peer")
     again = codec.decode(codec.encode(batch(1)), b"peer")
@@ -116,23 +117,23 @@ def test_memo_finds_the_entries_only_at_their_own_place_in_the_frame() -> None:
     element 3."""
     codec = MsgpackCodec()
     first = codec.decode(codec.encode(batch(0)), b"peer")
-    wire = codec_module._element_bytes(codec.encode(batch(0)), 3)
+    wire = entry_memo.element_bytes(codec.encode(batch(0)), 3)
     assert wire is not None
     plain = codec.encode(batch(1, seq=1))  # what an rd2h Prefill sends: found at once
-    assert codec_module._entries_at(plain, msgpack.unpackb(plain), wire)
+    assert entry_memo.entries_at(plain, msgpack.unpackb(plain), wire)
     # layer index 1 as a uint64 (non-canonical): still decoded, still memoised by the parse
     odd = (b"\x98" + msgpack.packb(READ_READY_BATCH, use_bin_type=True) + b"\xcf"
            + (1).to_bytes(8, "big") + msgpack.packb("layer.1") + wire
            + msgpack.packb([]) + b"\x00\x01\x01")
     got = codec.decode(odd, b"peer")
     assert got == batch(1, seq=1) and got.read_reqs is first.read_reqs
-    assert not codec_module._entries_at(odd, msgpack.unpackb(odd), wire)
+    assert not entry_memo.entries_at(odd, msgpack.unpackb(odd), wire)
     # the remembered entries' bytes in a later element (an extension field old builds
     # ignore), other entries at element 3
     moved = (ReadRequest("a", (3, 4, 6), (3, 4, 6), 0, 0),)
     tricky = frame(READ_READY_BATCH, 2, "layer.2", [["a", [3, 4, 6], [3, 4, 6], 0, 0]], [],
                    0, 1, 2, 10**12, wire)
     assert wire in tricky
-    assert not codec_module._entries_at(tricky, msgpack.unpackb(tricky), wire)
+    assert not entry_memo.entries_at(tricky, msgpack.unpackb(tricky), wire)
     got = codec.decode(tricky, b"peer")
     assert got.read_reqs == moved and got.read_reqs is not first.read_reqs

@@ -45,6 +45,7 @@ from typing import Any
 
 import msgpack
 
+from rd2h.adapters.msgpack.entries import element_bytes, entries_at
 from rd2h.domain.compat import NAK, MetaRefused, refusal_fields, refusal_from_fields
 from rd2h.domain.errors import ProtocolError
 from rd2h.domain.protocol import (
@@ -280,10 +281,10 @@ class MsgpackCodec:
                 and type(fields) is list and len(fields) > 3
                 and fields[0] == READ_READY_BATCH):
             seen = self._entries.get(conn)
-            if seen is not None and _entries_at(frame, fields, seen[0]):
+            if seen is not None and entries_at(frame, fields, seen[0]):
                 wire, known = seen
             else:
-                wire = _element_bytes(frame, 3)
+                wire = element_bytes(frame, 3)
                 if seen is not None and wire is not None and seen[0] == wire:
                     known = seen[1]
         try:
@@ -378,40 +379,6 @@ class MsgpackCodec:
             raise ProtocolError(f"{what} is not valid msgpack: {_detail(exc)}") from exc
         if unpacker.tell() != size + len(prefix):
             raise ProtocolError(f"{what} is not valid msgpack: extra data after the value")
-
-
-_canonical = msgpack.Packer(use_bin_type=True)
-
-
-def _entries_at(frame: Any, fields: list[Any], wire: bytes) -> bool:
-    """Whether ``frame`` (which decoded whole to ``fields``) holds exactly ``wire`` as its
-    element 3, found without a second parse: when the frame's first bytes are the
-    canonical encoding of its array header and elements 0-2, element 3 starts right
-    after them (msgpack is prefix-free: a complete encoding at a position is what a parse
-    from there reads), and ``wire``, one complete value, is element 3 if it starts there.
-    Anything else (a non-canonical encoding, other entries) answers False."""
-    if type(frame) is not bytes or len(fields) > 15:
-        return False
-    head = _canonical.pack(fields[:3])
-    return (frame[0] == 0x90 | len(fields) and frame.startswith(head[1:], 1)
-            and frame.startswith(wire, len(head)))
-
-
-def _element_bytes(frame: Any, index: int) -> bytes | None:
-    """The wire bytes of element ``index`` of the array ``frame`` holds (a frame that
-    already decoded whole), or None."""
-    unpacker = msgpack.Unpacker(max_buffer_size=max(len(frame), 1))
-    try:
-        unpacker.feed(frame)
-        if unpacker.read_array_header() <= index:
-            return None
-        for _ in range(index):
-            unpacker.skip()
-        start = unpacker.tell()
-        unpacker.skip()
-    except Exception:  # not what decoded above: no memo for this frame
-        return None
-    return bytes(frame[start:unpacker.tell()])
 
 
 def _detail(exc: BaseException) -> str:
