@@ -11,7 +11,7 @@ import zmq
 from fakes.net import free_port
 
 from rd2h.adapters.zmq.channel import ZmqControlClients, ZmqControlServer
-from rd2h.adapters.zmq.sockets import monitor_events
+from rd2h.adapters.zmq.sockets import MonitorReader, monitor_events
 
 pytestmark = pytest.mark.integration
 
@@ -131,3 +131,67 @@ def test_clients_still_see_a_server_that_went_away() -> None:
     finally:
         clients.close()
         server.close()
+
+
+class _CountingEvents(_CountingMonitor):
+    """A monitor socket that also counts its ``ZMQ_EVENTS`` look-ups."""
+
+    def __init__(self, sock: zmq.Socket) -> None:
+        super().__init__(sock)
+        self.looks = 0
+
+    def get(self, option: int) -> int:
+        self.looks += option == zmq.EVENTS
+        return self._sock.get(option)
+
+
+def _until(pred, what: str):
+    deadline = time.monotonic() + WAIT
+    while time.monotonic() < deadline:
+        got = pred()
+        if got:
+            return got
+        time.sleep(0.01)
+    raise AssertionError(f"no {what} within {WAIT} s")
+
+
+def test_monitor_reader_asks_libzmq_only_after_its_descriptor_signalled() -> None:
+    """Idle looks cost no ZMQ_EVENTS; a connection and its loss are each still seen, in
+    order, by ``events`` alone; after someone else's poll of the monitor (which consumes
+    the descriptor's signal) ``polled`` makes the next look a real one."""
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 0)
+    raw = sock.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
+    monitor = _CountingEvents(raw)
+    reader = MonitorReader(monitor)  # type: ignore[arg-type]
+    port = sock.bind_to_random_port(f"tcp://{HOST}")
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    try:
+        assert reader.events() == []
+        looks = monitor.looks
+        for _ in range(100):
+            assert reader.events() == []
+        assert monitor.looks == looks  # nothing signalled: libzmq never asked
+        dealer.connect(f"tcp://{HOST}:{port}")
+        (accepted,) = _until(reader.events, "EVENT_ACCEPTED")
+        assert accepted[0] == zmq.EVENT_ACCEPTED
+        dealer.close(0)
+        (lost,) = _until(reader.events, "EVENT_DISCONNECTED")
+        assert lost == (zmq.EVENT_DISCONNECTED, accepted[1])
+        # Another connection's event, first seen by a zmq poll of the monitor.
+        again = ctx.socket(zmq.DEALER)
+        again.setsockopt(zmq.LINGER, 0)
+        again.connect(f"tcp://{HOST}:{port}")
+        poller = zmq.Poller()
+        poller.register(raw, zmq.POLLIN)
+        assert _until(lambda: poller.poll(10), "a readable monitor")
+        reader.polled()
+        (event,) = reader.events()
+        assert event[0] == zmq.EVENT_ACCEPTED
+        again.close(0)
+    finally:
+        dealer.close(0)
+        raw.close(0)
+        sock.close(0)
