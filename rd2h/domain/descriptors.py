@@ -46,17 +46,16 @@ def _frozen(a: np.ndarray) -> np.ndarray:
 @dataclass(frozen=True)
 class DescriptorTemplate:
     """Descriptors with every base address 0: ``local_off[i] + d_base[row[i]]`` is
-    descriptor i's destination (``remote_off``, ``p_base``: its source). ``edges``: where
-    each tensor's descriptors start (after the first), for the boundary merge."""
+    descriptor i's destination (``remote_off``, ``p_base``: its source)."""
 
     local_off: np.ndarray
     remote_off: np.ndarray
     lengths: np.ndarray
     row: np.ndarray
-    edges: tuple[int, ...]
     tensors: int  # rows: the tensors that have descriptors, in order
-    # Per edge, as integers: (row before, end of the descriptor before it, row after,
-    # start of the one after), local then remote offsets (``layer_at``'s boundary merge).
+    # Where one tensor's descriptors end and the next one's start, for the boundary
+    # merge, as integers: (row before, local end of the descriptor before, row after,
+    # local start of the one after, remote end before, remote start after).
     seams: tuple[tuple[int, int, int, int, int, int], ...] = ()
     total_bytes: int = 0
 
@@ -83,18 +82,19 @@ class DescriptorTemplate:
                 at += m
                 edges.append(at)
         if not local:
-            return DescriptorTemplate(_EMPTY, _EMPTY, _EMPTY, np.zeros(0, np.intp), (), 0)
+            return DescriptorTemplate(_EMPTY, _EMPTY, _EMPTY, np.zeros(0, np.intp), 0)
         lo, ro, ln = (_frozen(np.concatenate(a)) for a in (local, remote, lengths))
         row = np.concatenate(rows)
         cuts = tuple(edges[:-1])
         seams = tuple((int(row[c - 1]), int(lo[c - 1] + ln[c - 1]), int(row[c]), int(lo[c]),
                        int(ro[c - 1] + ln[c - 1]), int(ro[c])) for c in cuts)
-        return DescriptorTemplate(lo, ro, ln, row, cuts, tensor, seams, int(ln.sum()))
+        return DescriptorTemplate(lo, ro, ln, row, tensor, seams, int(ln.sum()))
 
-    def layer_at(self, d: np.ndarray, p: np.ndarray, d_ints: Sequence[int],
-                 p_ints: Sequence[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """``layer`` with the layer's base addresses given per row (``LayerPair.bases``):
-        arrays for the offsets, integers for the boundary merge."""
+    def layer(self, d: np.ndarray, p: np.ndarray, d_ints: Sequence[int],
+              p_ints: Sequence[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """One layer's descriptors from its base addresses per row (``LayerPair.bases``:
+        arrays for the offsets, integers for the boundary merge). A tensor boundary
+        contiguous on both sides (adjacent tensors) still merges."""
         if not self.tensors:
             return _EMPTY.copy(), _EMPTY.copy(), _EMPTY.copy()
         row = self.row
@@ -105,28 +105,3 @@ class DescriptorTemplate:
                     and end_r + p_ints[ra] == start_r + p_ints[rb]):
                 return coalesce(local, remote, self.lengths.copy())
         return local, remote, self.lengths
-
-    def layer(self, groups: Sequence[Group]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """This layer's descriptors (``groups`` of the same shape the template was built
-        from; only base addresses may differ)."""
-        if not self.tensors:
-            return _EMPTY.copy(), _EMPTY.copy(), _EMPTY.copy()
-        d_bases, p_bases = [], []
-        for comp, pairs, _, slices in groups:
-            if comp.src.size == 0 or not pairs:
-                continue
-            for t, (src, dst) in enumerate(pairs):
-                d_bases.append(dst.base_addr + (0 if slices is None else slices[t].dst_offset))
-                p_bases.append(src.base_addr + (0 if slices is None else slices[t].src_offset))
-        d = np.array(d_bases, dtype=np.int64)
-        p = np.array(p_bases, dtype=np.int64)
-        local = self.local_off + d[self.row]
-        remote = self.remote_off + p[self.row]
-        lengths = self.lengths
-        # A tensor boundary contiguous on both sides (adjacent tensors) still merges.
-        for cut in self.edges:
-            n = int(lengths[cut - 1])
-            if (int(local[cut - 1]) + n == int(local[cut])
-                    and int(remote[cut - 1]) + n == int(remote[cut])):
-                return coalesce(local, remote, lengths.copy())
-        return local, remote, lengths

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from rd2h.domain.layer_pair import LayerPair
-from rd2h.domain.layout import DestinationLayout, MainSlice, SourceLayout
+from rd2h.domain.layout import DestinationLayout, SourceLayout
 
 
 class PlanMemo:
@@ -38,11 +38,6 @@ class PlanMemo:
             self._layouts.clear()  # many peers' MF_META came and went: start again
         self._layouts[key] = pair  # it holds both objects: their ids are not reused
         return pair
-
-    def layouts(self, src: SourceLayout,
-                dst: DestinationLayout) -> tuple[MainSlice, ...] | None:
-        """``validate_layout(src, dst)`` and ``main_slices``, once per pair (``pair``)."""
-        return self.pair(src, dst).slices
 
     def get(self, owner: object, key: tuple[object, ...],
             dests: tuple[object, ...]) -> Any:

@@ -226,7 +226,7 @@ class BlockPlan:
                                    (index, pair.index_pairs, "indexer", None)]
             template = self.templates[pair.shape] = DescriptorTemplate.build(groups)
         bases = pair.bases(has_main, has_index)
-        local, remote, lengths = template.layer_at(*bases)
+        local, remote, lengths = template.layer(*bases)
         return local, remote, lengths, template.total_bytes
 
 
