@@ -42,18 +42,19 @@ class Bases(NamedTuple):
     remote_ints: tuple[int, ...]
 
 
+def block_limit(tensor: TensorComponent) -> tuple[int, bool]:
+    """The first source block id of ``tensor`` that may not be read, and whether it is
+    the end of the region Prefill advertised (else where ``(block + 1) * size + base``
+    would leave the 64-bit range), in exact integer arithmetic."""
+    room = (_INT64_MAX - tensor.base_addr) // max(1, tensor.bytes_per_block)
+    if tensor.num_blocks is not None and tensor.num_blocks <= room:
+        return tensor.num_blocks, True
+    return room, False
+
+
 def source_limit(tensors: Sequence[TensorComponent]) -> int:
-    """The first source block id no tensor of ``tensors`` may be read at: past the blocks
-    Prefill advertised (when it did), or where ``(block + 1) * size + base`` would leave
-    the 64-bit range; the smallest over the tensors (``_INT64_MAX`` for none)."""
-    out = _INT64_MAX
-    for tensor in tensors:
-        room = (_INT64_MAX - tensor.base_addr) // max(1, tensor.bytes_per_block)
-        limit = room
-        if tensor.num_blocks is not None and tensor.num_blocks <= room:
-            limit = tensor.num_blocks
-        out = min(out, limit)
-    return out
+    """``block_limit``'s smallest over ``tensors`` (``_INT64_MAX`` for none)."""
+    return min((block_limit(t)[0] for t in tensors), default=_INT64_MAX)
 
 
 @dataclass(frozen=True)

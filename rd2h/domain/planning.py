@@ -27,7 +27,7 @@ from rd2h.domain.destination import Destination
 from rd2h.domain.digests import block_checks
 from rd2h.domain.errors import PlanningError
 from rd2h.domain.kv_groups import NO_BLOCK
-from rd2h.domain.layer_pair import LayerPair
+from rd2h.domain.layer_pair import LayerPair, block_limit
 from rd2h.domain.layout import (
     DestinationLayout,
     DestTensor,
@@ -42,7 +42,6 @@ from rd2h.domain.topology import owned_ranges
 __all__ = ["BlockPlan", "Destination", "PlanMemo", "ReadPlan", "RequestOwnership", "coalesce",
            "plan_reads"]
 
-_INT64_MAX = (1 << 63) - 1
 _EMPTY = np.zeros(0, dtype=np.int64)
 _EMPTY.setflags(write=False)
 
@@ -152,14 +151,11 @@ def _check_source(
         return
     highest = comp.src_hi
     for tensor in tensors:
-        # (block + 1) * size + base <= 2**63 - 1, in exact integer arithmetic
-        room = (_INT64_MAX - tensor.base_addr) // max(1, tensor.bytes_per_block)
-        limit, where = room, "the 64-bit address space"
-        if tensor.num_blocks is not None and tensor.num_blocks <= room:
-            limit = tensor.num_blocks
-            where = f"the {tensor.num_blocks} blocks prefill advertised for its {what} tensor"
+        limit, advertised = block_limit(tensor)
         if highest < limit:
             continue
+        where = (f"the {tensor.num_blocks} blocks prefill advertised for its {what} tensor"
+                 if advertised else "the 64-bit address space")
         at = int(np.argmax(comp.src >= limit))
         owner = int(np.searchsorted(np.cumsum(comp.counts), at, side="right"))
         raise PlanningError(
