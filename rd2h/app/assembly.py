@@ -50,7 +50,10 @@ def _container(options: Rd2hOptions, facts: EngineFacts, memfabric_library: Any 
 
 def build_scheduler_role(options: Rd2hOptions, facts: EngineFacts) -> ConnectorRole:
     settings = facts.settings(options)
-    groups = discover_cache_groups(facts.group_layer_names)
+    # Main KV is an attention group's: a state group's one block per request is no main.
+    groups = discover_cache_groups(tuple(
+        () if i in facts.state_groups else names
+        for i, names in enumerate(facts.group_layer_names)))
     container = _container(options, facts)
     container.logger(role=f"{facts.side}-scheduler").info(
         "rd2h moves KV cache groups", groups=facts.groups_text or "one group (no config)",
@@ -58,13 +61,13 @@ def build_scheduler_role(options: Rd2hOptions, facts: EngineFacts) -> ConnectorR
     if facts.side == "prefill":
         return container.prefill_scheduler(
             block_size=facts.block_size, main_group=groups.main, indexer_group=groups.indexer,
-            log=container.logger(role="prefill-scheduler"),
+            log=container.logger(role="prefill-scheduler"), state_groups=facts.state_groups,
         )
     log = container.logger(role="decode-scheduler")
     return container.decode_scheduler(
         metaserver=container.metaserver(log=log), base_port=settings.base_port,
         engine_id=options.engine_id or facts.engine_id, log=log, main_group=groups.main,
-        indexer_group=groups.indexer,
+        indexer_group=groups.indexer, state_groups=facts.state_groups,
     )
 
 
@@ -96,7 +99,7 @@ def build_prefill_worker(
                                         compat=facts.compat),
         layer_names={i: lay.layer_name for i, lay in by_idx.items()}, transport=transport,
         layer_groups={i: groups[lay.layer_name] for i, lay in by_idx.items()
-                      if lay.layer_name in groups},
+                      if lay.layer_name in groups}, state_groups=facts.state_groups,
         layouts=by_idx, digest=container.digest() if options.verify_kv else None,
     )
     container.logger(role="prefill").info(

@@ -9,6 +9,8 @@
 | gemma3 | Gemma3ForCausalLM | sliding (32) and full attention alternating: two groups |
 | gpt_oss | GptOssForCausalLM | attention sinks, sliding/full alternating, MoE: two groups |
 | granite_hybrid | GraniteMoeHybridForCausalLM | Mamba2 layers + attention: recurrent state |
+| nemotron_h | NemotronHForCausalLM | Mamba2, MLP and attention layers ("M-M*"): recurrent state |
+| qwen3_next | Qwen3NextForCausalLM | gated delta net (128-wide heads) + attention, MoE |
 
 All use the word-level tokenizer's vocabulary (``tiny_model.VOCAB``), bos 0 / eos 1,
 4 layers, 2,048 positions. torch and transformers are imported inside the builders.
@@ -21,7 +23,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from rd2h.demo.tiny_model import VOCAB, _built, _save
+from rd2h.demo.tiny_model import VOCAB, _built, _save, make_word_tokenizer
 
 WINDOW = 32  # sliding window, tokens (one 32-token block)
 LAYERS = 4
@@ -83,14 +85,43 @@ def _granite_hybrid() -> Any:
         mamba_expand=1, mamba_chunk_size=64, position_embedding_type="rope", **_COMMON))
 
 
+def _nemotron_h() -> Any:
+    from transformers import NemotronHConfig, NemotronHForCausalLM
+
+    return NemotronHForCausalLM(NemotronHConfig(
+        hidden_size=256, intermediate_size=512, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=64,
+        layers_block_type=["mamba", "mlp", "mamba", "attention"], mamba_num_heads=8,
+        mamba_head_dim=32, ssm_state_size=64, n_groups=1, conv_kernel=4, expand=1,
+        chunk_size=64, **_COMMON))
+
+
+def _qwen3_next() -> Any:
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    # 128-wide linear-attention heads: vLLM 0.32's CPU chunk_gated_delta_rule fails on 32.
+    return Qwen3NextForCausalLM(Qwen3NextConfig(
+        hidden_size=256, intermediate_size=512, num_hidden_layers=LAYERS,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+        layer_types=["linear_attention", "full_attention"] * (LAYERS // 2),
+        linear_conv_kernel_dim=4, linear_key_head_dim=128, linear_value_head_dim=128,
+        linear_num_key_heads=2, linear_num_value_heads=2, num_experts=4,
+        num_experts_per_tok=2, moe_intermediate_size=128,
+        shared_expert_intermediate_size=128, **_COMMON))
+
+
+# Saved in bfloat16 (vLLM's CPU gated-delta-net kernels); the others in float32.
+BF16 = frozenset({"qwen3_next"})
+
 BUILDERS: dict[str, Callable[[], Any]] = {
     "qwen3": _qwen3, "mistral": _mistral, "gemma3": _gemma3, "gpt_oss": _gpt_oss,
-    "granite_hybrid": _granite_hybrid,
+    "granite_hybrid": _granite_hybrid, "nemotron_h": _nemotron_h, "qwen3_next": _qwen3_next,
 }
 
 
 def make_tiny_family(name: str, path: str | os.PathLike[str], seed: int = 1234) -> Path:
-    """Write family ``name``'s checkpoint to ``path`` once (idempotent); return it."""
+    """Write family ``name``'s checkpoint, with the word-level tokenizer, to ``path``
+    once (idempotent); return it."""
     if name not in BUILDERS:
         raise ValueError(f"unknown model family {name!r}; known: {sorted(BUILDERS)}")
     out = Path(path)
@@ -100,7 +131,8 @@ def make_tiny_family(name: str, path: str | os.PathLike[str], seed: int = 1234) 
     import torch
 
     torch.manual_seed(seed)
-    model = BUILDERS[name]().to(torch.float32)
+    model = BUILDERS[name]().to(torch.bfloat16 if name in BF16 else torch.float32)
+    make_word_tokenizer(out)
     return _save(model, out, marker)
 
 

@@ -41,6 +41,7 @@ KNOWN: dict[str, type] = {
     "auth": str,  # the signing envelope version, "none" without a secret
     "kv_groups": str,  # the KV cache groups rd2h moves: kind, window, block size, layers
     "spec_decode": str,  # speculative decoding (its draft layers own KV), "none" without
+    "state_tp": int,  # TP size of an engine whose model carries recurrent state
 }
 MAX_KEYS = 32
 MAX_KEY_CHARS = 64

@@ -9,9 +9,21 @@ and a layer's blocks are addressed by its own group's ids, never another group's
 rd2h moves full attention (MLA included) and sliding-window attention, each group into
 that group's own Decode blocks. In a sliding-window group vLLM gives a request its
 shared null block for the positions outside the window (``NO_BLOCK`` here): Decode
-reads nothing into them, and Prefill announces nothing of them. Every other kind of
-group is refused when the engine starts, naming the group, its vLLM spec type and its
-layers: recurrent state, cross-attention, encoder caches and any kind not known here.
+reads nothing into them, and Prefill announces nothing of them.
+
+A state group (vLLM's ``MambaSpec``: Mamba1/Mamba2 SSM and conv state, gated delta net,
+short convolutions) holds no KV per token but one running state per request, which a
+token updates in place: computing a token twice gives a wrong state. So with state
+groups Prefill computes the prompt's first N-1 tokens only, the state after them moves
+with the attention KV of those tokens, and Decode computes the last token itself (the
+N-1 scheme, ``STATE_BACKOFF``). A request's state lives in one block of its group's list,
+the last one (``state_slot``); that block moves, on the final chunk only, into Decode's
+own state block.
+
+Every other kind of group is refused when the engine starts, naming the group, its vLLM
+spec type and its layers: cross-attention, encoder caches and any kind not known here,
+and state groups rd2h does not move correctly (with speculative scratch blocks, or a
+model with no attention group at all).
 """
 
 from __future__ import annotations
@@ -27,9 +39,12 @@ NO_BLOCK = -1
 
 FULL = "full"
 SLIDING = "sliding"
+STATE = "state"
 # The kinds rd2h transfers; a vLLM spec type maps to one of them or to none.
-MOVABLE = frozenset({FULL, SLIDING})
+MOVABLE = frozenset({FULL, SLIDING, STATE})
 MAX_NAMED_LAYERS = 4
+# Prompt tokens Prefill leaves for Decode to compute when the model carries state.
+STATE_BACKOFF = 1
 
 
 class UnsupportedKvGroup(Rd2hError):
@@ -40,7 +55,8 @@ class UnsupportedKvGroup(Rd2hError):
 class KvGroup:
     """One KV cache group: its index, what rd2h calls its kind (None: not movable),
     vLLM's spec type, tokens per block, sliding window (tokens), layer names, and
-    whether vLLM transfers it at all (an ephemeral replica rebuilt after a load is not)."""
+    whether vLLM transfers it at all (an ephemeral replica rebuilt after a load is not).
+    ``speculative_blocks``: a state group's scratch blocks for speculative decoding."""
 
     index: int
     kind: str | None
@@ -49,6 +65,11 @@ class KvGroup:
     layers: tuple[str, ...]
     sliding_window: int | None = None
     transferable: bool = True
+    speculative_blocks: int = 0
+
+    @property
+    def is_state(self) -> bool:
+        return self.kind == STATE
 
     def describe(self) -> str:
         shown = ", ".join(self.layers[:MAX_NAMED_LAYERS])
@@ -67,36 +88,61 @@ class KvGroup:
 
 def check_groups(groups: Sequence[KvGroup]) -> tuple[KvGroup, ...]:
     """The groups rd2h transfers (every transferable group), in index order; raises
-    ``UnsupportedKvGroup`` naming each group it cannot move, or a mix of block sizes."""
+    ``UnsupportedKvGroup`` naming each group it cannot move, or a mix of block sizes
+    among the attention groups (a state group's block size is its own: one state)."""
     moved = tuple(g for g in groups if g.transferable)
-    bad = [g for g in moved if g.kind not in MOVABLE]
+    bad = [g for g in moved if g.kind not in MOVABLE
+           or (g.is_state and g.speculative_blocks)]
     if bad:
         raise UnsupportedKvGroup(
             "rd2h cannot transfer this model's KV cache: "
             + "; ".join(f"{g.describe()} is {_why(g)}" for g in bad)
-            + ". rd2h moves full-attention (MLA included) and sliding-window KV cache "
-              "groups only; serve this model without disaggregation"
+            + ". rd2h moves full-attention (MLA included), sliding-window and recurrent-"
+              "state KV cache groups only; serve this model without disaggregation"
         )
     if not moved:
         raise UnsupportedKvGroup("the engine has no KV cache group to transfer")
-    sizes = sorted({g.block_size for g in moved})
+    attention = [g for g in moved if not g.is_state]
+    if not attention:
+        raise UnsupportedKvGroup(
+            "rd2h cannot transfer this model's KV cache: every group is recurrent state ("
+            + "; ".join(g.describe() for g in moved) + "); rd2h moves state beside "
+            "attention (hybrid models) only; serve this model without disaggregation")
+    sizes = sorted({g.block_size for g in attention})
     if len(sizes) > 1:
         raise UnsupportedKvGroup(
             "rd2h needs one block size across the KV cache groups it transfers, got "
-            + "; ".join(f"{g.describe()}: {g.block_size} tokens" for g in moved)
+            + "; ".join(f"{g.describe()}: {g.block_size} tokens" for g in attention)
         )
     return moved
 
 
 def _why(group: KvGroup) -> str:
     spec = group.spec_type.lower()
+    if group.is_state:
+        return (f"recurrent state with {group.speculative_blocks} speculative scratch "
+                "block(s) (speculative decoding), which rd2h does not transfer")
     if "mamba" in spec or "linear" in spec or "recurrent" in spec:
-        return "recurrent state (Mamba / linear attention), which rd2h does not transfer"
+        return "recurrent state of a kind rd2h does not know"
     if "cross" in spec:
         return "cross-attention, which rd2h does not transfer"
     if "encoder" in spec:
         return "an encoder cache, which rd2h does not transfer"
     return "a KV cache spec type rd2h does not know"
+
+
+def state_groups(groups: Sequence[KvGroup]) -> frozenset[int]:
+    """The indices of the state groups among ``groups``."""
+    return frozenset(g.index for g in groups if g.is_state)
+
+
+def state_slot(ids: Sequence[int]) -> int | None:
+    """A state group's running-state block in a request's list: the last entry (vLLM
+    keeps earlier positions as its null block, or as earlier states it no longer
+    needs); None when the list is empty or ends in ``NO_BLOCK``."""
+    if not ids or ids[-1] == NO_BLOCK:
+        return None
+    return int(ids[-1])
 
 
 def layer_groups(groups: Sequence[KvGroup]) -> dict[str, int]:

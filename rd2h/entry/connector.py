@@ -98,6 +98,13 @@ class SfaRemoteD2HConnector(KVConnectorBase_V1, SupportsHMA):
         return self._role.get_num_new_matched_tokens(translate.request(request),
                                                      num_computed_tokens)
 
+    def on_new_request(self, request: Request) -> None:
+        """Prefill of a model with recurrent state: computes the prompt but its last
+        token(s), which Decode computes itself (the N-1 scheme, ``rd2h.domain.kv_groups``)."""
+        count = self._role.prompt_backoff(translate.request(request))
+        if count:
+            translate.drop_prompt_tail(request, count)
+
     def get_loaded_kv_cache_group_ids(self, request: Request) -> tuple[int, ...]:
         return self._facts.moved_groups  # every other group refused the engine at start
 
@@ -245,7 +252,10 @@ class SfaRemoteD2HConnector(KVConnectorBase_V1, SupportsHMA):
         self._role.save_kv_layer(layer_name)
 
     def wait_for_save(self) -> None:
-        return  # sends are asynchronous; blocks stay alive until finished_sending
+        """After the step's forward: Prefill announces the layers vLLM gives no per-layer
+        hook (recurrent state). Sends are asynchronous; blocks stay alive until
+        finished_sending."""
+        self._role.wait_for_save()
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         res = self._role.get_transfer_results(finished_req_ids)

@@ -14,6 +14,7 @@ from rd2h.domain.kv_groups import (
     FULL,
     NO_BLOCK,
     SLIDING,
+    STATE,
     KvGroup,
     UnsupportedKvGroup,
     check_groups,
@@ -27,6 +28,9 @@ SPEC_KINDS = {
     "FullAttentionSpec": FULL,
     "MLAAttentionSpec": FULL,
     "SlidingWindowSpec": SLIDING,
+    # Mamba1/Mamba2, gated delta net, short convolutions: one running state per request
+    # (its conv and SSM tensors in one page), moved by the N-1 scheme (kv_groups).
+    "MambaSpec": STATE,
 }
 # KV cache dtypes whose blocks are the whole KV: plain types, and fp8 with one scale per
 # layer (a weight of the checkpoint, the same on both sides). Any other (per-token
@@ -68,7 +72,9 @@ def engine(vllm_config: Any, kv_cache_config: Any) -> tuple[Rd2hOptions, EngineF
             f"supported: {', '.join(sorted(MOVABLE_CACHE_DTYPES))}")
     groups = kv_cache_config.kv_cache_groups if kv_cache_config is not None else []
     moved = check_groups(kv_groups(groups)) if groups else ()
-    block_size = (moved[0].block_size if moved
+    attention = [g for g in moved if not g.is_state]
+    state = tuple(g.index for g in moved if g.is_state)
+    block_size = (attention[0].block_size if attention
                   else vllm_config.cache_config.block_size)
     facts = EngineFacts(
         side=side,  # type: ignore[arg-type]
@@ -80,11 +86,15 @@ def engine(vllm_config: Any, kv_cache_config: Any) -> tuple[Rd2hOptions, EngineF
         block_size=int(block_size),
         group_layer_names=tuple(tuple(g.layer_names) for g in groups),
         num_blocks=kv_cache_config.num_blocks if kv_cache_config is not None else 0,
-        compat=compat(vllm_config, _first_spec(groups[moved[0].index]) if moved else None,
-                      options, side, int(block_size)).with_values(
+        compat=compat(vllm_config, _first_spec(groups[attention[0].index]) if attention
+                      else None, options, side, int(block_size)).with_values(
             kv_groups=_compat_text(groups_summary(moved)) if moved else None,
-            spec_decode=spec_decode(vllm_config)),
+            spec_decode=spec_decode(vllm_config),
+            # State is split over TP ranks by its own layout (conv channels, SSM heads):
+            # rd2h moves it between equal TP sizes only, refused at the handshake else.
+            state_tp=int(pc.tensor_parallel_size) if state else None),
         moved_groups=tuple(g.index for g in moved),
+        state_groups=state,
         groups_text="; ".join(g.describe() for g in moved),
         total_kv_heads=split_kv_heads(vllm_config),
     )
@@ -120,6 +130,8 @@ def kv_groups(groups: Any) -> tuple[KvGroup, ...]:
             block_size=int(g.kv_cache_spec.block_size), layers=tuple(g.layer_names),
             sliding_window=None if window is None else int(window),
             transferable=bool(getattr(g, "enable_kv_transfer", True)),
+            speculative_blocks=int(getattr(_first_spec(g), "num_speculative_blocks", 0) or 0)
+            if kind == STATE else 0,
         ))
     return tuple(out)
 
@@ -185,6 +197,21 @@ def kv_dtype(vllm_config: Any, spec: Any) -> str | None:
         return "fp8_e4m3" if configured == "fp8" else str(configured)
     dtype = getattr(spec, "dtype", None)
     return None if dtype is None else str(dtype).removeprefix("torch.")
+
+
+def drop_prompt_tail(req: Any, count: int) -> None:
+    """Make vLLM compute ``count`` fewer prompt tokens of ``req`` (Prefill, the N-1
+    scheme: the last tokens are Decode's to compute) and stop after one output token."""
+    if req.prompt_token_ids is not None:
+        del req.prompt_token_ids[-count:]
+    elif getattr(req, "prompt_embeds", None) is not None:
+        req.prompt_embeds = req.prompt_embeds[:-count]
+    else:
+        raise ValueError(f"request {req.request_id!r} has neither prompt token ids nor "
+                         "prompt embeddings to shorten")
+    del req._all_token_ids[-count:]
+    req.num_prompt_tokens -= count
+    req.max_tokens = 1
 
 
 def on_worker(facts: EngineFacts, tp_group: Any, world_group: Any) -> EngineFacts:

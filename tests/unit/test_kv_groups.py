@@ -1,9 +1,10 @@
-"""Which KV cache groups rd2h moves, over vLLM's own KV cache config objects (issue
-#28): full attention, MLA and sliding windows are moved, each group by its own block
-table; recurrent state (Mamba), cross-attention, encoder caches, spec types rd2h does
-not know and mixed block sizes refuse the engine at start, naming the group, its spec
-type and its layers. Models vLLM's CPU backend cannot run (Jamba, Falcon-H1, Qwen3-Next,
-an EAGLE drafter) are covered here through the configs their engines would build."""
+"""Which KV cache groups rd2h moves, over vLLM's own KV cache config objects (issues
+#28, #39): full attention, MLA and sliding windows are moved, each group by its own
+block table, and recurrent state (Mamba, gated delta net) by the N-1 scheme; cross-
+attention, encoder caches, spec types rd2h does not know, a model of state alone and
+mixed attention block sizes refuse the engine at start, naming the group, its spec type
+and its layers. Models vLLM's CPU backend cannot run (Jamba, an EAGLE drafter) are
+covered here through the configs their engines would build."""
 
 from __future__ import annotations
 
@@ -81,8 +82,7 @@ def test_full_and_sliding_groups_are_both_moved(role) -> None:
 
 @pytest.mark.parametrize(
     ("spec", "why"),
-    [(mamba(), "recurrent state"),
-     (CrossAttentionSpec(block_size=BS, num_kv_heads=2, head_size=64, dtype=torch.float32),
+    [(CrossAttentionSpec(block_size=BS, num_kv_heads=2, head_size=64, dtype=torch.float32),
       "cross-attention"),
      (SinkFullAttentionSpec(block_size=BS, num_kv_heads=2, head_size=64,
                             dtype=torch.float32, sink_len=4), "does not know"),
@@ -92,9 +92,8 @@ def test_full_and_sliding_groups_are_both_moved(role) -> None:
 )
 @pytest.mark.parametrize("role", ["kv_consumer", "kv_producer"])
 def test_a_group_rd2h_cannot_move_refuses_the_engine_naming_it(spec, why, role) -> None:
-    """A Jamba / Granite-4-H / Falcon-H1 / Qwen3-Next style hybrid (Mamba or linear
-    attention state beside attention), an encoder-decoder, an attention variant vLLM
-    added later: refused when the connector starts, on both sides."""
+    """An encoder-decoder, an attention variant vLLM added later: refused when the
+    connector starts, on both sides."""
     cfg = config(KVCacheGroupSpec(layers(1, 3), full()),
                  KVCacheGroupSpec(layers(0, 2, kind="mixer"), spec))
     with pytest.raises(UnsupportedKvGroup) as info:
@@ -102,6 +101,27 @@ def test_a_group_rd2h_cannot_move_refuses_the_engine_naming_it(spec, why, role) 
     text = str(info.value)
     assert f"group 1 ({type(spec).__name__}, 2 layers: model.layers.0.mixer" in text, text
     assert why in text and "serve this model without disaggregation" in text, text
+
+
+@pytest.mark.parametrize("role", ["kv_consumer", "kv_producer"])
+def test_a_hybrid_moves_its_state_groups_by_their_own_block_size(role) -> None:
+    """Jamba / Granite-4-H / Nemotron-H / Falcon-H1 / Qwen3-Next: the state groups are
+    moved (state kind, N-1), whatever their block size (vLLM: the model length without
+    prefix caching); the attention groups set the engine's block size."""
+    state = MambaSpec(block_size=512, shapes=((3, 256), (8, 32, 64)),
+                      dtypes=(torch.float32, torch.float32))
+    conn = start(config(KVCacheGroupSpec(layers(0, 2, kind="mixer"), state),
+                        KVCacheGroupSpec(layers(1, 3), full())), role)
+    assert conn.get_loaded_kv_cache_group_ids(None) == (0, 1)
+    assert conn._facts.state_groups == (0,) and conn._facts.block_size == BS
+    assert conn._facts.compat.values["kv_groups"] == "state/512x2,full/16x2"
+    conn.shutdown()
+
+
+def test_a_model_of_state_alone_is_refused() -> None:
+    with pytest.raises(UnsupportedKvGroup, match="every group is recurrent state") as info:
+        start(config(KVCacheGroupSpec(layers(0, 1, kind="mixer"), mamba())))
+    assert "model.layers.0.mixer" in str(info.value)
 
 
 def test_mixed_block_sizes_are_refused() -> None:

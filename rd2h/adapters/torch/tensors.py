@@ -25,6 +25,35 @@ def main_views(name: str, tensor: Any, num_blocks: int) -> list[tuple[int, int]]
     )
 
 
+def state_page(name: str, tensors: Any, num_blocks: int) -> tuple[int, int]:
+    """``(base_addr, bytes_per_block)`` of a recurrent-state layer (vLLM: a list of views,
+    e.g. conv and SSM state, ``[num_blocks, ...]`` each, packed one after another into
+    one page per block). rd2h moves the whole page, as vLLM stores it (padding to the
+    attention page size included): the page's first byte and its size."""
+    parts = list(tensors)
+    if not parts:
+        raise LayoutMismatch(name, "main", "a state layer with no tensors")
+    pages = set()
+    for t in parts:
+        shape, stride = tuple(t.shape), tuple(t.stride())
+        if not shape or shape[0] != num_blocks:
+            raise LayoutMismatch(name, "main",
+                                 f"cannot find {num_blocks} blocks in a state of shape {shape}")
+        pages.add(stride[0] * t.element_size())
+    if len(pages) != 1:
+        raise LayoutMismatch(name, "main", f"state tensors with different pages {sorted(pages)}")
+    page = pages.pop()
+    base = min(t.data_ptr() for t in parts)
+    for t in parts:
+        inner = 1
+        for n in tuple(t.shape)[1:]:
+            inner *= n
+        if t.data_ptr() + inner * t.element_size() > base + page:
+            raise LayoutMismatch(name, "main", f"a state tensor of shape {tuple(t.shape)} "
+                                               f"runs past its {page}-byte page")
+    return base, page
+
+
 def head_major(tensor: Any, num_blocks: int, heads: int) -> bool:
     """Whether each block of ``tensor`` holds ``heads`` KV heads one after another (the
     dimension after the block one is the head one, and the heads fill the block), so a

@@ -3,6 +3,8 @@
 A cache tensor holds ``num_blocks`` blocks along its first dimension (MLA: one
 latent tensor, e.g. ``[num_blocks, 1, block_size, 576]``), or along its second
 dimension behind a leading K/V axis (``[2, num_blocks, ...]``: two main tensors).
+A recurrent-state layer (Mamba, gated delta net) is a list of views (conv state, SSM
+state) into one page per block: one main tensor, the page (``state_page``).
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from rd2h.adapters.torch.tensors import head_major, main_views, region_of
+from rd2h.adapters.torch.tensors import head_major, main_views, region_of, state_page
 from rd2h.domain.layout import (
     DestinationLayout,
     DestTensor,
@@ -22,10 +24,28 @@ from rd2h.domain.layout import (
 __all__ = ["VllmCacheDestinations", "main_views", "region_of", "source_layouts"]
 
 
+def _is_state(value: Any) -> bool:
+    return isinstance(value, (list, tuple))
+
+
+def _views(name: str, value: Any, num_blocks: int) -> list[tuple[int, int]]:
+    """``(base_addr, bytes_per_block)`` of each main tensor of a cache layer."""
+    if _is_state(value):
+        return [state_page(name, value, num_blocks)]
+    return main_views(name, value, num_blocks)
+
+
+def _region(value: Any) -> tuple[int, int]:
+    return region_of(value[0] if _is_state(value) else value)
+
+
 def _heads(tensor: Any, num_blocks: int, heads: HeadRange | None) -> HeadRange | None:
     """``heads`` when the tensor's blocks are head-major with that many heads (only then
-    may a part of them fill a slice of another rank's block), else None."""
-    return heads if heads is not None and head_major(tensor, num_blocks, heads.count) else None
+    may a part of them fill a slice of another rank's block), else None (a state page
+    is never split by heads)."""
+    if heads is None or _is_state(tensor):
+        return None
+    return heads if head_major(tensor, num_blocks, heads.count) else None
 
 
 def _moved(kv_caches: Mapping[str, Any], groups: Mapping[str, int] | None
@@ -49,14 +69,14 @@ def source_layouts(
     layouts: dict[str, SourceLayout] = {}
     regions: dict[tuple[int, int], None] = {}
     for name, tensor, group in _moved(kv_caches, groups):
-        views = main_views(name, tensor, num_blocks)
+        views = _views(name, tensor, num_blocks)
         # Advertise the region size so Decode refuses block ids beyond the cache.
         layouts[name] = SourceLayout(
             name, tuple(TensorComponent(b, n, group_idx=group, num_blocks=num_blocks)
                         for b, n in views),
             heads=_heads(tensor, num_blocks, heads),
         )
-        regions[region_of(tensor)] = None
+        regions[_region(tensor)] = None
     return layouts, list(regions)
 
 
@@ -74,13 +94,13 @@ class VllmCacheDestinations:
         self._layouts: dict[str, DestinationLayout] = {}
         regions: dict[tuple[int, int], None] = {}
         for name, tensor, group in _moved(kv_caches, groups):
-            views = main_views(name, tensor, num_blocks)
+            views = _views(name, tensor, num_blocks)
             self._layouts[name] = DestinationLayout(
                 name, tuple(DestTensor(b, n, num_blocks) for b, n in views),
                 heads=_heads(tensor, num_blocks, heads),
                 group=None if groups is None else group,
             )
-            regions[region_of(tensor)] = None
+            regions[_region(tensor)] = None
         self._regions = list(regions)
         self._keep = kv_caches  # the tensors must outlive the receiver
 

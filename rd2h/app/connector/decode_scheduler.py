@@ -1,6 +1,12 @@
 """Decode scheduler role (spec 3.1): async external match, destination blocks kept
 locally, rendezvous post to the proxy's metaserver once every Decode rank has
-admitted the request, cancellation when the request finishes."""
+admitted the request, cancellation when the request finishes.
+
+Recurrent state (``rd2h.domain.kv_groups``, the N-1 scheme): the match is the prompt
+but its last token, which this engine computes from the state after the others; a
+request with nothing to pull then (a one-token prompt, or a local prefix hit of all
+but the last token) is computed here, and the proxy is told so (a local notice). A
+state group's destination is its running-state block alone."""
 
 from __future__ import annotations
 
@@ -11,6 +17,7 @@ from typing import Any
 from rd2h.app.connector.plans import DecodeLoad, StepPlan
 from rd2h.app.connector.roles import BlockIds, ConnectorRole, RequestFacts, ScheduledRequest
 from rd2h.domain.chunks import external_request_id
+from rd2h.domain.kv_groups import NO_BLOCK, STATE_BACKOFF, state_slot
 from rd2h.domain.rendezvous import sampled, traceparent
 from rd2h.ports.metaserver import MetaserverPoster
 from rd2h.ports.runtime import NO_TIMELINE, HopName, Logger, Timeline
@@ -46,7 +53,9 @@ class DecodeScheduler(ConnectorRole):
         indexer_group: int = 0,
         stop_timeout_s: float = 5.0,
         timeline: Timeline = NO_TIMELINE,
+        state_groups: Iterable[int] = (),
     ) -> None:
+        self._state = frozenset(state_groups)
         self._metaserver = metaserver
         self._timeline = timeline
         self._main_group = main_group
@@ -77,8 +86,10 @@ class DecodeScheduler(ConnectorRole):
         params = request.params
         if not params or not params.get("do_remote_prefill"):
             return 0, False
-        count = max(0, request.prompt_len - num_computed_tokens)
-        if _computes_locally(params, count):
+        missing = max(0, request.prompt_len - num_computed_tokens)
+        backoff = STATE_BACKOFF if self._state else 0
+        count = max(0, missing - backoff)
+        if _computes_locally(params, missing) or (missing and not count):
             self._local[request.request_id] = (num_computed_tokens, request.prompt_len)
             return 0, False
         self._local.pop(request.request_id, None)
@@ -108,7 +119,8 @@ class DecodeScheduler(ConnectorRole):
         num_computed_tokens = max(int(request.num_computed_tokens), self._remote[request_id])
         main = tuple(int(b) for b in block_ids[self._main_group])
         indexer = tuple(int(b) for b in block_ids[self._indexer_group])
-        groups = tuple(tuple(int(b) for b in g) for g in block_ids)
+        groups = tuple(self._state_destination(i, g) if i in self._state
+                       else tuple(int(b) for b in g) for i, g in enumerate(block_ids))
         self._loads.append(DecodeLoad(request_id, main, indexer, groups))
         self._timeline.stamp(request_id, HopName.DECODE_ALLOCATED)
         ext = external_request_id(request_id)
@@ -178,6 +190,13 @@ class DecodeScheduler(ConnectorRole):
         return False
 
     # -- the rules
+    @staticmethod
+    def _state_destination(group: int, ids: Sequence[int]) -> tuple[int, ...]:
+        """A state group's destination: its running-state block, where the state after
+        the loaded tokens must be (``NO_BLOCK`` if vLLM gave none: nothing lands)."""
+        slot = state_slot([int(b) for b in ids])
+        return (NO_BLOCK if slot is None else slot,)
+
     def _post_local(self, request_id: str, params: dict[str, Any], cached: int,
                     prompt_len: int) -> None:
         """Tell the proxy that no Prefill is needed: this engine computes the prompt."""

@@ -34,6 +34,8 @@ class EngineFacts:
     # transferable group of the engine; an engine with one rd2h cannot move never starts.
     moved_groups: tuple[int, ...] = (0,)
     groups_text: str = ""  # the moved groups in words, for the log line at start
+    # The moved groups that hold recurrent state (``rd2h.domain.kv_groups``, N-1 scheme).
+    state_groups: tuple[int, ...] = ()
 
     def layer_groups(self) -> dict[str, int] | None:
         """Cache layer name -> the group whose block ids address it (moved groups only);

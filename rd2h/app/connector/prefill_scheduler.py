@@ -8,7 +8,13 @@ workers wait, before that step's forward, until Decode answered (or the deadline
 failed) every announcement of it. What Decode read is then the request's true KV,
 so the request keeps its progress here (``transferred``): when it resumes (with new
 blocks, recomputed from the start or from a prefix-cache hit), the blocks after that
-point are announced from the new block table as they complete."""
+point are announced from the new block table as they complete.
+
+Recurrent state (``rd2h.domain.kv_groups``, the N-1 scheme): a request for a remote
+Decode is shortened by its last prompt token on arrival (``prompt_backoff``, once per
+request, whatever preemption does later), so the state Prefill ends with is the state
+after N-1 tokens; each state group's running-state block is announced with the final
+chunk only (before it, the state is still changing), as that group's one block."""
 
 from __future__ import annotations
 
@@ -20,7 +26,7 @@ from rd2h.app.connector.plans import DecodeEndpoint, PrefillSend, StepPlan
 from rd2h.app.connector.roles import BlockIds, ConnectorRole, RequestFacts, ScheduledRequest
 from rd2h.domain.chunks import chunk_block_range, external_request_id
 from rd2h.domain.errors import ChunkError, Rd2hError
-from rd2h.domain.kv_groups import NO_BLOCK, leading_gap
+from rd2h.domain.kv_groups import NO_BLOCK, STATE_BACKOFF, leading_gap, state_slot
 from rd2h.domain.rendezvous import sampled, traceparent
 from rd2h.domain.topology import MAX_PORT, check_topology
 from rd2h.ports.runtime import NO_TIMELINE, HopName, Logger, Timeline
@@ -109,9 +115,11 @@ class _Tracked:
 class PrefillScheduler(ConnectorRole):
     def __init__(
         self, *, block_size: int, main_group: int, indexer_group: int, p_tp: int,
-        log: Logger, timeline: Timeline = NO_TIMELINE,
+        log: Logger, timeline: Timeline = NO_TIMELINE, state_groups: Iterable[int] = (),
     ) -> None:
         self._timeline = timeline
+        self._state = frozenset(state_groups)
+        self._shortened: set[str] = set()  # requests whose prompt tail Decode computes
         self._bs = block_size
         self._main = main_group
         self._indexer = indexer_group
@@ -123,6 +131,23 @@ class PrefillScheduler(ConnectorRole):
         self.preempted = 0
 
     # -- the connector role's hooks
+    def prompt_backoff(self, request: RequestFacts) -> int:
+        """With state groups: 1 for a request Prefill will send to a remote Decode (its
+        state must be the state after N-1 tokens), once per request; else 0. A one-token
+        prompt is never shortened (Decode computes such a prompt itself and the proxy
+        does not dispatch it here)."""
+        rid = request.request_id
+        if not self._state or rid in self._shortened or request.num_prompt_tokens <= 1:
+            return 0
+        try:
+            own = resolve_params(external_request_id(rid), request.params)
+        except TransferParamsError:
+            return 0  # refused with its reason at update_state_after_alloc
+        if own is None:
+            return 0
+        self._shortened.add(rid)
+        return STATE_BACKOFF
+
     def update_state_after_alloc(self, request: RequestFacts, block_ids: BlockIds,
                                  num_external_tokens: int) -> None:
         """Start tracking a request sent with ``do_remote_decode`` (idempotent)."""
@@ -155,6 +180,7 @@ class PrefillScheduler(ConnectorRole):
 
     def request_finished(self, request_id: str) -> bool:
         """Drop the request's state; True if its blocks must wait for the sends."""
+        self._shortened.discard(request_id)
         t = self._tracked.pop(request_id, None)
         return t is not None and t.sent_any
 
@@ -193,7 +219,8 @@ class PrefillScheduler(ConnectorRole):
                 transferred_tokens=t.transferred, remote_cached_tokens=t.remote_cached,
                 final=final, allocated_blocks=len(main_ids),
             )
-            groups = tuple(_held_part(ids, start, end) for ids in t.blocks)
+            groups = tuple(self._state_part(g, ids, final) if g in self._state
+                           else _held_part(ids, start, end) for g, ids in enumerate(t.blocks))
         except ChunkError as exc:
             self._log.error("cannot announce request blocks", request=request_id,
                             error=str(exc))
@@ -213,6 +240,18 @@ class PrefillScheduler(ConnectorRole):
             request_id, t.ext_id, t.decode, main, idx, main_start, idx_start, final,
             groups=groups,
         )
+
+    @staticmethod
+    def _state_part(group: int, ids: list[int], final: bool) -> tuple[int, tuple[int, ...]]:
+        """A state group's part of a step: nothing before the final chunk; with it, the
+        running-state block (the state after the prompt this engine computes)."""
+        if not final:
+            return 0, ()
+        slot = state_slot(ids)
+        if slot is None:
+            raise ChunkError(f"KV cache group {group} (recurrent state) holds no state block "
+                             f"for the request (its blocks: {ids[-4:]})")
+        return 0, (slot,)
 
     def counters(self) -> dict[str, int]:
         return {"tracked": len(self._tracked), "rejected": self.rejected}

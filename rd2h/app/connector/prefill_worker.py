@@ -2,7 +2,12 @@
 gate buffer reuse, tell vLLM when a finished request's blocks may be freed, and
 hold a step whose preempted requests Decode may still be reading
 (``handle_preemptions``). The request state lives in the sender's session
-(``PrefillSender.requests``), under its one lock: this role keeps none of its own."""
+(``PrefillSender.requests``), under its one lock: this role keeps none of its own.
+
+Layers of a recurrent-state group (Mamba, gated delta net) get no per-layer hook from
+vLLM: they are announced after the step's forward (``wait_for_save``), in layer order,
+and only with a request's final chunk; the request's final report rides on the last
+of them (else on the last layer, as before)."""
 
 from __future__ import annotations
 
@@ -33,13 +38,15 @@ from rd2h.ports.runtime import (
 from rd2h.ports.transfer import TransferEngine
 
 
-def _read_request(s: PrefillSend, group: int | None) -> ReadRequest | None:
+def _read_request(s: PrefillSend, group: int | None, state: bool = False
+                  ) -> ReadRequest | None:
     """What one layer announces of a send: its own KV cache group's blocks when the
     layer's group is known (None: that group holds nothing new of it, e.g. the whole
-    range is outside a sliding window), else the plan's main and indexer lists."""
+    range is outside a sliding window, or a state group before the final chunk), else
+    the plan's main and indexer lists."""
     if group is not None and group < len(s.groups):
         start, ids = s.groups[group]
-        if not ids and not s.indexer_block_ids:
+        if not ids and (state or not s.indexer_block_ids):
             return None
         return ReadRequest(s.ext_id, ids, s.indexer_block_ids, start, s.indexer_start)
     if s.main_block_ids or s.indexer_block_ids:
@@ -59,6 +66,7 @@ class PrefillWorker(ConnectorRole):
         layer_names: Mapping[int, str],
         clock: Clock,
         layer_groups: Mapping[int, int] | None = None,
+        state_groups: Iterable[int] = (),
         log: Logger,
         buffer_reuse: bool = False,
         reuse_timeout_s: float | None = None,
@@ -84,7 +92,12 @@ class PrefillWorker(ConnectorRole):
         # Layer -> its KV cache group: a layer announces that group's blocks (absent:
         # the plan's main and indexer lists, as with one group).
         self._layer_groups = dict(layer_groups or {})
-        self._last_layer = max(self._layers) if self._layers else -1
+        state = frozenset(state_groups)
+        # State layers, announced after the forward; the final report rides on the last.
+        self._state_layers = tuple(sorted(i for i in self._layers
+                                          if self._layer_groups.get(i) in state))
+        last = self._state_layers or tuple(self._layers)
+        self._last_layer = max(last) if last else -1
         self._clock = clock
         self._log = log
         self.buffer_reuse = buffer_reuse
@@ -148,6 +161,18 @@ class PrefillWorker(ConnectorRole):
         """The layer's KV scatter was queued (also Ascend's ``on_kv_cache_written``):
         announce it, once per layer per step (``layers_announced`` counts them)."""
         idx = layer_index(layer_name)
+        if idx in self._state_layers:
+            return  # its state is final only after the forward (``wait_for_save``)
+        self._announce(idx)
+
+    def wait_for_save(self) -> None:
+        """The step's forward ran every layer: announce the state layers (their blocks
+        are in this step's sends with a request's final chunk only)."""
+        for idx in self._state_layers:
+            self._announce(idx)
+
+    def _announce(self, idx: int) -> None:
+        """Announce layer ``idx`` of this step's sends, once per step."""
         if idx in self._dispatched or idx not in self._layers:
             return
         self._dispatched.add(idx)
@@ -156,9 +181,10 @@ class PrefillWorker(ConnectorRole):
         targets = []
         names: dict[str, list[tuple[str, str]]] = {}
         group = self._layer_groups.get(idx)
+        state = idx in self._state_layers
         for s in self._sends:
             m = compute_mapping(self._p_tp, s.decode.tp_size, self._p_rank)
-            req = _read_request(s, group)
+            req = _read_request(s, group, state)
             if req is not None and self._digest is not None and idx in self._layouts:
                 req = dataclasses.replace(req, digests=tuple(
                     tuple(self._digest(addrs.tolist(), [size] * len(addrs)))

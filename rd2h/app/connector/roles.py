@@ -75,6 +75,11 @@ class ConnectorRole:
         """True: keep the request's blocks until ``finished_sending`` reports it."""
         return False
 
+    def prompt_backoff(self, request: RequestFacts) -> int:
+        """How many trailing prompt tokens this engine leaves uncomputed (Prefill of a
+        model with recurrent state: Decode computes them); asked once, on arrival."""
+        return 0
+
     def requests_preempted(self, request_ids: Iterable[str]) -> None:
         """vLLM preempted these requests in the step being built (and freed their
         blocks without ``request_finished``); called before ``build_connector_meta``."""
@@ -92,6 +97,10 @@ class ConnectorRole:
         return None
 
     def save_kv_layer(self, layer_name: str) -> None:
+        return None
+
+    def wait_for_save(self) -> None:
+        """After the step's forward (every layer computed)."""
         return None
 
     def wait_for_layer_reuse(self, layer_idx: int) -> None:

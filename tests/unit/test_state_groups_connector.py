@@ -1,0 +1,264 @@
+"""Recurrent state (Mamba, gated delta net) through ``SfaRemoteD2HConnector`` (issue #39),
+with vLLM's real config objects and requests, and real bytes over the ``inproc``
+transport.
+
+A Nemotron-H / Qwen3-Next style engine: layers 0 and 2 hold recurrent state (one
+``MambaSpec`` group: a conv and an SSM state per request, packed into one padded page
+per block, as vLLM lays them out), layers 1 and 3 attention (a full-attention group),
+all four layers views of one buffer, as in vLLM. The N-1 scheme: Decode loads the
+prompt but its last token; Prefill's request is shortened by that token on arrival
+(once), computes the rest in two chunks, and announces the state layers after the
+final chunk's forward only (before it the state is still changing). Each state page
+lands in Decode's state block, each attention block in its own group's block; nothing
+else of Decode's memory changes.
+"""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+
+pytest.importorskip("vllm")
+import test_vllm_connector as base
+import torch
+from test_kv_groups_connector import _blocks
+from test_vllm_connector import (  # noqa: F401 (fixtures)
+    SUFFIX_D,
+    SUFFIX_P,
+    URL,
+    cached_reqs,
+    memory_control,
+    metaserver,
+    request,
+    scheduler_output,
+    tp_group,
+    vllm_config,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.v1.core.sched.output import NewRequestData
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    KVCacheTensor,
+    MambaSpec,
+)
+from vllm.v1.outputs import KVConnectorOutput
+
+from rd2h.domain.compat import compare
+from rd2h.domain.kv_groups import UnsupportedKvGroup
+from rd2h.entry.connector import SfaRemoteD2HConnector
+
+BS, NB, HEADS, HEAD = 4, 24, 2, 8
+STATE = ["model.layers.0.mixer", "model.layers.2.mixer"]
+ATTN = ["model.layers.1.self_attn.attn", "model.layers.3.self_attn.attn"]
+CONV, SSM = (3, 8), (2, 4, 4)  # floats per block: 24 + 32 = 56 of a 64-float page
+PAGE = 2 * BS * HEADS * HEAD * 4  # the attention page (bytes); the state page is padded to it
+
+
+def hybrid(mode: str = "none", spec_blocks: int = 0) -> KVCacheConfig:
+    full = FullAttentionSpec(block_size=BS, num_kv_heads=HEADS, head_size=HEAD,
+                             dtype=torch.float32)
+    state = MambaSpec(block_size=512 if mode == "none" else BS, shapes=(CONV, SSM),
+                      dtypes=(torch.float32, torch.float32), page_size_padded=PAGE,
+                      mamba_cache_mode=mode, num_speculative_blocks=spec_blocks)
+    return KVCacheConfig(
+        num_blocks=NB,
+        kv_cache_tensors=[KVCacheTensor(size=PAGE * NB, layers=[s, a], layer_stride=PAGE * NB,
+                                        block_stride=PAGE) for s, a in zip(STATE, ATTN)],
+        kv_cache_groups=[KVCacheGroupSpec(STATE, state), KVCacheGroupSpec(ATTN, full)],
+    )
+
+
+def _caches(seed: int | None) -> tuple[dict[str, object], list[torch.Tensor]]:
+    """vLLM's layout: per layer pair one raw buffer of ``NB`` pages; the attention layer
+    sees ``[NB, heads, block, 2 x head]``, the state layer a conv and an SSM view packed
+    at the start of each page (the rest is padding)."""
+    gen = torch.Generator().manual_seed(seed or 0)
+    raws, caches = [], {}
+    floats = PAGE // 4
+    for s, a in zip(STATE, ATTN):
+        raw = (torch.randn(NB * floats, generator=gen) if seed is not None
+               else torch.zeros(NB * floats))
+        raws.append(raw)
+        caches[a] = raw.view(NB, HEADS, BS, 2 * HEAD)
+        conv = torch.as_strided(raw, (NB, *CONV), (floats, CONV[1], 1), 0)
+        ssm = torch.as_strided(raw, (NB, *SSM), (floats, SSM[1] * SSM[2], SSM[2], 1),
+                               CONV[0] * CONV[1])
+        caches[s] = [conv, ssm]
+    return caches, raws
+
+
+def _pages(raw: torch.Tensor, ids) -> torch.Tensor:
+    return raw.view(NB, PAGE // 4)[list(ids)]
+
+
+@pytest.fixture
+def engines(tp_group, memory_control, metaserver):  # noqa: F811
+    made = []
+
+    def start(mode: str = "none"):
+        extra = {"transport": "inproc", "deadlines": {"layer_ack_s": 10.0, "meta_ack_s": 10.0}}
+        d_cfg, p_cfg = vllm_config("kv_consumer", extra), vllm_config("kv_producer", extra)
+        conns = [SfaRemoteD2HConnector(cfg, role, hybrid(mode))
+                 for cfg in (d_cfg, p_cfg)
+                 for role in (KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER)]
+        made.extend(conns)
+        d_sched, d_work, p_sched, p_work = conns
+        (d_caches, d_raw), (p_caches, p_raw) = _caches(None), _caches(11)
+        d_work.register_kv_caches(d_caches)
+        p_work.register_kv_caches(p_caches)
+        gc.collect()
+        return d_sched, p_sched, d_work, p_work, d_raw, p_raw
+
+    yield start
+    for conn in made:
+        conn.shutdown()
+
+
+def _rendezvous(d_sched, d_work, rid: str, prompt: int, d_groups) -> dict:
+    """Decode matches and admits the request; returns the contact info it posted."""
+    req = request(rid, prompt, {"do_remote_prefill": True, "metaserver": URL})
+    assert d_sched.get_num_new_matched_tokens(req, 0) == (prompt - 1, True)
+    d_sched.update_state_after_alloc(req, _blocks(*d_groups), prompt - 1)
+    d_work.bind_connector_metadata(d_sched.build_connector_meta(scheduler_output()))
+    d_sched.update_connector_output(KVConnectorOutput(
+        kv_connector_worker_meta=d_work.build_connector_worker_meta()))
+    return base.RecordingMetaserver.made[0].posts[-1][2]
+
+
+def _forward(p_work, plan) -> None:
+    """One Prefill step as vLLM runs it: bind, the attention layers' hooks, then the
+    end of the forward."""
+    p_work.bind_connector_metadata(plan)
+    for layer in ATTN:
+        p_work.save_kv_layer(layer, None, None)
+    p_work.wait_for_save()
+
+
+def test_state_and_attention_land_in_their_own_blocks_after_n_minus_1(engines) -> None:
+    d_sched, p_sched, d_work, p_work, d_raw, p_raw = engines("none")
+    prompt = 3 * BS + 1  # Prefill computes 3 full blocks (N-1), Decode the last token
+    d_state, d_attn = (5,), (6, 7, 8)
+    p_state, p_attn = (14,), (15, 16, 17)
+    post = _rendezvous(d_sched, d_work, "h-1" + SUFFIX_D, prompt, (d_state, d_attn))
+
+    preq = request("h-1" + SUFFIX_P, prompt, post)
+    p_sched.on_new_request(preq)
+    assert preq.num_prompt_tokens == prompt - 1 and len(preq.prompt_token_ids) == prompt - 1
+    assert preq.max_tokens == 1
+    p_sched.on_new_request(preq)  # vLLM asks once; a second look never shortens again
+    assert preq.num_prompt_tokens == prompt - 1
+    p_sched.update_state_after_alloc(preq, _blocks(p_state, p_attn), 0)
+
+    # Chunk 1 (8 tokens): two attention blocks; the state is still changing.
+    plan = p_sched.build_connector_meta(scheduler_output(
+        [NewRequestData.from_request(preq, ([p_state[0]], list(p_attn)))],
+        counts={preq.request_id: 2 * BS}))
+    (send,) = plan.plan.sends
+    assert send.groups == ((0, ()), (0, p_attn[:2])) and not send.final
+    _forward(p_work, plan)
+    assert d_work.get_transfer_results(set()).finished_recving == frozenset()
+    # Chunk 2 (the last 4 of N-1 tokens): the last attention block and the state.
+    plan = p_sched.build_connector_meta(scheduler_output(
+        cached=cached_reqs([(preq.request_id, None, 2 * BS)]),
+        counts={preq.request_id: BS}))
+    (send,) = plan.plan.sends
+    assert send.groups == ((0, p_state), (2, p_attn[2:])) and send.final
+    _forward(p_work, plan)
+    for i in range(4):
+        p_work.wait_for_layer_reuse(i)
+    assert d_work.get_transfer_results(set()).finished_recving == {"h-1" + SUFFIX_D}
+
+    for d, p in zip(d_raw, p_raw):
+        torch.testing.assert_close(_pages(d, d_state + d_attn), _pages(p, p_state + p_attn),
+                                   rtol=0, atol=0)
+        rest = [b for b in range(NB) if b not in d_state + d_attn]
+        assert not _pages(d, rest).any()
+    stats = d_work.get_kv_connector_stats().data
+    assert stats["bytes_pulled"] == 2 * (1 + 3) * PAGE  # per layer pair: the page + 3 blocks
+
+
+def test_a_one_token_prompt_is_computed_by_decode(engines) -> None:
+    """Nothing to pull (N-1 = 0): Decode computes the prompt and tells the proxy."""
+    d_sched, *_ = engines("none")
+    req = request("h-2" + SUFFIX_D, 1, {"do_remote_prefill": True, "metaserver": URL})
+    assert d_sched.get_num_new_matched_tokens(req, 0) == (0, False)
+    d_sched.update_state_after_alloc(req, _blocks((5,), (6,)), 0)
+    post = base.RecordingMetaserver.made[0].posts[-1][2]
+    assert post["prefill"] == "local" and post["do_remote_decode"] is False
+
+
+def test_a_prefix_hit_of_all_but_the_last_token_pulls_nothing(engines) -> None:
+    d_sched, *_ = engines("align")
+    req = request("h-3" + SUFFIX_D, 2 * BS + 1, {"do_remote_prefill": True, "metaserver": URL})
+    assert d_sched.get_num_new_matched_tokens(req, 2 * BS) == (0, False)
+
+
+def test_align_mode_moves_the_last_state_block_of_the_list(engines) -> None:
+    """Prefix caching on (vLLM's ``align`` mode): the state group's list is indexed by
+    position, earlier positions null; the running state is its last block, on both
+    sides, whatever the lengths of the lists."""
+    d_sched, p_sched, d_work, p_work, d_raw, p_raw = engines("align")
+    prompt = 2 * BS + 2
+    d_state, d_attn = (0, 0, 9), (10, 11, 12)
+    p_state, p_attn = (0, 0, 19), (20, 21, 22)
+    post = _rendezvous(d_sched, d_work, "h-4" + SUFFIX_D, prompt, (d_state, d_attn))
+    preq = request("h-4" + SUFFIX_P, prompt, post)
+    p_sched.on_new_request(preq)
+    p_sched.update_state_after_alloc(preq, _blocks(p_state, p_attn), 0)
+    plan = p_sched.build_connector_meta(scheduler_output(
+        [NewRequestData.from_request(preq, (list(p_state), list(p_attn)))],
+        counts={preq.request_id: prompt - 1}))
+    _forward(p_work, plan)
+    for i in range(4):
+        p_work.wait_for_layer_reuse(i)
+    assert d_work.get_transfer_results(set()).finished_recving == {"h-4" + SUFFIX_D}
+    for d, p in zip(d_raw, p_raw):
+        torch.testing.assert_close(_pages(d, (9, 10, 11, 12)), _pages(p, (19, 20, 21, 22)),
+                                   rtol=0, atol=0)
+        assert not _pages(d, [0]).any()  # vLLM's null block
+
+
+def test_a_request_for_no_remote_decode_is_not_shortened(engines) -> None:
+    _, p_sched, *_ = engines("none")
+    for params in (None, {"do_remote_decode": False}):
+        req = request("h-5" + SUFFIX_P, 9, params)
+        p_sched.on_new_request(req)
+        assert req.num_prompt_tokens == 9
+
+
+def test_a_prompt_list_shortens_each_child_that_goes_to_a_remote_decode(engines) -> None:
+    """The children of one prompt list share their dispatch's params: each is shortened
+    once, by its own id; a child Decode computes itself is not."""
+    _, p_sched, *_ = engines("none")
+    params = {"do_remote_decode": True, "batch_kv_transfer_params": {
+        "a": {"do_remote_decode": True}, "b": {"do_remote_decode": True},
+        "c": {"do_remote_decode": False, "prefill": "local"}}}
+    reqs = [request(x + SUFFIX_P, 7, params) for x in "abc"]
+    for r in reqs:
+        p_sched.on_new_request(r)
+    assert [r.num_prompt_tokens for r in reqs] == [6, 6, 7]
+
+
+def test_state_groups_state_their_tp_size_for_the_handshake() -> None:
+    """State is split over TP ranks by its own layout: between different TP sizes it is
+    refused at the MF_META handshake, naming ``state_tp``."""
+    conns = [SfaRemoteD2HConnector(vllm_config(role, tp=tp), KVConnectorRole.SCHEDULER,
+                                   hybrid())
+             for role, tp in (("kv_producer", 2), ("kv_consumer", 1))]
+    p, d = (c._facts.compat for c in conns)
+    assert p.values["state_tp"] == 2 and p.values["kv_groups"] == "state/512x2,full/4x2"
+    refusal = compare(p, d)
+    assert refusal is not None and "state_tp: prefill 2, decode 1" in refusal.describe()
+    for c in conns:
+        c.shutdown()
+
+
+@pytest.mark.parametrize("role", ["kv_consumer", "kv_producer"])
+def test_state_with_speculative_scratch_blocks_is_refused(role) -> None:
+    with pytest.raises(UnsupportedKvGroup, match="speculative scratch") as info:
+        SfaRemoteD2HConnector(vllm_config(role), KVConnectorRole.SCHEDULER,
+                              hybrid(spec_blocks=2))
+    assert "group 0 (MambaSpec, 2 layers: model.layers.0.mixer" in str(info.value)
