@@ -15,6 +15,7 @@ else of Decode's memory changes.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 
 import pytest
@@ -47,6 +48,7 @@ from vllm.v1.kv_cache_interface import (
 from vllm.v1.outputs import KVConnectorOutput
 
 from rd2h.domain.compat import compare
+from rd2h.domain.errors import LayerSendError
 from rd2h.domain.kv_groups import UnsupportedKvGroup
 from rd2h.entry.connector import SfaRemoteD2HConnector
 
@@ -262,3 +264,65 @@ def test_state_with_speculative_scratch_blocks_is_refused(role) -> None:
         SfaRemoteD2HConnector(vllm_config(role), KVConnectorRole.SCHEDULER,
                               hybrid(spec_blocks=2))
     assert "group 0 (MambaSpec, 2 layers: model.layers.0.mixer" in str(info.value)
+
+
+def test_a_state_read_that_fails_fails_the_request(engines) -> None:
+    """Prefill names a state block beyond the region it advertised (a broken peer): the
+    state layer fails on Decode, so the request is reported failed (vLLM's
+    ``kv_load_failure_policy`` then applies), never completed from a state that did not
+    arrive."""
+    d_sched, p_sched, d_work, p_work, d_raw, _ = engines("none")
+    prompt = BS + 1
+    post = _rendezvous(d_sched, d_work, "h-6" + SUFFIX_D, prompt, ((5,), (6,)))
+    preq = request("h-6" + SUFFIX_P, prompt, post)
+    p_sched.on_new_request(preq)
+    p_sched.update_state_after_alloc(preq, _blocks((NB + 3,), (15,)), 0)
+    plan = p_sched.build_connector_meta(scheduler_output(
+        [NewRequestData.from_request(preq, ([NB + 3], [15]))], counts={preq.request_id: BS}))
+    _forward(p_work, plan)
+    for i in range(4):  # every announcement answered (the state layers: failed)
+        with contextlib.suppress(LayerSendError):
+            p_work.wait_for_layer_reuse(i)
+    res = d_work.get_transfer_results(set())
+    assert res.failed_recving == {"h-6" + SUFFIX_D}
+    assert not _pages(d_raw[0], [5]).any()  # nothing landed in the state block
+    p_work.get_transfer_results({preq.request_id})
+    assert p_work.get_kv_connector_stats().data["requests_failed"] == 1
+
+
+def test_a_preempted_request_announces_the_state_of_its_new_blocks(engines) -> None:
+    """vLLM preempts Prefill's request mid-prefill (its blocks freed, the prompt kept
+    shortened) and resumes it from scratch in new blocks: the attention blocks Decode
+    already read are not announced again, and the state comes from the new state block
+    with the final chunk."""
+    d_sched, p_sched, d_work, p_work, d_raw, p_raw = engines("none")
+    prompt = 3 * BS + 1
+    d_state, d_attn = (5,), (6, 7, 8)
+    post = _rendezvous(d_sched, d_work, "h-7" + SUFFIX_D, prompt, (d_state, d_attn))
+    preq = request("h-7" + SUFFIX_P, prompt, post)
+    p_sched.on_new_request(preq)
+    p_sched.update_state_after_alloc(preq, _blocks((14,), (15, 16, 17)), 0)
+    plan = p_sched.build_connector_meta(scheduler_output(
+        [NewRequestData.from_request(preq, ([14], [15, 16, 17]))],
+        counts={preq.request_id: 2 * BS}))
+    _forward(p_work, plan)
+    for i in range(4):
+        p_work.wait_for_layer_reuse(i)
+    p_sched.on_new_request(preq)  # never shortened twice
+    assert preq.num_prompt_tokens == prompt - 1
+    out = scheduler_output(cached=cached_reqs([(preq.request_id, ([19], [20, 21, 22]), 0)],
+                                              resumed={preq.request_id}),
+                           counts={preq.request_id: prompt - 1})
+    out.preempted_req_ids = {preq.request_id}
+    plan = p_sched.build_connector_meta(out)
+    (send,) = plan.plan.sends
+    assert send.groups == ((0, (19,)), (2, (22,))) and send.final
+    assert plan.plan.preempted == (preq.request_id,)
+    p_work.handle_preemptions(plan)
+    _forward(p_work, plan)
+    for i in range(4):
+        p_work.wait_for_layer_reuse(i)
+    assert d_work.get_transfer_results(set()).finished_recving == {"h-7" + SUFFIX_D}
+    for d, p in zip(d_raw, p_raw):
+        torch.testing.assert_close(_pages(d, (5, 6, 7, 8)), _pages(p, (19, 15, 16, 22)),
+                                   rtol=0, atol=0)

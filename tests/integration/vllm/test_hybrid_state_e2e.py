@@ -26,17 +26,22 @@ fresh prompt must equal what it holds for it, group by group (ceil((N-1)/block)
 attention blocks per attention layer, one state page per state layer), and no digest
 may differ.
 
-Tokens: equal to the reference's. For bfloat16 Qwen3-Next, the plain engine computes
-the N-th token inside the prompt's last chunk while Decode computes it from the state
-after N-1 tokens; bfloat16 kernels differ in their last bits between those splits,
-which flips the greedy choice where the reference's two best tokens are within a
-bfloat16 step of each other. So where the splits are the same (a prompt alone whose
-N-1 is a multiple of the 64-token chunk, or N = 1) tokens must be equal; elsewhere
-(other lengths, prompts batched with others) equal up to a position where the
-reference's own logprobs show such a tie (within ``TIE``) and the token taken there is
-one of its two best. A state that did not arrive (or the state after N tokens)
-changes the first token with a margin far beyond that (tested by hand: 0 of 4 equal,
-gaps of 0.5 to 2.5).
+Tokens: equal to the reference's. For bfloat16 Qwen3-Next that is not always defined:
+vLLM's bfloat16 CPU kernels give results that depend on how a prompt is split into
+chunks and on what else is in the step's batch, and this tiny random model amplifies a
+last-bit difference into other tokens within a few positions. The plain engine shows it
+by itself: the 129-token prompt of the list test answers [563, 709, 683, ...] alone and
+[563, 472, 43, ...] beside a 25-token prompt (measured on this machine). So for
+bfloat16:
+- a prompt alone whose split is the reference's (N-1 a multiple of the 64-token chunk,
+  or N = 1): tokens equal;
+- a prompt alone with another split: equal up to a position where the reference's own
+  logprobs show a tie (its best and the token taken within ``TIE``, one bfloat16 step
+  or two), and that token among its two best;
+- prompts batched with others (concurrent, a list): the first token by that rule (it
+  depends on the state that moved and Decode's one step); the rest depends on the batch.
+The float32 families are held to equal tokens everywhere, and ``verify_kv`` holds every
+family's bytes to Prefill's, state pages included.
 
 Unequal TP with state (Prefill TP 2 -> Decode TP 1, Nemotron-H): refused at the MF_META
 handshake naming ``state_tp``; Decode recomputes the prompt (its policy) and the client
@@ -114,6 +119,8 @@ def _agrees(cluster, got: list[int], ref: dict, prompt_len: int, batched: bool =
                                                                            len(want)))
     if exact or i >= len(want) or i >= len(got):
         return f"tokens {got} != reference {want}"
+    if batched and i > 0:
+        return None  # past the first token, a batched bfloat16 answer is the batch's
     top = {int(k.split(":")[1]): v for k, v in ref["logprobs"]["top_logprobs"][i].items()}
     best = max(top.values())
     if got[i] not in top or best - top[got[i]] > TIE:
@@ -266,13 +273,14 @@ def test_prompt_list_with_a_child_decode_computes_itself(cluster):
 
 
 def test_second_turn(cluster):
-    """A chat's second turn (the first turn, its answer and more): tokens equal. With
-    prefix caching (Qwen3-Next), Decode computed the first answer across a block
-    boundary, so it holds that block's attention KV and the state at its end: it pulls
-    only the rest. Without, it pulls the whole N-1 again."""
+    """A chat's second turn (the first turn, its answer and more): tokens equal. The
+    first turn is a block and a token long, so the state Decode received (after N-1
+    tokens) is the state at a block's end: with prefix caching (Qwen3-Next, vLLM's
+    ``align`` mode) Decode caches it with that block's attention KV, and the second
+    turn pulls only the rest. Without, it pulls the whole N-1 again."""
     model, proxy, decode = cluster["model"], cluster["proxy"], cluster["decode"]
     ((block, _),) = set(cluster["groups"]["full"])
-    first = _prompt(block - 4, 301)
+    first = _prompt(block + 1, 301)
     out = _post(proxy.url, model, first)
     (ref,) = _reference(cluster, first)
     assert _agrees(cluster, _choices(out)[0]["token_ids"], ref, len(first)) is None
