@@ -71,6 +71,14 @@ def build_scheduler_role(options: Rd2hOptions, facts: EngineFacts) -> ConnectorR
     )
 
 
+def _log_channel(container: Container, role: str, options: Rd2hOptions) -> None:
+    """Say how the control channel is protected (never with what)."""
+    container.logger(role=role).info(
+        "control channel",
+        signing="HMAC-SHA256" if options.auth_secret is not None else "off",
+        encryption="CURVE" if options.curve_secret_key is not None else "off")
+
+
 def build_prefill_worker(
     options: Rd2hOptions,
     facts: EngineFacts,
@@ -105,6 +113,7 @@ def build_prefill_worker(
     container.logger(role="prefill").info(
         "verify_kv: " + ("every announced block states its digest" if options.verify_kv
                          else "off (no digests stated)"))
+    _log_channel(container, "prefill", options)
     worker.start()
     return worker
 
@@ -146,5 +155,6 @@ def build_decode_worker(
         "verify_kv: " + ("the digests a Prefill states are checked after each read"
                          if host_memory else "digests are not checked (destination memory "
                          "is not host memory here)"))
+    _log_channel(container, "decode", options)
     worker.start()
     return worker

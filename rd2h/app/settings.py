@@ -1,7 +1,8 @@
 """rd2h's one settings model (pydantic): validated up front, errors name the field.
 
 ``Rd2hOptions`` is everything a deployment configures; it is exactly the schema
-of vLLM's ``kv_connector_extra_config`` (``Rd2hOptions.parse``). ``Rd2hSettings``
+of vLLM's ``kv_connector_extra_config`` (``Rd2hOptions.parse``), where secrets are
+named by file or environment variable, never written inline (``rd2h.app.secrets``). ``Rd2hSettings``
 is one endpoint: the same options plus where the rank sits (role, ports, TP
 rank), which the vLLM adapter, the demo and the probe fill in. Every entrypoint
 builds its objects from an ``Rd2hSettings`` through ``rd2h.app.container``.
@@ -15,6 +16,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
 
+from rd2h.app.secrets import SecretSourceError, read_secret
 from rd2h.domain.addresses import TransferTypeName, parse_ipv4, parse_store_url
 from rd2h.domain.errors import Rd2hError, TopologyError
 from rd2h.domain.topology import MAX_PORT, plan_ports
@@ -22,6 +24,8 @@ from rd2h.domain.topology import MAX_PORT, plan_ports
 Transport = Literal["cma", "inproc", "memfabric", "mooncake"]
 Role = Literal["prefill", "decode"]
 MIN_SECRET_CHARS = 16
+# Secret options: in kv_connector_extra_config only as ``<key>_file`` or ``<key>_env``.
+SECRET_KEYS = ("auth_secret", "curve_secret_key")
 
 
 class ConnectorConfigError(Rd2hError, ValueError):
@@ -171,14 +175,29 @@ class Rd2hOptions(BaseModel):
         None,
         description="shared secret (>= 16 characters) for HMAC-SHA256 signing of every "
         "control message; Prefill and Decode must configure the same one. Unset: "
-        "unsigned legacy messages. Set: unsigned or wrongly signed messages are refused",
+        "unsigned legacy messages. Set: unsigned or wrongly signed messages are refused. "
+        "In kv_connector_extra_config only through auth_secret_file or auth_secret_env "
+        "(vLLM logs that config; an inline value is refused)",
     )
+    auth_secret_file: str | None = Field(
+        None, min_length=1,
+        description="file holding auth_secret (readable by its owner only, e.g. a "
+        "Kubernetes Secret mounted with defaultMode 0400; one trailing newline ignored)")
+    auth_secret_env: str | None = Field(
+        None, min_length=1, description="environment variable holding auth_secret")
     curve_secret_key: SecretStr | None = Field(
         None,
         description="ZeroMQ CURVE (encrypted, authenticated control channel): this "
         "endpoint's secret key (Z85, from 'rd2h keys'). Decode then admits only "
-        "curve_allowed_keys; Prefill needs curve_server_key. Unset: plain ZeroMQ",
+        "curve_allowed_keys; Prefill needs curve_server_key. Unset: plain ZeroMQ. In "
+        "kv_connector_extra_config only through curve_secret_key_file or "
+        "curve_secret_key_env (an inline value is refused)",
     )
+    curve_secret_key_file: str | None = Field(
+        None, min_length=1,
+        description="file holding curve_secret_key (readable by its owner only)")
+    curve_secret_key_env: str | None = Field(
+        None, min_length=1, description="environment variable holding curve_secret_key")
     curve_server_key: str | None = Field(
         None, description="Prefill with CURVE: the Decode endpoints' public key")
     curve_allowed_keys: tuple[str, ...] = Field(
@@ -200,7 +219,8 @@ class Rd2hOptions(BaseModel):
     def _check_options(self) -> Rd2hOptions:
         if self.curve_secret_key is not None:
             _check_key(self.curve_secret_key.get_secret_value(), "curve_secret_key")
-        elif self.curve_server_key is not None or self.curve_allowed_keys:
+        elif (self.curve_server_key is not None or self.curve_allowed_keys) and not (
+                self.curve_secret_key_file or self.curve_secret_key_env):
             raise ValueError("curve_server_key / curve_allowed_keys need curve_secret_key")
         if self.curve_server_key is not None:
             _check_key(self.curve_server_key, "curve_server_key")
@@ -232,15 +252,44 @@ class Rd2hOptions(BaseModel):
         return self.destinations == "sparse_kv_pool"
 
     @classmethod
-    def parse(cls, extra: Mapping[str, Any] | None) -> Rd2hOptions:
+    def parse(cls, extra: Mapping[str, Any] | None,
+              environ: Mapping[str, str] | None = None) -> Rd2hOptions:
         """Validate ``kv_connector_extra_config``; ``ConnectorConfigError`` names every
-        bad key."""
+        bad key. Secrets come from the files or environment variables it names (from
+        ``environ``, default the process's); one written inline is refused."""
         if extra is not None and not isinstance(extra, Mapping):
             raise ConnectorConfigError(
                 f"kv_connector_extra_config must be a JSON object, got {type(extra).__name__}"
             )
+        raw = dict(extra or {})
+        inline = [k for k in SECRET_KEYS if raw.get(k) is not None]
+        if inline:
+            raise ConnectorConfigError(
+                "kv_connector_extra_config holds " + " and ".join(map(repr, inline))
+                + " inline: vLLM prints the whole kv_connector_extra_config in its log at "
+                "start (its 'non-default args' line) and it stays on the engine's command "
+                "line, so every log and process listing would hold the secret. Name where "
+                "it is instead: " + "; ".join(
+                    f"'{k}_file' (a file readable by its owner only, e.g. a Kubernetes "
+                    f"Secret mounted as a file) or '{k}_env' (an environment variable)"
+                    for k in inline)
+                + " (docs/security.md, 'Providing secrets')")
+        options = cls._validated(raw)  # every key's type, before any file is read
+        secrets = {}
         try:
-            return cls.model_validate(dict(extra or {}))
+            for key in SECRET_KEYS:
+                value = read_secret(key, file=getattr(options, f"{key}_file"),
+                                    env=getattr(options, f"{key}_env"), environ=environ)
+                if value is not None:
+                    secrets[key] = value
+        except SecretSourceError as exc:
+            raise ConnectorConfigError(f"kv_connector_extra_config: {exc}") from None
+        return cls._validated({**raw, **secrets}) if secrets else options
+
+    @classmethod
+    def _validated(cls, raw: dict[str, Any]) -> Rd2hOptions:
+        try:
+            return cls.model_validate(raw)
         except ValidationError as exc:
             problems = []
             for err in exc.errors():

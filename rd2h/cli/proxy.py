@@ -6,6 +6,7 @@ import argparse
 import ipaddress
 import os
 import sys
+from collections.abc import Mapping
 
 _WILDCARD_HOSTS = {"0.0.0.0", "::", ""}
 
@@ -79,7 +80,8 @@ Other endpoints:
   GET /status       every instance: state (admitted, ejected, draining, drained),
                     in-flight count, last error, engine load
   GET /healthcheck  the instance lists, the requests in flight and plain counters
-  /admin/...        live membership and drain, on only with --admin-token (or
+  /admin/...        live membership and drain, on only with an admin token
+                    (--admin-token-file FILE, $RD2H_PROXY_ADMIN_TOKEN_FILE or
                     $RD2H_PROXY_ADMIN_TOKEN), each call with "Authorization: Bearer
                     TOKEN"; see 'rd2h proxy-admin --help'
 
@@ -200,9 +202,14 @@ def add_proxy_parser(sub: argparse._SubParsersAction) -> None:
                    help="first ejection's back-off; doubles while failing (default: %(default)s)")
     h.add_argument("--eject-backoff-max", type=_seconds, default=30.0, metavar="S",
                    help="longest back-off (default: %(default)s)")
+    p.add_argument("--admin-token-file", metavar="FILE",
+                   help="file holding the admin API's bearer token (at least 16 "
+                        "characters; readable by its owner only, e.g. a mounted Kubernetes "
+                        "Secret; default: $RD2H_PROXY_ADMIN_TOKEN_FILE, else the token in "
+                        "$RD2H_PROXY_ADMIN_TOKEN; none: the admin API is off)")
     p.add_argument("--admin-token", metavar="TOKEN",
-                   help="bearer token of the admin API (at least 16 characters; default: "
-                        "$RD2H_PROXY_ADMIN_TOKEN; unset: the admin API is off)")
+                   help="the token itself: visible in every process listing, so prefer "
+                        "--admin-token-file or $RD2H_PROXY_ADMIN_TOKEN")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
                    help="log level for rd2h and uvicorn (stderr; default: %(default)s)")
     p.add_argument("--timeline-dir", metavar="DIR",
@@ -223,6 +230,32 @@ def default_public_url(host: str, port: int) -> str:
     return f"http://{host}:{port}"
 
 
+ADMIN_TOKEN_ENV = "RD2H_PROXY_ADMIN_TOKEN"
+ADMIN_TOKEN_FILE_ENV = "RD2H_PROXY_ADMIN_TOKEN_FILE"
+
+
+def admin_token(token: str | None, token_file: str | None, *, flag: str = "--admin-token",
+                environ: Mapping[str, str] | None = None) -> str | None:
+    """The admin token from ``token_file`` (``{flag}-file``), ``token`` (``flag``, with a
+    warning: every process listing shows it), ``$RD2H_PROXY_ADMIN_TOKEN_FILE`` or
+    ``$RD2H_PROXY_ADMIN_TOKEN``, in that order; None if none is given. ``ValueError``
+    names the source that cannot be used, never the token."""
+    from rd2h.app.secrets import read_secret_file
+
+    env = os.environ if environ is None else environ
+    if token is not None and token_file is not None:
+        raise ValueError(f"give {flag} or {flag}-file, not both")
+    if token_file is not None:
+        return read_secret_file(token_file, f"{flag}-file")
+    if token is not None:
+        print(f"rd2h: {flag} puts the token in every process listing; prefer {flag}-file "
+              f"or ${ADMIN_TOKEN_ENV}", file=sys.stderr)
+        return token
+    if env.get(ADMIN_TOKEN_FILE_ENV):
+        return read_secret_file(env[ADMIN_TOKEN_FILE_ENV], f"${ADMIN_TOKEN_FILE_ENV}")
+    return env.get(ADMIN_TOKEN_ENV) or None
+
+
 def _run_proxy(args: argparse.Namespace) -> int:
     from rd2h.app.gateways import proxy_config, serve_proxy
 
@@ -240,7 +273,7 @@ def _run_proxy(args: argparse.Namespace) -> int:
             on_prefill_failure=args.on_prefill_failure, probe_interval_s=args.probe_interval,
             probe_timeout_s=args.probe_timeout, eject_after=args.eject_after,
             eject_base_s=args.eject_backoff, eject_max_s=args.eject_backoff_max,
-            admin_token=args.admin_token or os.environ.get("RD2H_PROXY_ADMIN_TOKEN") or None,
+            admin_token=admin_token(args.admin_token, args.admin_token_file),
         )
     except ValueError as exc:
         print(f"rd2h proxy: {exc}", file=sys.stderr)

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 
 _DESCRIPTION = """\
-Talk to a running 'rd2h proxy' started with --admin-token (or RD2H_PROXY_ADMIN_TOKEN).
+Talk to a running 'rd2h proxy' started with an admin token (--admin-token-file,
+$RD2H_PROXY_ADMIN_TOKEN_FILE or $RD2H_PROXY_ADMIN_TOKEN); this command reads the same.
 
   status                       every instance: state, in-flight count, last error
   add ROLE URL                 add an instance (or take back a drained or removed one)
@@ -27,8 +27,12 @@ def add_proxy_admin_parser(sub: argparse._SubParsersAction) -> None:
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--proxy", default="http://127.0.0.1:8000", metavar="URL",
                    help="the proxy's base URL (default: %(default)s)")
+    p.add_argument("--token-file", metavar="FILE",
+                   help="file holding the admin token, readable by its owner only "
+                        "(default: $RD2H_PROXY_ADMIN_TOKEN_FILE, else the token in "
+                        "$RD2H_PROXY_ADMIN_TOKEN)")
     p.add_argument("--token", metavar="TOKEN",
-                   help="admin token (default: $RD2H_PROXY_ADMIN_TOKEN)")
+                   help="the token itself (visible in process listings; prefer --token-file)")
     p.add_argument("--timeout", type=float, default=10.0, metavar="S",
                    help="deadline of each call (default: %(default)s)")
     p.add_argument("action", choices=["status", "add", "remove", "drain"])
@@ -42,9 +46,16 @@ def add_proxy_admin_parser(sub: argparse._SubParsersAction) -> None:
 def _run(args: argparse.Namespace) -> int:
     import httpx
 
-    token = args.token or os.environ.get("RD2H_PROXY_ADMIN_TOKEN")
+    from rd2h.cli.proxy import admin_token
+
+    try:
+        token = admin_token(args.token, args.token_file, flag="--token")
+    except ValueError as exc:
+        print(f"rd2h proxy-admin: {exc}", file=sys.stderr)
+        return 2
     if not token:
-        print("rd2h proxy-admin: no token (--token or RD2H_PROXY_ADMIN_TOKEN)", file=sys.stderr)
+        print("rd2h proxy-admin: no token (--token-file, $RD2H_PROXY_ADMIN_TOKEN_FILE or "
+              "$RD2H_PROXY_ADMIN_TOKEN)", file=sys.stderr)
         return 2
     if args.action != "status" and (args.role is None or args.url is None):
         print(f"rd2h proxy-admin: {args.action} needs ROLE and URL", file=sys.stderr)

@@ -48,7 +48,9 @@ def test_curve_from_settings_admits_listed_prefill_keys_only(rig: Rig) -> None:
         "transport": "inproc", "host": HOST, "curve_secret_key": d_sec,
         "curve_allowed_keys": [p_pub], "limits": {"recv_hwm": 7}, "deadlines": deadlines,
     }
-    Rd2hOptions.parse(extra)  # valid as vLLM would hand it over
+    # valid as vLLM would hand it over: the secret named by an environment variable
+    vllm_extra = {k: v for k, v in extra.items() if k != "curve_secret_key"}
+    Rd2hOptions.parse({**vllm_extra, "curve_secret_key_env": "D_SEC"}, environ={"D_SEC": d_sec})
     d = rig.decode(LAYERS, settings=extra)
     assert d.receiver._server._sock.getsockopt(zmq.RCVHWM) == 0  # never libzmq's (see channel)
     p = rig.prefill_memory(LAYERS, seed=4, advertise=True)
@@ -79,7 +81,7 @@ def test_curve_settings_are_checked_up_front_without_echoing_secrets() -> None:
         Rd2hOptions.parse({"curve_allowed_keys": [pub]})
     bad = "x" * 39
     with pytest.raises(ValueError, match="40 Z85 characters") as ei:
-        Rd2hOptions.parse({"curve_secret_key": bad})
+        Rd2hOptions.parse({"curve_secret_key_env": "K"}, environ={"K": bad})
     assert bad not in str(ei.value)
     assert sec not in repr(Rd2hSettings(role="prefill", curve_secret_key=sec,
                                         curve_server_key=pub))

@@ -135,10 +135,11 @@ def test_every_option_reaches_the_rank_settings_unchanged() -> None:
     """One model: a rank's settings are the options plus its place, never a hand copy."""
     opts = Rd2hOptions.parse({
         "transport": "inproc", "host": "10.1.2.3", "cma_threads": 3, "buffer_reuse": True,
-        "auth_secret": "s" * 20, "max_frame_bytes": 4096, "log_level": "ERROR",
+        "auth_secret_env": "SECRET", "max_frame_bytes": 4096, "log_level": "ERROR",
         "deadlines": {"layer_ack_s": 1.5}, "metaserver_retries": 7, "engine_id": "mine",
         "mooncake_env": {"MC_A": "b"}, "destinations": "sparse_kv_pool",
-    })
+    }, environ={"SECRET": "s" * 20})
+    assert opts.auth_secret is not None and opts.auth_secret.get_secret_value() == "s" * 20
     settings = FACTS.settings(opts)
     assert isinstance(settings, Rd2hSettings) and isinstance(settings, Rd2hOptions)
     for name in Rd2hOptions.model_fields:
@@ -148,7 +149,7 @@ def test_every_option_reaches_the_rank_settings_unchanged() -> None:
 
 
 def test_a_vllm_deployment_can_turn_message_signing_on() -> None:
-    opts = Rd2hOptions.parse({"auth_secret": "a-secret-of-twenty-chars"})
+    opts = Rd2hOptions.parse({"auth_secret_env": "S"}, environ={"S": "a-secret-of-twenty-chars"})
     container = bootstrap(FACTS.settings(opts))
     codec = container.codec()
     assert type(codec).__name__ == "AuthenticatedCodec"
@@ -172,5 +173,5 @@ def test_the_metaserver_options_reach_its_client() -> None:
 
 def test_a_short_secret_is_refused_without_echoing_it() -> None:
     with pytest.raises(ConnectorConfigError, match="at least 16 characters") as info:
-        Rd2hOptions.parse({"auth_secret": "tooshort-xyz"})
+        Rd2hOptions.parse({"auth_secret_env": "S"}, environ={"S": "tooshort-xyz"})
     assert "tooshort-xyz" not in str(info.value)

@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import servers
 import stall
 from fakes.net import free_port
 from servers import MLA_ARGS, Server, running, vllm_server
@@ -50,6 +51,20 @@ def mla_reference(
     server = vllm_server("MLA reference engine", mla_model, free_port(), log, args=MLA_ARGS)
     with running(server):
         yield server
+
+
+@pytest.fixture(scope="module", autouse=True)
+def no_secret_leaks() -> Iterator[None]:
+    """Every real-engine module: the secrets it configured (``servers.secret_file``)
+    appear on no server's command line and in no server's log (engines, proxies, rd2h's
+    lines among them). Checked as its servers stop; a leak fails the module here."""
+    servers.SECRETS.clear()
+    servers.LEAKS.clear()
+    yield
+    leaks, secrets = list(servers.LEAKS), len(servers.SECRETS)
+    servers.SECRETS.clear()
+    servers.LEAKS.clear()
+    assert not leaks, f"{len(leaks)} leak(s) of the module's {secrets} secret(s): {leaks}"
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -24,6 +24,27 @@ import stall
 VENV_BIN = Path(sys.executable).parent
 STARTUP_S = float(os.environ.get("RD2H_VLLM_STARTUP_S", "420"))
 
+# Secrets the running test module configured (``secret_file``). No server may have one
+# on its command line (checked at start) or in its log (checked when it stops); a leak
+# is recorded in ``LEAKS`` and fails the module (conftest.py).
+SECRETS: set[str] = set()
+LEAKS: list[str] = []
+
+
+def secret_file(path: Path, value: str) -> Path:
+    """Write ``value`` to ``path`` (mode 0600, as a mounted Kubernetes Secret with
+    ``defaultMode: 0400`` would be readable only by its owner) and register it."""
+    path.write_text(value + "\n")
+    path.chmod(0o600)
+    SECRETS.add(value)
+    return path
+
+
+def leaks_in(text: str, where: str) -> list[str]:
+    """Every registered secret found in ``text`` (named by ``where``, never shown)."""
+    return [f"a secret of {len(v)} characters in {where}" for v in sorted(SECRETS)
+            if v and v in text]
+
 
 @dataclass
 class Server:
@@ -42,6 +63,10 @@ class Server:
     def start(self) -> Server:
         # Every process stamps its timeline where a stall capture looks (stall.py).
         env = {**os.environ, "RD2H_TIMELINE_DIR": str(stall.timeline_dir()), **self.env}
+        leaked = leaks_in(" ".join(self.cmd), f"{self.name}'s command line")
+        if leaked:
+            LEAKS.extend(leaked)
+            raise AssertionError("; ".join(leaked))
         self._fh = open(self.log, "ab")  # noqa: SIM115 (closed in stop)
         self.proc = subprocess.Popen(
             self.cmd, stdout=self._fh, stderr=subprocess.STDOUT, env=env,
@@ -91,6 +116,7 @@ class Server:
         fh = getattr(self, "_fh", None)
         if fh is not None:
             fh.close()
+            LEAKS.extend(leaks_in(self.log.read_text(errors="replace"), f"{self.name}'s log"))
 
     def tail(self, n: int = 60) -> str:
         try:

@@ -35,7 +35,15 @@ from fakes.net import free_port, quiet_ports
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 from prometheus_client.parser import text_string_to_metric_families
-from servers import Server, proxy_server, rd2h_kv, running, vllm_server, wait_admitted
+from servers import (
+    Server,
+    proxy_server,
+    rd2h_kv,
+    running,
+    secret_file,
+    vllm_server,
+    wait_admitted,
+)
 
 from rd2h.demo.tiny_model import VOCAB
 
@@ -46,7 +54,7 @@ BLOCK = 32
 TOKEN = "router-e2e-admin-token"
 PROBE_S = 0.5
 FAST = ["--probe-interval", str(PROBE_S), "--probe-timeout", "2", "--eject-backoff", "1",
-        "--eject-backoff-max", "2", "--admin-token", TOKEN]
+        "--eject-backoff-max", "2"]
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
 
@@ -100,12 +108,14 @@ def fleet(tmp_path_factory, llama_model, llama_reference) -> Iterator[dict[str, 
         s[name] = vllm_server(f"decode {name}", llama_model, free_port(), root / f"{name}.log",
                               kv=rd2h_kv("kv_consumer", quiet_ports(2), extra), log_stats=True)
     prefills, decodes = [s["p0"].url, s["p1"].url], [s["d0"].url, s["d1"].url]
-    s["proxy"] = proxy_server(free_port(), prefills, decodes, root / "proxy.log", args=FAST)
+    # The admin token from a file (never on the command line; conftest checks the logs).
+    admin = [*FAST, "--admin-token-file", str(secret_file(root / "admin-token", TOKEN))]
+    s["proxy"] = proxy_server(free_port(), prefills, decodes, root / "proxy.log", args=admin)
     s["rr"] = proxy_server(free_port(), prefills, decodes, root / "proxy_rr.log",
-                           args=[*FAST, "--decode-policy", "round_robin", "--prefill-policy",
+                           args=[*admin, "--decode-policy", "round_robin", "--prefill-policy",
                                  "round_robin", "--affinity-chunk", "0"])
     s["local"] = proxy_server(free_port(), prefills, decodes, root / "proxy_local.log",
-                              args=[*FAST, "--local-prefill-tokens", "64"])
+                              args=[*admin, "--local-prefill-tokens", "64"])
     with running(*s.values()):
         yield {"model": str(llama_model), "base": llama_reference, "root": root, **s}
 

@@ -1,0 +1,76 @@
+"""Secrets from a file or an environment variable, never from a value in a config or
+on a command line (docs/security.md, "Providing secrets").
+
+vLLM prints the whole ``--kv-transfer-config`` in its log at start (its "non-default
+args" line) and keeps it on the engine's command line (``/proc/<pid>/cmdline``), so a
+secret written there reaches every log shipper and every process listing. A
+deployment names where the secret is instead: a file readable only by its owner (a
+Kubernetes Secret mounted as a file with ``defaultMode: 0400``) or an environment
+variable. Errors name the file or the variable, never the value.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from collections.abc import Mapping
+from pathlib import Path
+
+MAX_SECRET_BYTES = 4096
+
+
+class SecretSourceError(ValueError):
+    """A secret's file or variable cannot be used; the message names it, not its value."""
+
+
+def read_secret_file(path: str | os.PathLike[str], what: str) -> str:
+    """The secret in file ``path``: a regular file (a link to one is followed), with no
+    permission for group or others, holding at most ``MAX_SECRET_BYTES`` of UTF-8. One
+    trailing line break is not part of the secret (``echo ... > file`` leaves one)."""
+    p = Path(path)
+    try:
+        st = p.stat()
+    except OSError as exc:
+        raise SecretSourceError(f"{what}: cannot read {str(p)!r} ({exc.strerror})") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise SecretSourceError(f"{what}: {str(p)!r} is not a regular file")
+    mode = stat.S_IMODE(st.st_mode)
+    if mode & 0o077:
+        raise SecretSourceError(
+            f"{what}: {str(p)!r} is open to group or others (mode {mode:04o}); a secret "
+            f"file must be readable by its owner only (chmod 0400 or 0600; a Kubernetes "
+            f"Secret volume: defaultMode: 0400)")
+    if st.st_size > MAX_SECRET_BYTES:
+        raise SecretSourceError(f"{what}: {str(p)!r} holds {st.st_size} bytes (a secret "
+                                f"of at most {MAX_SECRET_BYTES} is expected)")
+    try:
+        text = p.read_bytes().decode("utf-8")
+    except OSError as exc:
+        raise SecretSourceError(f"{what}: cannot read {str(p)!r} ({exc.strerror})") from None
+    except UnicodeDecodeError:
+        raise SecretSourceError(f"{what}: {str(p)!r} is not UTF-8 text") from None
+    value = text.removesuffix("\n").removesuffix("\r") if text.endswith("\n") else text
+    if not value:
+        raise SecretSourceError(f"{what}: {str(p)!r} is empty")
+    return value
+
+
+def read_secret_env(name: str, what: str, environ: Mapping[str, str] | None = None) -> str:
+    """The secret in environment variable ``name``."""
+    value = (os.environ if environ is None else environ).get(name)
+    if not value:
+        raise SecretSourceError(f"{what}: the environment variable {name!r} is not set "
+                                f"or empty")
+    return value
+
+
+def read_secret(what: str, *, file: str | None = None, env: str | None = None,
+                environ: Mapping[str, str] | None = None) -> str | None:
+    """The secret ``what`` from ``file`` or ``env`` (one of them; None if neither)."""
+    if file is not None and env is not None:
+        raise SecretSourceError(f"{what}: give {what}_file or {what}_env, not both")
+    if file is not None:
+        return read_secret_file(file, f"{what}_file")
+    if env is not None:
+        return read_secret_env(env, f"{what}_env", environ)
+    return None
