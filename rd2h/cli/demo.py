@@ -47,11 +47,14 @@ def add_demo_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--verify-kv", action="store_true",
                    help="Prefill states an XXH3 digest of every announced block and Decode "
                         "checks what it read (verify_kv): try it with --fault corrupt@rate=R")
-    p.add_argument("--auth-secret", default=os.environ.get("RD2H_AUTH_SECRET"),
-                   metavar="SECRET",
-                   help="sign and check every control message with HMAC-SHA256 under this "
-                        "shared secret (at least 16 characters; default: $RD2H_AUTH_SECRET, "
-                        "unset = no authentication)")
+    p.add_argument("--auth-secret-file", metavar="FILE",
+                   help="sign and check every control message with HMAC-SHA256 under the "
+                        "shared secret in FILE (at least 16 characters; readable by its "
+                        "owner only; default: the secret in $RD2H_AUTH_SECRET, unset = no "
+                        "authentication)")
+    p.add_argument("--auth-secret", metavar="SECRET",
+                   help="the secret itself (visible in every process listing; prefer "
+                        "--auth-secret-file or $RD2H_AUTH_SECRET)")
     p.add_argument("--via-provider", action="store_true",
                    help="Prefill ranks drive rd2h's connector roles (PrefillScheduler, "
                         "PrefillWorker) as vLLM does, through the buffer-reuse provider "
@@ -108,19 +111,34 @@ def add_demo_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_run_demo)
 
 
+def _auth_secret(args: argparse.Namespace) -> str | None:
+    from rd2h.app.secrets import read_secret_file
+
+    if args.auth_secret is not None and args.auth_secret_file is not None:
+        raise ValueError("give --auth-secret or --auth-secret-file, not both")
+    if args.auth_secret_file is not None:
+        return read_secret_file(args.auth_secret_file, "--auth-secret-file")
+    if args.auth_secret is not None:
+        print("rd2h demo: --auth-secret puts the secret in every process listing; prefer "
+              "--auth-secret-file or $RD2H_AUTH_SECRET", file=sys.stderr)
+        return args.auth_secret
+    return os.environ.get("RD2H_AUTH_SECRET") or None
+
+
 def _run_demo(args: argparse.Namespace) -> int:
     from rd2h.demo import run_demo, summary_text, to_json
 
     try:
         faults = tuple(parse_fault(spec) for spec in args.fault)
-    except FaultSpecError as exc:
+        auth_secret = _auth_secret(args)
+    except (FaultSpecError, ValueError) as exc:
         print(f"rd2h demo: {exc}", file=sys.stderr)
         return 2
     cfg = DemoConfig(
         prefill_tp=args.prefill_tp, decode_tp=args.decode_tp, layers=args.layers,
         requests=args.requests, prompt_tokens=args.prompt_tokens, block_size=args.block_size,
         chunks=args.chunks, shared_buffers=args.shared_buffers, indexer=not args.no_indexer,
-        via_provider=args.via_provider, auth_secret=args.auth_secret,
+        via_provider=args.via_provider, auth_secret=auth_secret,
         scale=not (args.no_scale or args.no_indexer), transport=args.transport,
         cma_threads=args.cma_threads, kv_port=args.kv_port, seed=args.seed,
         mooncake_protocol=args.mooncake_protocol, netns=args.netns,

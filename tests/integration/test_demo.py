@@ -76,11 +76,14 @@ def test_cli_demo_json_and_exit_status() -> None:
     assert out["verified"] is True and out["requests_ok"] == 2
 
 
-def test_cli_demo_with_a_shared_secret_verifies() -> None:
+def test_cli_demo_with_a_shared_secret_verifies(tmp_path) -> None:
+    secret = tmp_path / "auth"
+    secret.write_text("a-demo-secret-of-24-chars\n")
+    secret.chmod(0o600)
     cmd = [
         sys.executable, "-m", "rd2h", "demo", "--json", "--prefill-tp", "2", "--decode-tp", "1",
         "--layers", "2", "--requests", "2", "--prompt-tokens", "300", "--block-size", "64",
-        "--auth-secret", "a-demo-secret-of-24-chars",
+        "--auth-secret-file", str(secret),
     ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
