@@ -66,6 +66,12 @@ class KvGroup:
     sliding_window: int | None = None
     transferable: bool = True
     speculative_blocks: int = 0
+    # The model family whose own cache layout the group is, when vLLM's spec names one
+    # (e.g. "DeepSeek-V4's compressed sparse attention").
+    model: str | None = None
+    # What the layout is, when the spec type alone does not say (e.g. a compressed latent
+    # cache under vLLM's MLA spec type): named in a refusal.
+    layout: str | None = None
 
     @property
     def is_state(self) -> bool:
@@ -94,8 +100,10 @@ def check_groups(groups: Sequence[KvGroup]) -> tuple[KvGroup, ...]:
     bad = [g for g in moved if g.kind not in MOVABLE
            or (g.is_state and g.speculative_blocks)]
     if bad:
+        model = next((g.model for g in groups if g.model), None)
         raise UnsupportedKvGroup(
-            "rd2h cannot transfer this model's KV cache: "
+            "rd2h cannot transfer this model's KV cache"
+            + (f" ({model})" if model else "") + ": "
             + "; ".join(f"{g.describe()} is {_why(g)}" for g in bad)
             + ". rd2h moves full-attention (MLA included), sliding-window and recurrent-"
               "state KV cache groups only; serve this model without disaggregation"
@@ -119,6 +127,8 @@ def check_groups(groups: Sequence[KvGroup]) -> tuple[KvGroup, ...]:
 
 def _why(group: KvGroup) -> str:
     spec = group.spec_type.lower()
+    if group.layout is not None:
+        return f"{group.layout}, which rd2h does not transfer"
     if group.is_state:
         return (f"recurrent state with {group.speculative_blocks} speculative scratch "
                 "block(s) (speculative decoding), which rd2h does not transfer")

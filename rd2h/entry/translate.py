@@ -4,6 +4,7 @@ that reads vLLM's request, scheduler-output, cache-config and parallel-config ty
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from rd2h.app.connector.facts import EngineFacts
@@ -23,10 +24,10 @@ from rd2h.domain.kv_groups import (
 
 # vLLM's KV cache spec types by the kind rd2h gives them (exact type names: a subclass
 # vLLM adds later, e.g. a full-attention variant with sink tokens or a gap in its
-# window, is unknown here until it is proven, and refused).
+# window, is unknown here until it is proven, and refused). ``MLAAttentionSpec`` is
+# judged by its fields, not its name (``_single_kind``).
 SPEC_KINDS = {
     "FullAttentionSpec": FULL,
-    "MLAAttentionSpec": FULL,
     "SlidingWindowSpec": SLIDING,
     # Mamba1/Mamba2, gated delta net, short convolutions: one running state per request
     # (its conv and SSM tensors in one page), moved by the N-1 scheme (kv_groups).
@@ -64,14 +65,16 @@ def engine(vllm_config: Any, kv_cache_config: Any) -> tuple[Rd2hOptions, EngineF
     for attr in ("decode_context_parallel_size", "prefill_context_parallel_size"):
         if getattr(pc, attr, 1) not in (1, None):
             raise ConnectorConfigError(f"rd2h does not support {attr} > 1")
+    groups = kv_cache_config.kv_cache_groups if kv_cache_config is not None else []
+    # The layout first: a model that sets its own cache dtype is refused for its layout.
+    moved = check_groups(kv_groups(groups)) if groups else ()
     cache_dtype = getattr(getattr(vllm_config, "cache_config", None), "cache_dtype", "auto")
     if str(cache_dtype) not in MOVABLE_CACHE_DTYPES:
         raise UnsupportedKvGroup(
-            f"rd2h does not transfer a {cache_dtype!r} KV cache (--kv-cache-dtype): its "
-            f"scales or packing are not proven to live inside the blocks rd2h moves; "
-            f"supported: {', '.join(sorted(MOVABLE_CACHE_DTYPES))}")
-    groups = kv_cache_config.kv_cache_groups if kv_cache_config is not None else []
-    moved = check_groups(kv_groups(groups)) if groups else ()
+            f"rd2h does not transfer a KV cache of dtype {cache_dtype!r} (the engine's cache "
+            f"dtype: --kv-cache-dtype, or the model's own choice): its scales or packing "
+            f"are not proven to live inside the blocks rd2h moves; supported: "
+            f"{', '.join(sorted(MOVABLE_CACHE_DTYPES))}")
     attention = [g for g in moved if not g.is_state]
     state = tuple(g.index for g in moved if g.is_state)
     block_size = (attention[0].block_size if attention
@@ -101,16 +104,69 @@ def engine(vllm_config: Any, kv_cache_config: Any) -> tuple[Rd2hOptions, EngineF
     return options, facts
 
 
-def _spec_kind(spec: Any) -> tuple[str | None, str]:
-    """rd2h's kind of a vLLM KV cache spec, and the spec's type as named in refusals."""
+# vLLM's ``model_version`` of a cache spec -> the layout it stands for, in refusals.
+MODEL_LAYOUTS = {
+    "deepseek_v4": "DeepSeek-V4's compressed sparse attention: per-layer window caches, "
+                   "compressed latent caches and compressor states",
+}
+
+
+@dataclass(frozen=True)
+class _SpecKind:
+    kind: str | None  # rd2h's kind (None: not movable)
+    spec_type: str  # vLLM's type, as named in refusals
+    layout: str | None = None  # what the layout is, when the type alone does not say
+    model: str | None = None  # the model family's own layout, when the spec names one
+
+
+def _tokens_per_state(spec: Any) -> Any:
+    return getattr(spec, "tokens_per_state", 1)
+
+
+def _single_kind(spec: Any, layers: tuple[str, ...]) -> _SpecKind:
+    """rd2h's kind of one vLLM KV cache spec. ``MLAAttentionSpec`` is full attention only
+    in its plain latent layout (one state per token and no model-specific layout: the
+    latent of DeepSeek-V2/V3, or V3.2's indexer with ``cache_role`` indexer); vLLM files
+    DeepSeek-V4's compressed caches under the same type."""
     name = type(spec).__name__
+    version = getattr(spec, "model_version", None)
+    model = MODEL_LAYOUTS.get(str(version), f"model layout {version!r}") if version else None
+    if name in ("MLAAttentionSpec", "SlidingWindowMLASpec"):
+        per_state = _tokens_per_state(spec)
+        plain = per_state == 1 and version is None
+        if name == "MLAAttentionSpec" and plain:
+            return _SpecKind(FULL, name)
+        role = getattr(getattr(spec, "cache_role", None), "value", None)
+        dtype = getattr(spec, "cache_dtype_str", None) or str(
+            getattr(spec, "dtype", "")).removeprefix("torch.")
+        if name == "SlidingWindowMLASpec":
+            what = ("a compressor state" if any("compressor" in n for n in layers)
+                    else "a sliding-window latent cache")
+            layout = (f"{what} ({spec.sliding_window}-token window, blocks of "
+                      f"{spec.block_size}, {dtype})")
+        else:
+            what = ("a compressed indexer cache" if role == "indexer"
+                    or any("indexer" in n.lower() for n in layers)
+                    else "a compressed latent cache")
+            layout = f"{what} (one state per {per_state} tokens, {dtype})"
+        return _SpecKind(None, name, layout, model)
+    return _SpecKind(SPEC_KINDS.get(name), name, None, model)
+
+
+def _spec_kind(spec: Any, layers: tuple[str, ...] = ()) -> _SpecKind:
+    """rd2h's kind of a group's vLLM KV cache spec (``UniformTypeKVCacheSpecs``: one
+    block table for several specs, a kind only if all share it)."""
     inner = getattr(spec, "kv_cache_specs", None)
-    if isinstance(inner, dict) and inner:  # UniformTypeKVCacheSpecs: one table, many specs
-        kinds = {SPEC_KINDS.get(type(s).__name__) for s in inner.values()}
-        names = sorted({type(s).__name__ for s in inner.values()})
+    if isinstance(inner, dict) and inner:
+        parts = [_single_kind(s, (n,)) for n, s in inner.items()]
+        kinds = {p.kind for p in parts}
         kind = kinds.pop() if len(kinds) == 1 else None
-        return kind, f"{name}({', '.join(names)})"
-    return SPEC_KINDS.get(name), name
+        names = sorted({p.spec_type for p in parts})
+        layouts = sorted({p.layout for p in parts if p.layout})
+        model = next((p.model for p in parts if p.model), None)
+        return _SpecKind(kind, f"{type(spec).__name__}({', '.join(names)})",
+                         "; ".join(layouts) or None, model)
+    return _single_kind(spec, layers)
 
 
 def _first_spec(group: Any) -> Any:
@@ -123,10 +179,12 @@ def kv_groups(groups: Any) -> tuple[KvGroup, ...]:
     """vLLM's ``KVCacheGroupSpec`` list as rd2h's ``KvGroup`` values."""
     out = []
     for i, g in enumerate(groups):
-        kind, spec_type = _spec_kind(g.kv_cache_spec)
+        found = _spec_kind(g.kv_cache_spec, tuple(g.layer_names))
+        kind = found.kind
         window = getattr(_first_spec(g), "sliding_window", None) if kind == SLIDING else None
         out.append(KvGroup(
-            index=i, kind=kind, spec_type=spec_type,
+            index=i, kind=kind, spec_type=found.spec_type, layout=found.layout,
+            model=found.model,
             block_size=int(g.kv_cache_spec.block_size), layers=tuple(g.layer_names),
             sliding_window=None if window is None else int(window),
             transferable=bool(getattr(g, "enable_kv_transfer", True)),

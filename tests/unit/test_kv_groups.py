@@ -203,7 +203,7 @@ def test_vllms_null_block_becomes_no_block_on_both_sides() -> None:
 def test_a_kv_dtype_with_scales_outside_the_blocks_is_refused(dtype) -> None:
     vllm = vllm_config("kv_consumer")
     object.__setattr__(vllm.cache_config, "cache_dtype", dtype)
-    with pytest.raises(UnsupportedKvGroup, match=f"does not transfer a '{dtype}' KV cache"):
+    with pytest.raises(UnsupportedKvGroup, match=f"a KV cache of dtype '{dtype}'"):
         start(config(KVCacheGroupSpec(layers(0), full())), vllm=vllm)
 
 

@@ -1,0 +1,152 @@
+"""vLLM's MLA spec types are not one layout (issue #40): ``MLAAttentionSpec`` holds
+DeepSeek-V2/V3's plain latent, DeepSeek-V3.2's indexer cache and DeepSeek-V4's
+compressed latent caches alike, and ``SlidingWindowMLASpec`` DeepSeek-V4's window
+caches and compressor states. rd2h takes only the plain latent (one state per token, no
+model-specific layout) for full attention; every other variant refuses the engine at
+start, naming the model's layout, never a flag nobody passed.
+
+The spec objects come from vLLM's own cache layers (``DeepseekV32IndexerCache``,
+``DeepseekV4SWACache``, ``DeepseekV4IndexerCache``, ``CompressorStateCache``) and, for
+DeepSeek-V4's compressed latent, from ``MLAAttentionSpec`` with the arguments of
+``DeepseekV4Attention.get_kv_cache_spec``; grouped as vLLM 0.32 groups a tiny DeepSeek-V4
+(4 layers, compress ratios 0, 4, 128, 0): a window-cache group per layer, one group
+mixing the C4 indexer cache with the C4 and C128 compressed latents (block 256), and the
+C4 and C128 compressor states (blocks 4 and 8).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm")
+import torch
+from test_kv_groups import config, start
+from test_vllm_connector import vllm_config
+from vllm.config import CacheConfig, VllmConfig, set_current_vllm_config
+from vllm.model_executor.models.deepseek_v2 import DeepseekV32IndexerCache
+from vllm.models.deepseek_v4.attention import DeepseekV4IndexerCache
+from vllm.models.deepseek_v4.compressor import CompressorStateCache
+from vllm.v1.attention.backends.mla.sparse_swa import DeepseekV4SWACache
+from vllm.v1.kv_cache_interface import (
+    KVCacheGroupSpec,
+    MLAAttentionSpec,
+    SparseCacheRole,
+    UniformTypeKVCacheSpecs,
+)
+
+from rd2h.domain.kv_groups import UnsupportedKvGroup
+
+BLOCK = 256
+
+
+def _cache_config(dtype: str = "auto") -> VllmConfig:
+    return VllmConfig(cache_config=CacheConfig(block_size=BLOCK, cache_dtype=dtype))
+
+
+def _dsv4_compressed(ratio: int) -> MLAAttentionSpec:
+    """``DeepseekV4Attention.get_kv_cache_spec`` with vLLM's defaults (fp8_ds_mla)."""
+    return MLAAttentionSpec(
+        block_size=BLOCK, num_kv_heads=1, max_tp_shards=1, head_size=512, dtype=torch.uint8,
+        tokens_per_state=ratio, cache_dtype_str="fp8_ds_mla", alignment=576,
+        model_version="deepseek_v4", state_content_bytes=584)
+
+
+def dsv32_groups() -> list[KVCacheGroupSpec]:
+    """DeepSeek-V3.2: the plain latent (576 wide) and the indexer cache, 4 layers."""
+    cfg = _cache_config()
+    latent = MLAAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=576,
+                              dtype=torch.bfloat16)
+    with set_current_vllm_config(cfg):
+        indexer = DeepseekV32IndexerCache(
+            head_dim=128, dtype=torch.uint8, prefix="model.layers.0.self_attn.indexer.k_cache",
+            cache_config=cfg.cache_config).get_kv_cache_spec(cfg)
+    assert indexer.cache_role == SparseCacheRole.INDEXER
+    names = [f"model.layers.{i}.self_attn" for i in range(4)]
+    return [KVCacheGroupSpec([f"{n}.attn" for n in names], latent),
+            KVCacheGroupSpec([f"{n}.indexer.k_cache" for n in names], indexer)]
+
+
+def dsv4_groups() -> list[KVCacheGroupSpec]:
+    """The tiny DeepSeek-V4's seven groups, from vLLM's own cache layers."""
+    cfg = _cache_config("fp8_ds_mla")
+    cc = cfg.cache_config
+    with set_current_vllm_config(cfg):
+        windows = [
+            KVCacheGroupSpec([f"model.layers.{i}.attn.swa_cache"], DeepseekV4SWACache(
+                head_dim=512, window_size=128, dtype=torch.uint8,
+                prefix=f"model.layers.{i}.attn.swa_cache", cache_config=cc,
+            ).get_kv_cache_spec(cfg)) for i in range(4)]
+        indexer = DeepseekV4IndexerCache(
+            head_dim=128, dtype=torch.uint8, prefix="model.layers.1.attn.indexer.k_cache",
+            cache_config=cc, compress_ratio=4).get_kv_cache_spec(cfg)
+        c4_state, c128_state = (CompressorStateCache(
+            state_dim=512, dtype=torch.float32, compress_ratio=r,
+            prefix=f"model.layers.{i}.attn.compressor.state_cache").get_kv_cache_spec(cfg)
+            for i, r in ((1, 4), (2, 128)))
+    mixed = {"model.layers.1.attn.indexer.k_cache": indexer,
+             "model.layers.1.attn.mla_attn": _dsv4_compressed(4),
+             "model.layers.2.attn.mla_attn": _dsv4_compressed(128)}
+    return [*windows,
+            KVCacheGroupSpec(list(mixed), UniformTypeKVCacheSpecs(
+                block_size=BLOCK, kv_cache_specs=mixed)),
+            KVCacheGroupSpec(["model.layers.1.attn.compressor.state_cache"], c4_state),
+            KVCacheGroupSpec(["model.layers.2.attn.compressor.state_cache"], c128_state)]
+
+
+def _fp8_ds_mla_engine(role: str) -> Any:
+    """The engine config DeepSeek-V4 gets: vLLM sets cache_dtype fp8_ds_mla itself."""
+    vllm = vllm_config(role)
+    object.__setattr__(vllm.cache_config, "cache_dtype", "fp8_ds_mla")
+    return vllm
+
+
+def test_deepseek_v32s_latent_and_indexer_are_moved() -> None:
+    conn = start(config(*dsv32_groups()), "kv_consumer")
+    assert conn.get_loaded_kv_cache_group_ids(None) == (0, 1)
+    assert conn._facts.compat.values["kv_groups"] == f"full/{BLOCK}x4,full/{BLOCK}x4"
+    conn.shutdown()
+
+
+@pytest.mark.parametrize("role", ["kv_consumer", "kv_producer"])
+def test_deepseek_v4_is_refused_naming_its_layout_not_a_flag(role) -> None:
+    with pytest.raises(UnsupportedKvGroup) as info:
+        start(config(*dsv4_groups()), role, vllm=_fp8_ds_mla_engine(role))
+    text = str(info.value)
+    assert "--kv-cache-dtype" not in text, text
+    assert "(DeepSeek-V4's compressed sparse attention" in text, text
+    assert ("group 0 (SlidingWindowMLASpec, 1 layers: "
+            "model.layers.0.attn.swa_cache) is a sliding-window latent cache (128-token "
+            "window, blocks of 64, fp8_ds_mla)") in text, text
+    assert ("a compressed latent cache (one state per 4 tokens, fp8_ds_mla)" in text
+            and "a compressed latent cache (one state per 128 tokens, fp8_ds_mla)" in text
+            and "a compressed indexer cache (one state per 4 tokens, uint8)" in text), text
+    assert "a compressor state (8-token window, blocks of 4, float32)" in text, text
+    assert "a compressor state (128-token window, blocks of 8, float32)" in text, text
+
+
+@pytest.mark.parametrize(
+    ("spec", "layout"),
+    [(MLAAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=576, dtype=torch.bfloat16,
+                       tokens_per_state=4), "one state per 4 tokens"),
+     (MLAAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=576, dtype=torch.bfloat16,
+                       model_version="deepseek_v4"), "DeepSeek-V4"),
+     (_dsv4_compressed(128), "one state per 128 tokens")],
+)
+def test_no_mla_variant_passes_for_full_attention_by_its_type_name(spec, layout) -> None:
+    """Each departure from the plain latent on its own: a compressed cache, a model
+    layout; only ``tokens_per_state`` 1 without a ``model_version`` is full attention."""
+    with pytest.raises(UnsupportedKvGroup, match=layout):
+        start(config(KVCacheGroupSpec(["model.layers.0.self_attn.attn"], spec)))
+
+
+def test_a_dtype_the_model_did_not_choose_is_still_refused_without_naming_a_flag() -> None:
+    """A plain layout with an unmovable cache dtype: the message says where a dtype
+    comes from instead of assuming a command-line flag."""
+    vllm = vllm_config("kv_consumer")
+    object.__setattr__(vllm.cache_config, "cache_dtype", "fp8_ds_mla")
+    latent = MLAAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=576,
+                              dtype=torch.uint8)
+    with pytest.raises(UnsupportedKvGroup, match="or the model's own choice"):
+        start(config(KVCacheGroupSpec(["model.layers.0.self_attn.attn"], latent)), vllm=vllm)
