@@ -126,6 +126,34 @@ class Server:
         return "\n".join(lines[-n:])
 
 
+def metric(server: Server, name: str) -> float:
+    """The value of series ``name`` on the engine's Prometheus ``/metrics``."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    resp = httpx.get(server.url + "/metrics", timeout=10)
+    for family in text_string_to_metric_families(resp.text):
+        for s in family.samples:
+            if s.name == name:
+                return s.value
+    raise AssertionError(f"{server.name}'s /metrics has no {name}")
+
+
+def bytes_pulled(decode: Server) -> float:
+    """Bytes of KV this Decode engine pulled so far (rd2h's counter)."""
+    return metric(decode, "vllm:rd2h_bytes_pulled_total")
+
+
+def settled_bytes_pulled(decode: Server, before: float, want: int, wait_s: float = 5.0) -> float:
+    """The pulled-bytes counter once it reached ``before + want`` (vLLM publishes
+    connector stats with the step after the request), or its value after ``wait_s``."""
+    deadline = time.monotonic() + wait_s
+    now = bytes_pulled(decode)
+    while now - before < want and time.monotonic() < deadline:
+        time.sleep(0.2)
+        now = bytes_pulled(decode)
+    return now
+
+
 def rd2h_kv(role: str, kv_port: int, extra: dict | None = None, *,
             connector: str = "SfaRemoteD2HConnector",
             module: str = "rd2h.entry.connector") -> dict:

@@ -55,12 +55,18 @@ import re
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-import httpx
 import pytest
 import stall
 from fakes.net import free_port, quiet_ports
-from prometheus_client.parser import text_string_to_metric_families
-from servers import Server, proxy_server, rd2h_kv, running, vllm_server
+from servers import (
+    bytes_pulled,
+    metric,
+    proxy_server,
+    rd2h_kv,
+    running,
+    settled_bytes_pulled,
+    vllm_server,
+)
 
 from rd2h.demo.tiny_families import make_tiny_family
 from rd2h.demo.tiny_model import VOCAB
@@ -127,30 +133,6 @@ def _agrees(cluster, got: list[int], ref: dict, prompt_len: int, batched: bool =
         return (f"tokens {got} != reference {want}: position {i} took {got[i]}, the "
                 f"reference's two best there are {top}")
     return None
-
-
-def _metric(decode: Server, name: str) -> float:
-    resp = httpx.get(decode.url + "/metrics", timeout=10)
-    for family in text_string_to_metric_families(resp.text):
-        for s in family.samples:
-            if s.name == name:
-                return s.value
-    raise AssertionError(f"Decode's /metrics has no {name}")
-
-
-def _pulled(decode: Server) -> float:
-    return _metric(decode, "vllm:rd2h_bytes_pulled_total")
-
-
-def _settled_pulled(decode: Server, before: float, want: int) -> float:
-    """The counter once it reached ``before + want`` (vLLM publishes connector stats
-    with the step after the request), or its value after a short wait."""
-    deadline = time.monotonic() + 5.0
-    now = _pulled(decode)
-    while now - before < want and time.monotonic() < deadline:
-        time.sleep(0.2)
-        now = _pulled(decode)
-    return now
 
 
 def _groups(log_text: str) -> dict[str, list[tuple[int, int]]]:
@@ -234,17 +216,17 @@ def test_prompts_of_one_token_to_several_chunks(cluster):
     for n in lengths:
         prompt = _prompt(n, seed=n)
         (ref,) = _reference(cluster, prompt)
-        before = _pulled(decode)
+        before = bytes_pulled(decode)
         out = _post(proxy.url, model, prompt)
         expected = _expected_bytes(cluster, n)
-        pulled = _settled_pulled(decode, before, expected) - before
+        pulled = settled_bytes_pulled(decode, before, expected) - before
         why = _agrees(cluster, _choices(out)[0]["token_ids"], ref, n)
         assert why is None, f"{cluster['name']}: prompt of {n} tokens: {why}\n{_logs(cluster)}"
         assert out["usage"]["prompt_tokens_details"]["cached_tokens"] == n - 1, out["usage"]
         assert pulled == expected, (f"{cluster['name']}: prompt of {n} tokens: pulled "
                                     f"{pulled:.0f} bytes, Decode holds {expected}")
-    assert _metric(decode, "vllm:rd2h_kv_digest_mismatches_total") == 0
-    assert _metric(decode, "vllm:rd2h_kv_blocks_verified_total") > 0
+    assert metric(decode, "vllm:rd2h_kv_digest_mismatches_total") == 0
+    assert metric(decode, "vllm:rd2h_kv_blocks_verified_total") > 0
 
 
 def test_eight_concurrent_prompts(cluster):
@@ -287,14 +269,14 @@ def test_second_turn(cluster):
     # Continue from the engine's own answer (so both paths see the same text).
     second = first + list(_choices(out)[0]["token_ids"]) + _prompt(60, 302)
     (ref,) = _reference(cluster, second)
-    before = _pulled(decode)
+    before = bytes_pulled(decode)
     out = _post(proxy.url, model, second)
     why = _agrees(cluster, _choices(out)[0]["token_ids"], ref, len(second))
     assert why is None, f"{cluster['name']}: {why}\n{_logs(cluster)}"
     assert out["usage"]["prompt_tokens_details"]["cached_tokens"] == len(second) - 1
     hit = block if cluster["prefix_caching"] else 0
     expected = _expected_bytes(cluster, len(second), hit=hit)
-    pulled = _settled_pulled(decode, before, expected) - before
+    pulled = settled_bytes_pulled(decode, before, expected) - before
     assert pulled == expected, (f"{cluster['name']}: second turn of {len(second)} tokens: "
                                 f"pulled {pulled:.0f}, expected {expected} (hit {hit})")
 

@@ -24,16 +24,20 @@ Models with recurrent state (Mamba2, gated delta net) are served by the N-1 sche
 
 from __future__ import annotations
 
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import httpx
 import pytest
 import stall
 from fakes.net import free_port, quiet_ports
-from prometheus_client.parser import text_string_to_metric_families
-from servers import Server, proxy_server, rd2h_kv, running, vllm_server
+from servers import (
+    bytes_pulled,
+    proxy_server,
+    rd2h_kv,
+    running,
+    settled_bytes_pulled,
+    vllm_server,
+)
 
 from rd2h.demo.tiny_families import LAYERS, WINDOW, make_tiny_family
 from rd2h.demo.tiny_model import VOCAB, make_tiny_llama
@@ -95,15 +99,6 @@ def _reference(cluster, prompt) -> list[list[int]]:
     return _tokens(_post(cluster["prefill"].url, cluster["model"], prompt, cache_salt=SALT))
 
 
-def _pulled(decode: Server) -> float:
-    resp = httpx.get(decode.url + "/metrics", timeout=10)
-    for family in text_string_to_metric_families(resp.text):
-        for s in family.samples:
-            if s.name == "vllm:rd2h_bytes_pulled_total":
-                return s.value
-    raise AssertionError("Decode's /metrics has no vllm:rd2h_bytes_pulled_total")
-
-
 def _expected_bytes(kinds: list[str], elem: int, prompt_len: int) -> int:
     """What Decode holds of a fresh prompt, layer by layer: every block of a full layer;
     of a sliding layer only the blocks vLLM did not give its null block (the first
@@ -143,17 +138,6 @@ def _logs(cluster) -> str:
     return "\n".join(f"--- {k}\n{cluster[k].tail(30)}" for k in ("prefill", "decode", "proxy"))
 
 
-def _settled_pulled(decode: Server, before: float, want: int) -> float:
-    """The counter once it reached ``before + want`` (vLLM publishes connector stats
-    with the step after the request), or its value after a short wait."""
-    deadline = time.monotonic() + 5.0
-    now = _pulled(decode)
-    while now - before < want and time.monotonic() < deadline:
-        time.sleep(0.2)
-        now = _pulled(decode)
-    return now
-
-
 def test_groups_are_stated_at_start(cluster):
     """Each engine says at start which KV cache groups rd2h moves."""
     for side in ("prefill", "decode"):
@@ -169,10 +153,10 @@ def test_prompts_shorter_and_longer_than_the_window(cluster):
     for n in LENGTHS:
         prompt = _prompt(n, seed=n)
         want = _reference(cluster, prompt)
-        before = _pulled(decode)
+        before = bytes_pulled(decode)
         out = _post(proxy.url, model, prompt)
         expected = _expected_bytes(cluster["kinds"], cluster["elem"], n)
-        pulled = _settled_pulled(decode, before, expected) - before
+        pulled = settled_bytes_pulled(decode, before, expected) - before
         assert _tokens(out) == want, f"{name}: prompt of {n} tokens\n{_logs(cluster)}"
         assert out["usage"]["prompt_tokens_details"]["cached_tokens"] == n, out["usage"]
         assert pulled == expected, (f"{name}: prompt of {n} tokens: pulled {pulled:.0f} "
@@ -204,12 +188,12 @@ def test_second_turn_hits_decodes_prefix_cache(cluster):
     first = _prompt(100, 301)
     assert _tokens(_post(proxy.url, model, first)) == _reference(cluster, first)
     second = first + _prompt(90, 302)
-    before = _pulled(decode)
+    before = bytes_pulled(decode)
     out = _post(proxy.url, model, second)
     assert _tokens(out) == _reference(cluster, second), _logs(cluster)
     assert out["usage"]["prompt_tokens_details"]["cached_tokens"] == len(second), out["usage"]
     full = _expected_bytes(cluster["kinds"], cluster["elem"], len(second))
-    pulled = _settled_pulled(decode, before, 1) - before
+    pulled = settled_bytes_pulled(decode, before, 1) - before
     # The hit is not pulled again: less than a fresh prompt where a full-attention layer
     # holds the first turn; all-sliding, the first turn is outside the window anyway.
     assert 0 < pulled <= full, (pulled, full)
