@@ -275,6 +275,12 @@ def test_clients_that_give_up_fail_nobody_and_leave_nothing_behind(cluster) -> N
     rng = random.Random(7)
     quitters = [(_prompt(40 + (i * 37) % 160, 300 + i), "chunks" if i % 2 else "timer",
                  rng.uniform(0.05, 0.4)) for i in range(32)]
+    # And some that surely leave while their KV is on its way: long prompts (a few
+    # hundred milliseconds of Prefill) given up at spread times. The short ones above may
+    # all leave before Decode admits them or after their KV arrived on a loaded machine
+    # (seen once in CI: no abort to count).
+    quitters += [(_prompt(450, 400 + i), "timer", wait) for i, wait in
+                 enumerate((0.1, 0.2, 0.3, 0.45, 0.6))]
 
     async def scenario() -> tuple[list[dict[str, Any]], list[str]]:
         sem = asyncio.Semaphore(16)
@@ -289,7 +295,7 @@ def test_clients_that_give_up_fail_nobody_and_leave_nothing_behind(cluster) -> N
 
     t0 = time.monotonic()
     results, quit_outcomes = asyncio.run(scenario())
-    print(f"\n(c) {_figures('live requests beside 32 quitting clients', results)}; "
+    print(f"\n(c) {_figures('live requests beside 37 quitting clients', results)}; "
           f"quitters: {sorted(set(quit_outcomes))} in {time.monotonic() - t0:.1f} s")
     for r in results:
         assert r["status"] == 200, (r, _logs(c))
