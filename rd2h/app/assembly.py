@@ -15,7 +15,7 @@ from rd2h.app.connector.prefill_worker import PrefillWorker
 from rd2h.app.connector.roles import ConnectorRole
 from rd2h.app.container import Container, build_container
 from rd2h.app.settings import Rd2hOptions, Rd2hSettings
-from rd2h.domain.chunks import discover_cache_groups, layer_index
+from rd2h.domain.chunks import discover_cache_groups, wire_layer_ids
 from rd2h.domain.errors import Rd2hError
 from rd2h.domain.layout import SourceLayout
 from rd2h.ports.destinations import DecodeDestinations
@@ -62,6 +62,7 @@ def build_scheduler_role(options: Rd2hOptions, facts: EngineFacts) -> ConnectorR
         return container.prefill_scheduler(
             block_size=facts.block_size, main_group=groups.main, indexer_group=groups.indexer,
             log=container.logger(role="prefill-scheduler"), state_groups=facts.state_groups,
+            group_block_sizes=facts.group_block_sizes,
         )
     log = container.logger(role="decode-scheduler")
     return container.decode_scheduler(
@@ -100,7 +101,8 @@ def build_prefill_worker(
     transport = container.transport()
     for addr, size in regions:
         transport.register_memory(addr, size)
-    by_idx = {layer_index(name): lay for name, lay in layouts.items()}
+    ids = wire_layer_ids(tuple(layouts))
+    by_idx = {ids[name]: lay for name, lay in layouts.items()}
     groups = facts.layer_groups() or {}
     worker = container.prefill_worker(  # reuse waits: the sender's gate budget
         sender=container.prefill_sender(p_session=transport.session_id, layers=by_idx,
@@ -108,6 +110,7 @@ def build_prefill_worker(
         layer_names={i: lay.layer_name for i, lay in by_idx.items()}, transport=transport,
         layer_groups={i: groups[lay.layer_name] for i, lay in by_idx.items()
                       if lay.layer_name in groups}, state_groups=facts.state_groups,
+        hookless_groups=facts.hookless_groups,
         layouts=by_idx, digest=container.digest() if options.verify_kv else None,
     )
     container.logger(role="prefill").info(

@@ -69,6 +69,19 @@ def layer_index(layer_name: str) -> int:
     return int(match.group(1))
 
 
+def wire_layer_ids(layer_names: Sequence[str]) -> dict[str, int]:
+    """Each cache layer's ``layer_idx`` in announcements: its ``layer_index`` when no two
+    names share one (the spec's rule); else, for a model with several caches in one of
+    its layers (DeepSeek-V4: a window cache, a compressed cache, an indexer cache and a
+    compressor state in layer 1), the name's position in (layer index, name) order. Decode
+    finds a layer by the name each announcement carries; the index only pairs replies."""
+    indexes = {name: layer_index(name) for name in layer_names}
+    if len(set(indexes.values())) == len(indexes):
+        return indexes
+    ordered = sorted(indexes, key=lambda n: (indexes[n], n))
+    return {name: i for i, name in enumerate(ordered)}
+
+
 def is_indexer_layer(layer_name: str) -> bool:
     return "indexer" in layer_name.lower()
 

@@ -9,7 +9,14 @@ and a layer's blocks are addressed by its own group's ids, never another group's
 rd2h moves full attention (MLA included) and sliding-window attention, each group into
 that group's own Decode blocks. In a sliding-window group vLLM gives a request its
 shared null block for the positions outside the window (``NO_BLOCK`` here): Decode
-reads nothing into them, and Prefill announces nothing of them.
+reads nothing into them, and Prefill announces nothing of them. Groups may differ in
+block size (DeepSeek-V4: window caches of 64 tokens a block, compressed caches of 256,
+compressor states of 4 and 8): each group's blocks are counted in its own tokens per
+block, a block position always meaning the same tokens on both sides.
+
+A group whose layers vLLM gives no per-layer hook (``hooked`` False: DeepSeek-V4's
+caches, written by the model's own kernels) is announced after the step's forward,
+like state.
 
 A state group (vLLM's ``MambaSpec``: Mamba1/Mamba2 SSM and conv state, gated delta net,
 short convolutions) holds no KV per token but one running state per request, which a
@@ -72,6 +79,9 @@ class KvGroup:
     # What the layout is, when the spec type alone does not say (e.g. a compressed latent
     # cache under vLLM's MLA spec type): named in a refusal.
     layout: str | None = None
+    # Whether vLLM calls the connector's per-layer save hook for the group's layers
+    # (False: announced after the step's forward instead).
+    hooked: bool = True
 
     @property
     def is_state(self) -> bool:
@@ -94,8 +104,7 @@ class KvGroup:
 
 def check_groups(groups: Sequence[KvGroup]) -> tuple[KvGroup, ...]:
     """The groups rd2h transfers (every transferable group), in index order; raises
-    ``UnsupportedKvGroup`` naming each group it cannot move, or a mix of block sizes
-    among the attention groups (a state group's block size is its own: one state)."""
+    ``UnsupportedKvGroup`` naming each group it cannot move."""
     moved = tuple(g for g in groups if g.transferable)
     bad = [g for g in moved if g.kind not in MOVABLE
            or (g.is_state and g.speculative_blocks)]
@@ -116,12 +125,6 @@ def check_groups(groups: Sequence[KvGroup]) -> tuple[KvGroup, ...]:
             "rd2h cannot transfer this model's KV cache: every group is recurrent state ("
             + "; ".join(g.describe() for g in moved) + "); rd2h moves state beside "
             "attention (hybrid models) only; serve this model without disaggregation")
-    sizes = sorted({g.block_size for g in attention})
-    if len(sizes) > 1:
-        raise UnsupportedKvGroup(
-            "rd2h needs one block size across the KV cache groups it transfers, got "
-            + "; ".join(f"{g.describe()}: {g.block_size} tokens" for g in attention)
-        )
     return moved
 
 
@@ -153,6 +156,12 @@ def state_slot(ids: Sequence[int]) -> int | None:
     if not ids or ids[-1] == NO_BLOCK:
         return None
     return int(ids[-1])
+
+
+def late_groups(groups: Sequence[KvGroup]) -> frozenset[int]:
+    """The groups announced after the step's forward: state, and groups vLLM gives no
+    per-layer hook."""
+    return frozenset(g.index for g in groups if g.is_state or not g.hooked)
 
 
 def layer_groups(groups: Sequence[KvGroup]) -> dict[str, int]:

@@ -36,8 +36,11 @@ SPEC_KINDS = {
 # KV cache dtypes whose blocks are the whole KV: plain types, and fp8 with one scale per
 # layer (a weight of the checkpoint, the same on both sides). Any other (per-token
 # scales, packed 4-bit formats with their own scale layout) is refused at start.
+# ``fp8_ds_mla`` (DeepSeek-V3.2/V4's own latent format) packs each token's scales and
+# its rotary part into the token's bytes (V4: 448 fp8 + 64 bf16 + 8 scale bytes in 584),
+# so a block is the whole KV: moved as the bytes it is.
 MOVABLE_CACHE_DTYPES = frozenset({"auto", "float16", "bfloat16", "float32", "fp8",
-                                  "fp8_e4m3", "fp8_e5m2"})
+                                  "fp8_e4m3", "fp8_e5m2", "fp8_ds_mla"})
 # vLLM's null block: the first block of its block pool, never allocated to a request,
 # handed out for positions a sliding window no longer holds.
 VLLM_NULL_BLOCK = 0
@@ -77,6 +80,7 @@ def engine(vllm_config: Any, kv_cache_config: Any) -> tuple[Rd2hOptions, EngineF
             f"{', '.join(sorted(MOVABLE_CACHE_DTYPES))}")
     attention = [g for g in moved if not g.is_state]
     state = tuple(g.index for g in moved if g.is_state)
+    hookless = tuple(g.index for g in moved if not g.hooked)
     block_size = (attention[0].block_size if attention
                   else vllm_config.cache_config.block_size)
     facts = EngineFacts(
@@ -95,15 +99,21 @@ def engine(vllm_config: Any, kv_cache_config: Any) -> tuple[Rd2hOptions, EngineF
             spec_decode=spec_decode(vllm_config),
             # State is split over TP ranks by its own layout (conv channels, SSM heads):
             # rd2h moves it between equal TP sizes only, refused at the handshake else.
-            state_tp=int(pc.tensor_parallel_size) if state else None),
+            # So are DeepSeek-V4's caches, proven between equal TP sizes only.
+            state_tp=int(pc.tensor_parallel_size) if state or hookless else None),
         moved_groups=tuple(g.index for g in moved),
         state_groups=state,
+        group_block_sizes=tuple(int(g.kv_cache_spec.block_size) for g in groups),
+        hookless_groups=hookless,
         groups_text="; ".join(g.describe() for g in moved),
         total_kv_heads=split_kv_heads(vllm_config),
     )
     return options, facts
 
 
+# Model layouts whose caches rd2h moves (``model_version`` of vLLM's spec): every group
+# by vLLM's own manager's rule (full or sliding window), announced after the forward.
+MOVED_MODEL_LAYOUTS = frozenset({"deepseek_v4"})
 # vLLM's ``model_version`` of a cache spec -> the layout it stands for, in refusals.
 MODEL_LAYOUTS = {
     "deepseek_v4": "DeepSeek-V4's compressed sparse attention: per-layer window caches, "
@@ -117,25 +127,36 @@ class _SpecKind:
     spec_type: str  # vLLM's type, as named in refusals
     layout: str | None = None  # what the layout is, when the type alone does not say
     model: str | None = None  # the model family's own layout, when the spec names one
+    hooked: bool = True  # vLLM calls the per-layer save hook for its layers
 
 
 def _tokens_per_state(spec: Any) -> Any:
     return getattr(spec, "tokens_per_state", 1)
 
 
-def _single_kind(spec: Any, layers: tuple[str, ...]) -> _SpecKind:
-    """rd2h's kind of one vLLM KV cache spec. ``MLAAttentionSpec`` is full attention only
-    in its plain latent layout (one state per token and no model-specific layout: the
-    latent of DeepSeek-V2/V3, or V3.2's indexer with ``cache_role`` indexer); vLLM files
-    DeepSeek-V4's compressed caches under the same type."""
+def _single_kind(spec: Any, layers: tuple[str, ...], engine_model: str | None = None
+                 ) -> _SpecKind:
+    """rd2h's kind of one vLLM KV cache spec. ``MLAAttentionSpec`` is full attention in
+    its plain latent layout (one state per token and no model-specific layout: the
+    latent of DeepSeek-V2/V3, or V3.2's indexer with ``cache_role`` indexer). vLLM files
+    DeepSeek-V4's compressed caches under the same type: those are full attention too as
+    vLLM manages them (a block holds ``block_size`` tokens of the prompt as
+    ``block_size / tokens_per_state`` states), and V4's window caches and compressor
+    states are sliding windows; all of V4's caches are written by its own kernels, with
+    no per-layer hook (``hooked`` False). Not every V4 cache names the model (its indexer
+    cache and compressor states do not): ``engine_model`` is the model version any of
+    the engine's specs names. Any other variant is refused, naming it."""
     name = type(spec).__name__
-    version = getattr(spec, "model_version", None)
+    version = getattr(spec, "model_version", None) or engine_model
     model = MODEL_LAYOUTS.get(str(version), f"model layout {version!r}") if version else None
     if name in ("MLAAttentionSpec", "SlidingWindowMLASpec"):
         per_state = _tokens_per_state(spec)
         plain = per_state == 1 and version is None
         if name == "MLAAttentionSpec" and plain:
             return _SpecKind(FULL, name)
+        if version in MOVED_MODEL_LAYOUTS and isinstance(per_state, int) and per_state >= 1:
+            kind = FULL if name == "MLAAttentionSpec" else SLIDING
+            return _SpecKind(kind, name, None, model, hooked=False)
         role = getattr(getattr(spec, "cache_role", None), "value", None)
         dtype = getattr(spec, "cache_dtype_str", None) or str(
             getattr(spec, "dtype", "")).removeprefix("torch.")
@@ -153,20 +174,37 @@ def _single_kind(spec: Any, layers: tuple[str, ...]) -> _SpecKind:
     return _SpecKind(SPEC_KINDS.get(name), name, None, model)
 
 
-def _spec_kind(spec: Any, layers: tuple[str, ...] = ()) -> _SpecKind:
+def _inner_specs(spec: Any) -> list[Any]:
+    inner = getattr(spec, "kv_cache_specs", None)
+    return list(inner.values()) if isinstance(inner, dict) and inner else [spec]
+
+
+def engine_model(groups: Any) -> str | None:
+    """The model-specific cache layout any of the engine's specs names (vLLM's
+    ``model_version``, e.g. "deepseek_v4"), or None."""
+    for g in groups:
+        for spec in _inner_specs(g.kv_cache_spec):
+            version = getattr(spec, "model_version", None)
+            if version:
+                return str(version)
+    return None
+
+
+def _spec_kind(spec: Any, layers: tuple[str, ...] = (), model: str | None = None
+               ) -> _SpecKind:
     """rd2h's kind of a group's vLLM KV cache spec (``UniformTypeKVCacheSpecs``: one
     block table for several specs, a kind only if all share it)."""
     inner = getattr(spec, "kv_cache_specs", None)
     if isinstance(inner, dict) and inner:
-        parts = [_single_kind(s, (n,)) for n, s in inner.items()]
+        parts = [_single_kind(s, (n,), model) for n, s in inner.items()]
         kinds = {p.kind for p in parts}
         kind = kinds.pop() if len(kinds) == 1 else None
         names = sorted({p.spec_type for p in parts})
         layouts = sorted({p.layout for p in parts if p.layout})
         model = next((p.model for p in parts if p.model), None)
         return _SpecKind(kind, f"{type(spec).__name__}({', '.join(names)})",
-                         "; ".join(layouts) or None, model)
-    return _single_kind(spec, layers)
+                         "; ".join(layouts) or None, model, all(p.hooked for p in parts))
+    return _single_kind(spec, layers, model)
 
 
 def _first_spec(group: Any) -> Any:
@@ -178,13 +216,14 @@ def _first_spec(group: Any) -> Any:
 def kv_groups(groups: Any) -> tuple[KvGroup, ...]:
     """vLLM's ``KVCacheGroupSpec`` list as rd2h's ``KvGroup`` values."""
     out = []
+    model = engine_model(groups)
     for i, g in enumerate(groups):
-        found = _spec_kind(g.kv_cache_spec, tuple(g.layer_names))
+        found = _spec_kind(g.kv_cache_spec, tuple(g.layer_names), model)
         kind = found.kind
         window = getattr(_first_spec(g), "sliding_window", None) if kind == SLIDING else None
         out.append(KvGroup(
             index=i, kind=kind, spec_type=found.spec_type, layout=found.layout,
-            model=found.model,
+            model=found.model, hooked=found.hooked,
             block_size=int(g.kv_cache_spec.block_size), layers=tuple(g.layer_names),
             sliding_window=None if window is None else int(window),
             transferable=bool(getattr(g, "enable_kv_transfer", True)),

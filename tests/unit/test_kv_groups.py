@@ -1,10 +1,11 @@
 """Which KV cache groups rd2h moves, over vLLM's own KV cache config objects (issues
 #28, #39): full attention, MLA and sliding windows are moved, each group by its own
 block table, and recurrent state (Mamba, gated delta net) by the N-1 scheme; cross-
-attention, encoder caches, spec types rd2h does not know, a model of state alone and
-mixed attention block sizes refuse the engine at start, naming the group, its spec type
-and its layers. Models vLLM's CPU backend cannot run (Jamba, an EAGLE drafter) are
-covered here through the configs their engines would build."""
+attention, encoder caches, spec types rd2h does not know and a model of state alone
+refuse the engine at start, naming the group, its spec type and its layers; groups of
+different block sizes are moved, each by its own. Models vLLM's CPU backend cannot run
+(Jamba, an EAGLE drafter) are covered here through the configs their engines would
+build."""
 
 from __future__ import annotations
 
@@ -124,10 +125,15 @@ def test_a_model_of_state_alone_is_refused() -> None:
     assert "model.layers.0.mixer" in str(info.value)
 
 
-def test_mixed_block_sizes_are_refused() -> None:
+def test_mixed_block_sizes_are_moved_each_group_by_its_own() -> None:
+    """Groups of different block sizes (DeepSeek-V4's window, compressed and compressor
+    caches) are moved, each counted in its own tokens per block; both sides state every
+    group's block size, so a peer laid out otherwise is refused at the handshake."""
     cfg = config(KVCacheGroupSpec(layers(0), full(16)), KVCacheGroupSpec(layers(1), full(32)))
-    with pytest.raises(UnsupportedKvGroup, match="one block size"):
-        start(cfg)
+    conn = start(cfg)
+    assert conn._facts.group_block_sizes == (16, 32)
+    assert conn._facts.compat.values["kv_groups"] == "full/16x1,full/32x1"
+    conn.shutdown()
 
 
 def test_uniform_type_specs_and_mla_are_moved() -> None:

@@ -1,9 +1,11 @@
 """vLLM's MLA spec types are not one layout (issue #40): ``MLAAttentionSpec`` holds
 DeepSeek-V2/V3's plain latent, DeepSeek-V3.2's indexer cache and DeepSeek-V4's
 compressed latent caches alike, and ``SlidingWindowMLASpec`` DeepSeek-V4's window
-caches and compressor states. rd2h takes only the plain latent (one state per token, no
-model-specific layout) for full attention; every other variant refuses the engine at
-start, naming the model's layout, never a flag nobody passed.
+caches and compressor states. rd2h takes the plain latent (one state per token, no
+model-specific layout) for full attention, and DeepSeek-V4's caches each by vLLM's own
+rule for them (compressed: full attention in 256-token blocks; windows and compressor
+states: sliding windows); every other variant refuses the engine at start, naming the
+layout, never a flag nobody passed. (The bytes: ``test_deepseek_v4_connector``.)
 
 The spec objects come from vLLM's own cache layers (``DeepseekV32IndexerCache``,
 ``DeepseekV4SWACache``, ``DeepseekV4IndexerCache``, ``CompressorStateCache``) and, for
@@ -110,20 +112,33 @@ def test_deepseek_v32s_latent_and_indexer_are_moved() -> None:
 
 
 @pytest.mark.parametrize("role", ["kv_consumer", "kv_producer"])
-def test_deepseek_v4_is_refused_naming_its_layout_not_a_flag(role) -> None:
-    with pytest.raises(UnsupportedKvGroup) as info:
-        start(config(*dsv4_groups()), role, vllm=_fp8_ds_mla_engine(role))
-    text = str(info.value)
-    assert "--kv-cache-dtype" not in text, text
-    assert "(DeepSeek-V4's compressed sparse attention" in text, text
-    assert ("group 0 (SlidingWindowMLASpec, 1 layers: "
-            "model.layers.0.attn.swa_cache) is a sliding-window latent cache (128-token "
-            "window, blocks of 64, fp8_ds_mla)") in text, text
-    assert ("a compressed latent cache (one state per 4 tokens, fp8_ds_mla)" in text
-            and "a compressed latent cache (one state per 128 tokens, fp8_ds_mla)" in text
-            and "a compressed indexer cache (one state per 4 tokens, uint8)" in text), text
-    assert "a compressor state (8-token window, blocks of 4, float32)" in text, text
-    assert "a compressor state (128-token window, blocks of 8, float32)" in text, text
+def test_deepseek_v4s_seven_groups_are_moved_each_by_its_own_rule(role) -> None:
+    """The window caches and compressor states are sliding windows (their tail blocks),
+    the compressed group full attention counted in 256-token blocks, each group in its own
+    block size; all of them announced after the forward (V4's kernels write them with no
+    per-layer hook); the model's own fp8_ds_mla moved as its bytes; TP stated, so a peer
+    of another TP size is refused at the handshake."""
+    conn = start(config(*dsv4_groups()), role, vllm=_fp8_ds_mla_engine(role))
+    facts = conn._facts
+    assert conn.get_loaded_kv_cache_group_ids(None) == tuple(range(7))
+    assert facts.group_block_sizes == (64, 64, 64, 64, BLOCK, 4, 8)
+    assert facts.hookless_groups == tuple(range(7)) and facts.state_groups == ()
+    assert facts.compat.values["kv_groups"] == (
+        "slidingw128/64x1,slidingw128/64x1,slidingw128/64x1,slidingw128/64x1,"
+        f"full/{BLOCK}x3,slidingw8/4x1,slidingw128/8x1")
+    assert facts.compat.values["kv_dtype"] == "fp8_ds_mla"
+    assert facts.compat.values["state_tp"] == 1
+    conn.shutdown()
+
+
+def test_deepseek_v4s_indexer_cache_alone_is_not_taken_for_full_attention() -> None:
+    """V4's indexer cache and compressor states do not name the model: outside an engine
+    whose caches do, a compressed cache is refused, naming what it is."""
+    indexer = dict(dsv4_groups()[4].kv_cache_spec.kv_cache_specs)[
+        "model.layers.1.attn.indexer.k_cache"]
+    with pytest.raises(UnsupportedKvGroup, match=r"a compressed indexer cache \(one state "
+                       r"per 4 tokens, uint8\)"):
+        start(config(KVCacheGroupSpec(["model.layers.1.attn.indexer.k_cache"], indexer)))
 
 
 @pytest.mark.parametrize(
@@ -131,12 +146,12 @@ def test_deepseek_v4_is_refused_naming_its_layout_not_a_flag(role) -> None:
     [(MLAAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=576, dtype=torch.bfloat16,
                        tokens_per_state=4), "one state per 4 tokens"),
      (MLAAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=576, dtype=torch.bfloat16,
-                       model_version="deepseek_v4"), "DeepSeek-V4"),
-     (_dsv4_compressed(128), "one state per 128 tokens")],
+                       model_version="deepseek_v9"), "model layout 'deepseek_v9'")],
 )
 def test_no_mla_variant_passes_for_full_attention_by_its_type_name(spec, layout) -> None:
-    """Each departure from the plain latent on its own: a compressed cache, a model
-    layout; only ``tokens_per_state`` 1 without a ``model_version`` is full attention."""
+    """Each departure from the plain latent on its own: a compressed cache of no known
+    model, a model layout rd2h does not know; only ``tokens_per_state`` 1 without a
+    ``model_version``, or a layout rd2h moves (DeepSeek-V4), is taken."""
     with pytest.raises(UnsupportedKvGroup, match=layout):
         start(config(KVCacheGroupSpec(["model.layers.0.self_attn.attn"], spec)))
 
@@ -145,7 +160,7 @@ def test_a_dtype_the_model_did_not_choose_is_still_refused_without_naming_a_flag
     """A plain layout with an unmovable cache dtype: the message says where a dtype
     comes from instead of assuming a command-line flag."""
     vllm = vllm_config("kv_consumer")
-    object.__setattr__(vllm.cache_config, "cache_dtype", "fp8_ds_mla")
+    object.__setattr__(vllm.cache_config, "cache_dtype", "nvfp4_ds_mla")
     latent = MLAAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=576,
                               dtype=torch.uint8)
     with pytest.raises(UnsupportedKvGroup, match="or the model's own choice"):

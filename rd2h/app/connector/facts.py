@@ -36,6 +36,11 @@ class EngineFacts:
     groups_text: str = ""  # the moved groups in words, for the log line at start
     # The moved groups that hold recurrent state (``rd2h.domain.kv_groups``, N-1 scheme).
     state_groups: tuple[int, ...] = ()
+    # Tokens per block of every group, by index (empty: ``block_size`` for each).
+    group_block_sizes: tuple[int, ...] = ()
+    # The moved groups whose layers vLLM gives no per-layer save hook (announced after
+    # the step's forward, like state).
+    hookless_groups: tuple[int, ...] = ()
 
     def layer_groups(self) -> dict[str, int] | None:
         """Cache layer name -> the group whose block ids address it (moved groups only);

@@ -107,7 +107,9 @@ class _Tracked:
     total_tokens: int
     remote_cached: int
     blocks: list[list[int]] = field(default_factory=list)
-    transferred: int = 0
+    transferred: int = 0  # tokens announced (the main group's blocks)
+    # Tokens announced per group, where groups differ in block size (else empty).
+    group_transferred: list[int] = field(default_factory=list)
     final_sent: bool = False
     sent_any: bool = False
 
@@ -116,8 +118,13 @@ class PrefillScheduler(ConnectorRole):
     def __init__(
         self, *, block_size: int, main_group: int, indexer_group: int, p_tp: int,
         log: Logger, timeline: Timeline = NO_TIMELINE, state_groups: Iterable[int] = (),
+        group_block_sizes: Sequence[int] = (),
     ) -> None:
+        """``group_block_sizes``: tokens per block of each KV cache group, by index, when
+        they differ (DeepSeek-V4); each group's blocks are then counted in its own."""
         self._timeline = timeline
+        sizes = tuple(int(b) for b in group_block_sizes)
+        self._group_bs = sizes if len(set(sizes)) > 1 else ()
         self._state = frozenset(state_groups)
         self._shortened: set[str] = set()  # requests whose prompt tail Decode computes
         self._bs = block_size
@@ -213,14 +220,20 @@ class PrefillScheduler(ConnectorRole):
         computed = r.num_computed_tokens + r.num_scheduled_tokens
         final = computed >= t.total_tokens
         main_ids = t.blocks[self._main] if t.blocks else []
+        tokens = min(computed, t.total_tokens)
         try:
-            start, end = chunk_block_range(
-                block_size=self._bs, computed_tokens=min(computed, t.total_tokens),
-                transferred_tokens=t.transferred, remote_cached_tokens=t.remote_cached,
-                final=final, allocated_blocks=len(main_ids),
-            )
+            ranges = self._group_ranges(t, tokens, final)
+            if ranges:
+                start, end = ranges[self._main]
+            else:
+                start, end = chunk_block_range(
+                    block_size=self._bs, computed_tokens=tokens,
+                    transferred_tokens=t.transferred, remote_cached_tokens=t.remote_cached,
+                    final=final, allocated_blocks=len(main_ids),
+                )
             groups = tuple(self._state_part(g, ids, final) if g in self._state
-                           else _held_part(ids, start, end) for g, ids in enumerate(t.blocks))
+                           else _held_part(ids, *(ranges[g] if ranges else (start, end)))
+                           for g, ids in enumerate(t.blocks))
         except ChunkError as exc:
             self._log.error("cannot announce request blocks", request=request_id,
                             error=str(exc))
@@ -229,9 +242,16 @@ class PrefillScheduler(ConnectorRole):
             else:
                 self._tracked.pop(request_id, None)
             return None
-        if end <= start and not final:
+        # A step with no new block in any group announces nothing before the final one.
+        fresh = (any(e > s_ for g, (s_, e) in enumerate(ranges) if g not in self._state)
+                 if ranges else end > start)
+        if not fresh and not final:
             return None
-        t.transferred = end * self._bs
+        if ranges:
+            t.group_transferred = [e * b for (_, e), b in zip(ranges, self._group_bs)]
+            t.transferred = end * self._group_bs[self._main]
+        else:
+            t.transferred = end * self._bs
         t.final_sent = final
         t.sent_any = True
         main_start, main = groups[self._main] if groups else (start, ())
@@ -240,6 +260,23 @@ class PrefillScheduler(ConnectorRole):
             request_id, t.ext_id, t.decode, main, idx, main_start, idx_start, final,
             groups=groups,
         )
+
+    def _group_ranges(self, t: _Tracked, computed: int, final: bool
+                      ) -> list[tuple[int, int]]:
+        """Each group's blocks ``[start, end)`` completed by this step and not yet
+        announced, in its own block size (empty: one block size, the main group's range
+        serves every group)."""
+        if not self._group_bs:
+            return []
+        if len(self._group_bs) != len(t.blocks):
+            raise ChunkError(f"the request has {len(t.blocks)} block lists for "
+                             f"{len(self._group_bs)} KV cache groups")
+        done = t.group_transferred or [0] * len(self._group_bs)
+        return [chunk_block_range(
+            block_size=bs, computed_tokens=computed, transferred_tokens=done[g],
+            remote_cached_tokens=t.remote_cached, final=final,
+            allocated_blocks=len(t.blocks[g])) if g not in self._state else (0, 0)
+            for g, bs in enumerate(self._group_bs)]
 
     @staticmethod
     def _state_part(group: int, ids: list[int], final: bool) -> tuple[int, tuple[int, ...]]:

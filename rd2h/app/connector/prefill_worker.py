@@ -6,8 +6,10 @@ hold a step whose preempted requests Decode may still be reading
 
 Layers of a recurrent-state group (Mamba, gated delta net) get no per-layer hook from
 vLLM: they are announced after the step's forward (``wait_for_save``), in layer order,
-and only with a request's final chunk; the request's final report rides on the last
-of them (else on the last layer, as before)."""
+and only with a request's final chunk; so are the layers of a group vLLM writes without
+the hook (``hookless_groups``: DeepSeek-V4's caches), with every chunk. The request's
+final report rides on the last of these late layers (else on the last layer, as
+before)."""
 
 from __future__ import annotations
 
@@ -67,6 +69,7 @@ class PrefillWorker(ConnectorRole):
         clock: Clock,
         layer_groups: Mapping[int, int] | None = None,
         state_groups: Iterable[int] = (),
+        hookless_groups: Iterable[int] = (),
         log: Logger,
         buffer_reuse: bool = False,
         reuse_timeout_s: float | None = None,
@@ -89,14 +92,18 @@ class PrefillWorker(ConnectorRole):
         self._p_rank = p_rank
         self._p_tp = p_tp
         self._layers = dict(layer_names)
+        self._ids = {name: idx for idx, name in self._layers.items()}
         # Layer -> its KV cache group: a layer announces that group's blocks (absent:
         # the plan's main and indexer lists, as with one group).
         self._layer_groups = dict(layer_groups or {})
         state = frozenset(state_groups)
-        # State layers, announced after the forward; the final report rides on the last.
-        self._state_layers = tuple(sorted(i for i in self._layers
-                                          if self._layer_groups.get(i) in state))
-        last = self._state_layers or tuple(self._layers)
+        late = state | frozenset(hookless_groups)
+        self._state_layers = frozenset(i for i in self._layers
+                                       if self._layer_groups.get(i) in state)
+        # Layers announced after the forward; the final report rides on the last.
+        self._late_layers = tuple(sorted(i for i in self._layers
+                                         if self._layer_groups.get(i) in late))
+        last = self._late_layers or tuple(self._layers)
         self._last_layer = max(last) if last else -1
         self._clock = clock
         self._log = log
@@ -155,20 +162,24 @@ class PrefillWorker(ConnectorRole):
     def wait_for_layer_load(self, layer_name: str) -> None:
         """On Prefill: with shared buffers, the reuse gate."""
         if self.buffer_reuse:
-            self.wait_for_layer_reuse(layer_index(layer_name))
+            self.wait_for_layer_reuse(self._layer_id(layer_name))
+
+    def _layer_id(self, layer_name: str) -> int:
+        idx = self._ids.get(layer_name)
+        return layer_index(layer_name) if idx is None else idx
 
     def save_kv_layer(self, layer_name: str) -> None:
         """The layer's KV scatter was queued (also Ascend's ``on_kv_cache_written``):
         announce it, once per layer per step (``layers_announced`` counts them)."""
-        idx = layer_index(layer_name)
-        if idx in self._state_layers:
-            return  # its state is final only after the forward (``wait_for_save``)
+        idx = self._layer_id(layer_name)
+        if idx in self._late_layers:
+            return  # final only after the forward (``wait_for_save``)
         self._announce(idx)
 
     def wait_for_save(self) -> None:
-        """The step's forward ran every layer: announce the state layers (their blocks
-        are in this step's sends with a request's final chunk only)."""
-        for idx in self._state_layers:
+        """The step's forward ran every layer: announce the late layers (a state layer's
+        block is in this step's sends with a request's final chunk only)."""
+        for idx in self._late_layers:
             self._announce(idx)
 
     def _announce(self, idx: int) -> None:
