@@ -124,8 +124,11 @@ class PrefillScheduler(ConnectorRole):
         they differ (DeepSeek-V4); each group's blocks are then counted in its own."""
         self._timeline = timeline
         sizes = tuple(int(b) for b in group_block_sizes)
-        self._group_bs = sizes if len(set(sizes)) > 1 else ()
-        self._state = frozenset(state_groups)
+        state = frozenset(state_groups)
+        # Only where attention groups differ (a state group's block size is one state).
+        self._group_bs = sizes if len({b for g, b in enumerate(sizes)
+                                       if g not in state}) > 1 else ()
+        self._state = state
         self._shortened: set[str] = set()  # requests whose prompt tail Decode computes
         self._bs = block_size
         self._main = main_group
