@@ -117,15 +117,16 @@ def metrics() -> str:
     from rd2h.adapters.vllm import prom
 
     engine = CollectorRegistry()
+    labels = list(prom.VLLM_ENGINE_LABELS)  # what vLLM gives (checked on a real engine)
     for name, doc in prom.COUNTERS.values():
-        Counter(prom.PREFIX + name, doc, ["engine"], registry=engine)
+        Counter(prom.PREFIX + name, doc, labels, registry=engine)
     for name, (doc, causes) in prom.CAUSED.items():
         Counter(prom.PREFIX + name, doc + " Causes: " + ", ".join(
-            f"`{c}`" for c in causes.values()) + ".", ["engine", "cause"], registry=engine)
+            f"`{c}`" for c in causes.values()) + ".", [*labels, "cause"], registry=engine)
     for name, doc in prom.GAUGES.values():
-        Gauge(prom.PREFIX + name, doc, ["engine"], registry=engine)
+        Gauge(prom.PREFIX + name, doc, labels, registry=engine)
     Histogram(prom.READ_LATENCY, "Duration of one batched read of KV cache from a Prefill "
-              "engine (one per layer and request on each TP rank).", ["engine"],
+              "engine (one per layer and request on each TP rank).", labels,
               buckets=list(prom.READ_LATENCY_BUCKETS_S), registry=engine)
     proxy = ProxyMetrics(pending=lambda: 0, prefill_in_flight=lambda: 0).registry
 
@@ -145,9 +146,9 @@ def metrics() -> str:
 
     return HEADER + "# Metrics reference\n\n" + (
         "## Engines (`vllm:rd2h_*`, on each vLLM engine's `/metrics`)\n\n"
-        "Registered through vLLM's `build_prom_metrics` (vLLM adds its own labels, such "
-        "as `engine` and `model_name`); present only when vLLM's stats are on (no "
-        "`--disable-log-stats`).\n\n" + table(engine) + "\n\n"
+        "Registered through vLLM's `build_prom_metrics`, with vLLM's own labels "
+        "(`model_name`: the served model's name, `engine`: the engine index); present "
+        "only when vLLM's stats are on (no `--disable-log-stats`).\n\n" + table(engine) + "\n\n"
         "## Proxy (`rd2h_proxy_*`, on `rd2h proxy`'s `/metrics`)\n\n" + table(proxy)
         + "\n")
 

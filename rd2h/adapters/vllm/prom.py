@@ -22,6 +22,9 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.distributed.kv_transfer.kv_connector.v1.metrics import PromMetric, PromMetricT
 
+# The labels vLLM gives every engine series (its Prometheus logger: the model name and
+# the engine index); rd2h's series get them from vLLM at start (``labelnames``).
+VLLM_ENGINE_LABELS = ("model_name", "engine")
 PREFIX = "vllm:rd2h_"
 
 # stats key -> (series name without the prefix; Counter adds "_total"), help text

@@ -26,6 +26,7 @@ from fakes.net import free_port, quiet_ports
 from prometheus_client.parser import text_string_to_metric_families
 from servers import proxy_server, rd2h_kv, running, vllm_server, wait_admitted
 
+from rd2h.adapters.vllm.prom import VLLM_ENGINE_LABELS
 from rd2h.demo.tiny_model import NUM_LAYERS, VOCAB
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(1500)]
@@ -134,6 +135,8 @@ def _rd2h_metrics(url: str) -> dict[str, float]:
         for s in family.samples:
             if s.name.startswith(RD2H_SERIES) and not s.name.endswith("_created"):
                 assert s.labels.get("engine") == "0", s
+                # The labels the metrics reference states (scripts/gen_reference.py).
+                assert set(s.labels) - {"le", "cause"} == set(VLLM_ENGINE_LABELS), s
                 le = s.labels.get("le")
                 out[s.name[len(RD2H_SERIES):] + (f"+{le}" if le else "")] = s.value
     return out
