@@ -47,10 +47,12 @@ Failures reach the client honestly: the answer starts only with Decode's first b
 so a Prefill leg that fails for good is answered with Prefill's status and error body
 (502 unreachable, 504 timed out) and Decode's request is closed (with
 --on-prefill-failure decode, Decode is told at once and answers as its
-kv_load_failure_policy says); a client that leaves closes both legs. A request goes
-to another instance only when nothing can have been handed off: a refused connection
-(any instance not yet tried) or a pooled connection the engine closed before reading
-the request (once, same instance).
+kv_load_failure_policy says, and an error it then answers names the Prefill
+failure); a client that leaves closes both legs. A request goes to another instance
+only when nothing can have been handed off: a refused connection (any instance not
+yet tried), a pooled connection the engine closed before reading the request (once,
+same instance), or, on the Decode leg, any other failure before Decode answered or
+posted to the metaserver (once, another Decode).
 
 Connections to the engines are kept open between requests (pooled) for
 --engine-keepalive seconds, which should stay below the engines' own keep-alive

@@ -196,6 +196,8 @@ class PendingRequest:
     created: float
     posts: dict[str, dict[str, Any]] = field(default_factory=dict)
     dispatched: bool = False
+    # Why the Prefill dispatch failed for good (None: it did not), for the client's answer.
+    prefill_failure: str | None = None
 
     def prefill_params(self) -> dict[str, Any]:
         """``kv_transfer_params`` for the one Prefill dispatch (spec 3.2 prompt lists).

@@ -146,7 +146,10 @@ class FakeDecode:
 
     def __init__(self, router: Router, prefills: list[FakePrefill], port: int,
                  post_order: Callable[[list[str]], list[str]] = lambda ids: ids,
-                 wait_for_kv: bool = True) -> None:
+                 wait_for_kv: bool = True, fails_when: Callable[[], bool] | None = None
+                 ) -> None:
+        """``fails_when``: once it holds (polled after the posts), answer as vLLM does a
+        request whose KV load failed under the ``fail`` policy (500, no reason)."""
         self.received: list[tuple[str, dict, dict]] = []
         self.posts: list[tuple[str, httpx.Response]] = []
         self.started = asyncio.Event()
@@ -180,6 +183,13 @@ class FakeDecode:
                         post.update(prefill="local", do_remote_decode=False)
                     r = await client.post(params["metaserver"], json=post)
                     self.posts.append((request_id, r))
+                if fails_when is not None:
+                    for _ in range(500):
+                        if fails_when():
+                            return JSONResponse({"error": {
+                                "message": "Internal server error", "code": 500}},
+                                status_code=500)
+                        await asyncio.sleep(0.01)
                 if wait_for_kv and not local:
                     await asyncio.wait_for(
                         asyncio.wait([asyncio.ensure_future(p.seen_event(rid).wait())
@@ -664,6 +674,72 @@ def test_decode_failures_the_engine_may_have_seen_give_502(fault: Fault) -> None
         metrics = await scrape(s)
         assert metrics[("rd2h_proxy_requests_total",
                         (("endpoint", "/v1/completions"), ("outcome", "unavailable")))] == 1
+
+    run(scenario())
+
+
+@pytest.mark.parametrize("fault", [
+    reused_then(httpx.ReadError, "reset", new_connection=True),
+    reused_then(httpx.ReadTimeout, "timed out"),
+    reused_then(httpx.RemoteProtocolError, SERVER_CLOSED, new_connection=True),
+])
+def test_a_decode_failing_before_any_hand_off_sends_the_request_to_another_once(
+        fault: Fault) -> None:
+    """A Decode killed (or stalled) with the request on its way, before it posted to the
+    metaserver: nothing was handed off, so the request goes to another Decode under a
+    new id, once, and the client gets its answer."""
+    async def scenario() -> None:
+        log = RecordingLogger()
+        s = Setup(n_decode=2, log=log)
+        s.router.faults[("d0:8200", "/v1/completions")] = [fault]
+        r = await s.client.post("/v1/completions", json={"model": "m", "prompt": "x"})
+        await s.settle()
+        assert r.status_code == 200 and r.json()["from"] == 30001
+        assert [len(d.received) for d in s.decodes] == [0, 1]
+        health = await s.health()
+        assert health["pending"] == 0 and health["counters"]["decode_resent"] == 1
+        [(text, info)] = [x for x in log.at("warning") if "another one" in x[0]]
+        assert "before any hand-off" in text and info["new_rid"] != info["rid"]
+        metrics = await scrape(s)
+        assert metrics[("rd2h_proxy_upstream_retries_total",
+                        (("leg", "decode"), ("reason", "failover")))] == 1
+
+    run(scenario())
+
+
+def test_a_second_decode_failure_is_not_sent_a_third_time() -> None:
+    async def scenario() -> None:
+        s = Setup(n_decode=3)
+        for d in ("d0:8200", "d1:8200", "d2:8200"):
+            s.router.faults[(d, "/v1/completions")] = [
+                reused_then(httpx.ReadError, "reset", new_connection=True)]
+        r = await s.client.post("/v1/completions", json={"model": "m", "prompt": "x"})
+        await s.settle()
+        assert r.status_code == 502
+        assert sum(len(d.received) for d in s.decodes) == 0
+        health = await s.health()
+        assert health["pending"] == 0 and health["counters"]["decode_resent"] == 1
+        assert sum(1 for key in s.router.faults.values() if not key) == 2  # two tried
+
+    run(scenario())
+
+
+def test_a_decode_failing_after_it_posted_is_not_sent_to_another() -> None:
+    async def scenario() -> None:
+        s = Setup(n_decode=2, wait_for_kv=False)
+        poster = httpx.AsyncClient(transport=s.router)
+
+        async def admitted(request: httpx.Request) -> None:
+            rid = request.headers["x-request-id"]
+            await poster.post(f"{PROXY}/v1/metaserver", json=contact(f"cmpl-{rid}-0", 1))
+
+        s.router.faults[("d0:8200", "/v1/completions")] = [
+            reused_then(httpx.ReadError, "reset", new_connection=True, before=admitted)]
+        r = await s.client.post("/v1/completions", json={"model": "m", "prompt": "x"})
+        await s.settle()
+        assert r.status_code == 502
+        assert [len(d.received) for d in s.decodes] == [0, 0]
+        assert (await s.health())["counters"]["decode_resent"] == 0
 
     run(scenario())
 

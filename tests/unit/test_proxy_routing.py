@@ -317,6 +317,27 @@ def test_prefill_failure_can_be_left_to_decode() -> None:
     run(scenario())
 
 
+def test_decode_failing_a_request_whose_prefill_failed_says_why() -> None:
+    """``--on-prefill-failure decode`` with no Prefill answering: Decode fails the request
+    (its policy ``fail``: vLLM answers a bare 500); the client's error names the Prefill
+    failure and quotes Decode."""
+    async def scenario() -> None:
+        s = Setup(prefill_status=503, wait_for_kv=False,
+                  fails_when=lambda: s.proxy.failures.recorded >= 1,
+                  config_kw={"on_prefill_failure": "decode", "probe_interval_s": 60})
+        r = await s.client.post("/v1/completions", json=completion())
+        await s.settle()
+        assert r.status_code == 500, r.text
+        message = r.json()["error"]["message"]
+        assert message.startswith("decode failed the request after its prefill failed ("), \
+            message
+        assert "HTTP 503" in message and message.endswith(
+            "decode said: Internal server error"), message
+        await s.proxy.aclose()
+
+    run(scenario())
+
+
 def test_cli_routing_flags_reach_the_config(monkeypatch) -> None:
     import rd2h.app.gateways as gateways
     from rd2h.cli.main import main

@@ -91,6 +91,7 @@ class PrefillLeg:
         self._metrics.prefill_leg.labels(outcome).observe(time.monotonic() - started)
         if failure is not None:
             self._counters.prefill_failed += 1
+            entry.prefill_failure = failure.reason  # before Decode can fail the request
             told = 0 if self._failures is None else self._failures.record(
                 entry.posts, f"prefill dispatch failed: {failure.reason}")
             self._log.error("prefill dispatch gave up; decode is told to fail the request now",

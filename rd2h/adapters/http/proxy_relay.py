@@ -52,6 +52,7 @@ class DecodeCall:
     prefill_failed: asyncio.Future[Any] | None = None
     status: int = 0  # Decode's answer status (0: none)
     tried: list[str] = field(default_factory=list)
+    failed_over: bool = False  # sent to another Decode after a failure (at most once)
 
     @property
     def url(self) -> str:
@@ -168,6 +169,23 @@ class DecodeRelay(Response):
                 await self._proxy.upstream.close(response)
             raise
 
+    async def _failed_after_prefill(self, send: Send, status: int, chunks: Any,
+                                    first: bytes | None) -> None:
+        """Decode failed a request whose Prefill dispatch had failed for good (with
+        ``--on-prefill-failure decode`` Decode decides, by its ``kv_load_failure_policy``):
+        the client's error says why, and what Decode said, instead of Decode's bare
+        error alone (vLLM's is "Internal server error")."""
+        proxy, call = self._proxy, self._call
+        said = _engine_message(await _read_some(chunks, first, QUOTED_ERROR_BYTES))
+        reason = call.entry.prefill_failure
+        message = (f"decode failed the request after its prefill failed ({reason}); "
+                   f"decode said: {said}")
+        call.outcome, call.label = f"prefill failed: {reason}", "prefill_failed"
+        proxy.log.error("decode failed a request whose prefill failed", rid=call.rid,
+                        status=status, prefill_error=reason, decode_said=said)
+        await send_whole(send, status, error_body(status, message), call.rid)
+        self._answered = True
+
     def _broken(self, exc: Exception) -> None:
         proxy, call = self._proxy, self._call
         proxy.counters.decode_errors += 1
@@ -182,6 +200,9 @@ class DecodeRelay(Response):
         status = call.status = response.status_code
         if response.is_error:
             proxy.metrics.failure("decode", status_reason(status))
+            if status >= 500 and call.entry.prefill_failure is not None:
+                await self._failed_after_prefill(send, status, chunks, first)
+                return
         content_type = response.headers.get("content-type", "application/json")
         await send({
             "type": "http.response.start",
@@ -211,6 +232,33 @@ class DecodeRelay(Response):
         if call.label != "broken":
             call.outcome = f"answered (decode status {status})"
             call.label = "engine_error" if response.is_error else "ok"
+
+
+# How much of Decode's own error body the proxy quotes when it explains one.
+QUOTED_ERROR_BYTES = 2048
+
+
+async def _read_some(chunks: Any, first: bytes | None, limit: int) -> bytes:
+    body = first or b""
+    with contextlib.suppress(httpx.TransportError):
+        async for chunk in chunks:
+            if len(body) >= limit:
+                break
+            body += chunk
+    return body[:limit]
+
+
+def _engine_message(body: bytes) -> str:
+    """The ``error.message`` (or ``message``) of an engine's JSON error body, else its
+    text."""
+    text = body.decode("utf-8", "replace")
+    with contextlib.suppress(ValueError, AttributeError, TypeError):
+        data = json.loads(text)
+        err = data.get("error", data)
+        message = err.get("message") if isinstance(err, dict) else err
+        if message:
+            return str(message)
+    return text.strip() or "no message"
 
 
 async def send_whole(send: Send, status: int, payload: dict[str, Any],
