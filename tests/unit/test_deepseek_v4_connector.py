@@ -1,22 +1,28 @@
 """DeepSeek-V4's caches through ``SfaRemoteD2HConnector`` (issue #40), block selection from
 vLLM's own KV cache manager, real bytes over the ``inproc`` transport.
 
-The tiny DeepSeek-V4's seven groups come from vLLM's own cache layers
-(``test_mla_variants.dsv4_groups``): four window caches (window 128, 64 tokens a block),
-one compressed group (256 tokens a block: the C4 indexer cache, the C4 and the C128
-compressed latents) and two compressor states (windows 8 and 128, blocks of 4 and 8).
+The tiny DeepSeek-V4's seven groups as vLLM 0.32 builds them for a real engine
+(``test_mla_variants.dsv4_groups``): four window caches (window 128, 64 tokens a
+block), one compressed group (256 tokens a block: the C4 indexer cache, the C4 and the
+C128 compressed latents) and the compressor states (windows 8 and 128, blocks of 4 and
+8). The caches are laid out as that engine's worker registered them (read from a real
+engine started here): one block pool, a 47,808-byte page per block for every layer,
+each raw buffer shared by one layer of each group (a block belongs to one group at a
+time), each layer a view of its own shape (``[blocks, 64, 584]`` bytes for a window
+cache, ``[blocks, 4, 2048]`` float32 for a compressor state, ...).
+
 Each side's blocks are allocated by a ``KVCacheManager`` built on that config, as
-vLLM's scheduler allocates them: Prefill a prompt's tokens (in one step, or in chunks, its
-out-of-window blocks freed between them), Decode the prompt as tokens loaded from
+vLLM's scheduler allocates them: Prefill a prompt's tokens (in one step, or in chunks,
+its out-of-window blocks freed between them), Decode the prompt as tokens loaded from
 outside (``num_external_computed_tokens``), its out-of-window positions vLLM's null
 block. Prefill announces every group's completed blocks in that group's own block size,
-after each step's forward (V4's kernels write its caches with no per-layer hook); Decode
-reads each position it holds from the same position of Prefill's table.
+after each step's forward (V4's kernels write its caches with no per-layer hook);
+Decode reads each position it holds from the same position of Prefill's table.
 
-What is proven: every block Decode holds for the request receives the bytes of
+What is proven: every block Decode holds for the request receives the whole page of
 Prefill's block at the same position of the same group, and nothing else of Decode's
 memory changes (vLLM's null block included), on prompts that end inside a block, on a
-block boundary of every group, and across chunks.
+block boundary of every group, shorter than a window, and across chunks.
 """
 
 from __future__ import annotations
@@ -50,20 +56,23 @@ from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, KVCacheT
 from rd2h.entry.connector import SfaRemoteD2HConnector
 
 NB = 192  # blocks per side: a 300-token prompt takes 135 of Prefill's
+PAGE = 47808  # bytes per block of every layer, as the engine's worker laid them out
 GROUPS = dsv4_groups()
-
-
-def _specs() -> dict[str, object]:
-    """Cache layer name -> its own spec (the compressed group's layers each their own)."""
-    out = {}
-    for g in GROUPS:
-        inner = getattr(g.kv_cache_spec, "kv_cache_specs", None)
-        out.update(inner if inner else {n: g.kv_cache_spec for n in g.layer_names})
-    return out
-
-
-SPECS = _specs()
+# Each cache layer's view of its page, as the engine's worker bound it.
+VIEWS = {
+    **{f"model.layers.{i}.attn.swa_cache": ((64, 584), torch.uint8) for i in range(4)},
+    "model.layers.1.attn.indexer.k_cache": ((64, 132), torch.uint8),
+    "model.layers.1.attn": ((64, 584), torch.uint8),
+    "model.layers.2.attn": ((2, 584), torch.uint8),
+    "model.layers.1.attn.indexer.compressor.state_cache": ((4, 512), torch.float32),
+    "model.layers.1.attn.compressor.state_cache": ((4, 2048), torch.float32),
+    "model.layers.2.attn.compressor.state_cache": ((8, 1024), torch.float32),
+}
 GROUP_OF = {n: i for i, g in enumerate(GROUPS) for n in g.layer_names}
+# Raw buffer t holds layer t of every group that has one (vLLM's hybrid layout).
+SHARING = [[g.layer_names[t] for g in GROUPS if t < len(g.layer_names)]
+           for t in range(max(len(g.layer_names) for g in GROUPS))]
+assert sorted(n for names in SHARING for n in names) == sorted(VIEWS)
 
 
 def _config(scheduler: bool) -> KVCacheConfig:
@@ -74,9 +83,8 @@ def _config(scheduler: bool) -> KVCacheConfig:
               if scheduler and hasattr(g.kv_cache_spec, "kv_cache_specs") else g
               for g in GROUPS]
     return KVCacheConfig(num_blocks=NB, kv_cache_groups=groups, kv_cache_tensors=[
-        KVCacheTensor(size=NB * s.page_size_bytes, layers=[n],
-                      layer_stride=NB * s.page_size_bytes, block_stride=s.page_size_bytes)
-        for n, s in SPECS.items()])
+        KVCacheTensor(size=NB * PAGE, layers=names, layer_stride=NB * PAGE,
+                      block_stride=PAGE) for names in SHARING])
 
 
 def _manager() -> KVCacheManager:
@@ -86,13 +94,22 @@ def _manager() -> KVCacheManager:
                           enable_caching=False)
 
 
-def _caches(seed: int | None) -> dict[str, torch.Tensor]:
-    """One ``[NB, page]`` byte tensor per cache layer (its page as vLLM sizes it)."""
+def _caches(seed: int | None) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """The layers' views and, per layer, its raw ``[NB, PAGE]`` byte buffer (shared with
+    one layer of each other group)."""
     gen = torch.Generator().manual_seed(seed or 0)
-    return {n: (torch.randint(0, 256, (NB, s.page_size_bytes), generator=gen,
-                              dtype=torch.uint8) if seed is not None
-                else torch.zeros(NB, s.page_size_bytes, dtype=torch.uint8))
-            for n, s in SPECS.items()}
+    views, raw_of = {}, {}
+    for names in SHARING:
+        raw = (torch.randint(0, 256, (NB, PAGE), generator=gen, dtype=torch.uint8)
+               if seed is not None else torch.zeros(NB, PAGE, dtype=torch.uint8))
+        for name in names:
+            shape, dtype = VIEWS[name]
+            elem = torch.empty((), dtype=dtype).element_size()
+            typed = raw.view(-1).view(dtype)
+            views[name] = torch.as_strided(typed, (NB, *shape),
+                                           (PAGE // elem, shape[1], 1))
+            raw_of[name] = raw
+    return views, raw_of
 
 
 def _engine_config(role: str):
@@ -109,11 +126,11 @@ def engines(tp_group, memory_control, metaserver):  # noqa: F811
              for role in ("kv_consumer", "kv_producer")
              for kind in (KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER)]
     d_sched, d_work, p_sched, p_work = conns
-    d_caches, p_caches = _caches(None), _caches(7)
-    d_work.register_kv_caches(d_caches)
-    p_work.register_kv_caches(p_caches)
+    (d_views, d_raw), (p_views, p_raw) = _caches(None), _caches(7)
+    d_work.register_kv_caches(d_views)
+    p_work.register_kv_caches(p_views)
     gc.collect()
-    yield d_sched, d_work, p_sched, p_work, d_caches, p_caches
+    yield d_sched, d_work, p_sched, p_work, d_raw, p_raw
     for conn in conns:
         conn.shutdown()
 
@@ -163,31 +180,34 @@ def _transfer(engines, rid: str, prompt: int, chunks: list[int]) -> tuple:
         p_work.bind_connector_metadata(plan)
         before = p_work._role.layers_announced
         # Were vLLM to call the per-layer hook, nothing goes before the forward's end.
-        p_work.save_kv_layer("model.layers.1.attn.mla_attn", None, None)
+        p_work.save_kv_layer("model.layers.1.attn", None, None)
         assert p_work._role.layers_announced == before
         p_work.wait_for_save()
         preq.num_computed_tokens += count
-    for i in range(len(SPECS)):
+    for i in range(len(VIEWS)):
         p_work.wait_for_layer_reuse(i)
     assert d_work.get_transfer_results(set()).finished_recving == {dreq.request_id}
     return d_mgr.get_block_ids(dreq.request_id), p_mgr.get_block_ids(preq.request_id), sends
 
 
-def _check_bytes(d_ids, p_ids, d_caches, p_caches) -> int:
-    """Every block Decode holds equals Prefill's at the same position of the same group;
-    nothing else of Decode's changed. Returns the bytes Decode holds for the request."""
-    held = 0
-    for name, spec in SPECS.items():
+def _check_bytes(d_ids, p_ids, d_raw, p_raw) -> int:
+    """Every block Decode holds is Prefill's whole page at the same position of the same
+    group; nothing else of Decode's memory changed. Returns the bytes Decode holds for
+    the request."""
+    held, written = 0, {}
+    for name in VIEWS:
         g = GROUP_OF[name]
         pairs = [(d, p) for d, p in zip(d_ids[g], p_ids[g]) if d != 0]
         assert pairs, f"decode holds no block of {name}"
         assert all(p != 0 for _, p in pairs), f"{name}: prefill dropped a block decode holds"
         d_blocks, p_blocks = [d for d, _ in pairs], [p for _, p in pairs]
-        torch.testing.assert_close(d_caches[name][d_blocks], p_caches[name][p_blocks],
+        torch.testing.assert_close(d_raw[name][d_blocks], p_raw[name][p_blocks],
                                    rtol=0, atol=0, msg=f"{name} (group {g})")
-        rest = [b for b in range(NB) if b not in d_blocks]
-        assert not d_caches[name][rest].any(), f"{name}: a block decode does not hold changed"
-        held += len(d_blocks) * spec.page_size_bytes
+        written.setdefault(id(d_raw[name]), (d_raw[name], set()))[1].update(d_blocks)
+        held += len(d_blocks) * PAGE
+    for raw, blocks in written.values():
+        rest = [b for b in range(NB) if b not in blocks]
+        assert not raw[rest].any(), "a block decode does not hold changed"
     return held
 
 
@@ -199,10 +219,10 @@ def _check_bytes(d_ids, p_ids, d_caches, p_caches) -> int:
     (520, [200, 320]),
 ])
 def test_every_block_decode_holds_gets_prefills_bytes(engines, prompt, chunks) -> None:
-    *_, d_caches, p_caches = engines
+    *_, d_raw, p_raw = engines
     d_ids, p_ids, sends = _transfer(engines, f"v4-{prompt}-{len(chunks)}", prompt, chunks)
     assert sends[-1].final and not any(s.final for s in sends[:-1])
-    held = _check_bytes(d_ids, p_ids, d_caches, p_caches)
+    held = _check_bytes(d_ids, p_ids, d_raw, p_raw)
     # Decode holds the window's tail of each sliding group, every compressed block.
     assert [sum(b != 0 for b in ids) for ids in d_ids] == [
         *[-(-prompt // 64) - max(0, prompt - 127) // 64] * 4, -(-prompt // 256),

@@ -71,7 +71,11 @@ def dsv32_groups() -> list[KVCacheGroupSpec]:
 
 
 def dsv4_groups() -> list[KVCacheGroupSpec]:
-    """The tiny DeepSeek-V4's seven groups, from vLLM's own cache layers."""
+    """The tiny DeepSeek-V4's seven groups as vLLM 0.32 groups them on a real engine
+    (its log: group block sizes 64, 64, 64, 64, 256, 4, 8), each spec from vLLM's own
+    cache layer: a window cache per layer; the C4 indexer cache with the C4 and C128
+    compressed latents (``model.layers.N.attn``); the C4 compressor states of the
+    indexer and of the attention (window 8); the C128 compressor state (window 128)."""
     cfg = _cache_config("fp8_ds_mla")
     cc = cfg.cache_config
     with set_current_vllm_config(cfg):
@@ -83,18 +87,23 @@ def dsv4_groups() -> list[KVCacheGroupSpec]:
         indexer = DeepseekV4IndexerCache(
             head_dim=128, dtype=torch.uint8, prefix="model.layers.1.attn.indexer.k_cache",
             cache_config=cc, compress_ratio=4).get_kv_cache_spec(cfg)
-        c4_state, c128_state = (CompressorStateCache(
-            state_dim=512, dtype=torch.float32, compress_ratio=r,
-            prefix=f"model.layers.{i}.attn.compressor.state_cache").get_kv_cache_spec(cfg)
-            for i, r in ((1, 4), (2, 128)))
+        states = {name: CompressorStateCache(
+            state_dim=dim, dtype=torch.float32, compress_ratio=r,
+            prefix=name).get_kv_cache_spec(cfg) for name, dim, r in (
+                ("model.layers.1.attn.indexer.compressor.state_cache", 128, 4),
+                ("model.layers.1.attn.compressor.state_cache", 512, 4),
+                ("model.layers.2.attn.compressor.state_cache", 512, 128))}
     mixed = {"model.layers.1.attn.indexer.k_cache": indexer,
-             "model.layers.1.attn.mla_attn": _dsv4_compressed(4),
-             "model.layers.2.attn.mla_attn": _dsv4_compressed(128)}
+             "model.layers.1.attn": _dsv4_compressed(4),
+             "model.layers.2.attn": _dsv4_compressed(128)}
+    c4 = dict(list(states.items())[:2])
+    c128 = "model.layers.2.attn.compressor.state_cache"
     return [*windows,
             KVCacheGroupSpec(list(mixed), UniformTypeKVCacheSpecs(
                 block_size=BLOCK, kv_cache_specs=mixed)),
-            KVCacheGroupSpec(["model.layers.1.attn.compressor.state_cache"], c4_state),
-            KVCacheGroupSpec(["model.layers.2.attn.compressor.state_cache"], c128_state)]
+            KVCacheGroupSpec(list(c4), UniformTypeKVCacheSpecs(block_size=4,
+                                                               kv_cache_specs=c4)),
+            KVCacheGroupSpec([c128], states[c128])]
 
 
 def _fp8_ds_mla_engine(role: str) -> Any:
@@ -125,7 +134,7 @@ def test_deepseek_v4s_seven_groups_are_moved_each_by_its_own_rule(role) -> None:
     assert facts.hookless_groups == tuple(range(7)) and facts.state_groups == ()
     assert facts.compat.values["kv_groups"] == (
         "slidingw128/64x1,slidingw128/64x1,slidingw128/64x1,slidingw128/64x1,"
-        f"full/{BLOCK}x3,slidingw8/4x1,slidingw128/8x1")
+        f"full/{BLOCK}x3,slidingw8/4x2,slidingw128/8x1")
     assert facts.compat.values["kv_dtype"] == "fp8_ds_mla"
     assert facts.compat.values["state_tp"] == 1
     conn.shutdown()
