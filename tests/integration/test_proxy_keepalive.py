@@ -308,8 +308,14 @@ def test_engine_closing_a_reused_connection_costs_the_client_nothing(
     m = cluster.metrics()
     assert m[("rd2h_proxy_upstream_retries_total",
               (("leg", leg), ("reason", "stale_connection")))] == 3
-    reason = "connection_closed" if mode == "fin" else "connection_reset"
-    assert m[("rd2h_proxy_upstream_failures_total", (("leg", leg), ("reason", reason)))] == 3
+    failures = {r: m.get(("rd2h_proxy_upstream_failures_total", (("leg", leg), ("reason", r))),
+                         0) for r in ("connection_closed", "connection_reset")}
+    if mode == "rst":
+        assert failures == {"connection_closed": 0, "connection_reset": 3}, failures
+    else:
+        # A FIN reads as a close, unless the proxy's write reached the closed socket
+        # first and the kernel answered it with a reset (seen once on a loaded machine).
+        assert sum(failures.values()) == 3 and failures["connection_closed"] >= 1, failures
     ok = sum(v for (name, labels), v in m.items()
              if name == "rd2h_proxy_requests_total" and ("outcome", "ok") in labels)
     assert ok == 6

@@ -200,7 +200,9 @@ class DecodeRelay(Response):
         status = call.status = response.status_code
         if response.is_error:
             proxy.metrics.failure("decode", status_reason(status))
-            if status >= 500 and call.entry.prefill_failure is not None:
+            # vLLM's answer to a request it failed (its kv_load_failure_policy ``fail``)
+            # is a bare 500; any other status carries its own reason and passes as sent.
+            if status == 500 and call.entry.prefill_failure is not None:
                 await self._failed_after_prefill(send, status, chunks, first)
                 return
         content_type = response.headers.get("content-type", "application/json")
