@@ -52,6 +52,7 @@ from vllm.v1.core.kv_cache_manager import KVCacheManager
 from vllm.v1.core.sched.output import NewRequestData
 from vllm.v1.core.single_type_kv_cache_manager import register_all_kvcache_specs
 from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
+from vllm.v1.outputs import KVConnectorOutput
 
 from rd2h.entry.connector import SfaRemoteD2HConnector
 
@@ -153,8 +154,6 @@ def _transfer(engines, rid: str, prompt: int, chunks: list[int]) -> tuple:
     assert new is not None
     d_sched.update_state_after_alloc(dreq, d_mgr.get_blocks(dreq.request_id), prompt)
     d_work.bind_connector_metadata(d_sched.build_connector_meta(scheduler_output()))
-    from vllm.v1.outputs import KVConnectorOutput
-
     d_sched.update_connector_output(KVConnectorOutput(
         kv_connector_worker_meta=d_work.build_connector_worker_meta()))
     post = base.RecordingMetaserver.made[0].posts[-1][2]
