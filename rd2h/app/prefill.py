@@ -261,6 +261,7 @@ class PrefillSender(LoopThread):
                 outs += self._session.connection_lost(endpoint, now)
             for endpoint in back:
                 self._session.connection_restored(endpoint)
+                self._log.info("decode endpoint reconnected", endpoint=endpoint)
             outs += self._session.tick(now)
             self._note(outs)
         self._execute(outs)

@@ -46,6 +46,8 @@ class EndpointSpec:
     seed: int
     timeout_s: float
     log_path: str
+    mooncake_protocol: str = "tcp"
+    mooncake_device: str = ""
 
 
 def pattern(size: int, seed: int) -> np.ndarray:
@@ -98,6 +100,8 @@ def make_engine(spec: EndpointSpec, role: str) -> TransferEngine:
         memfabric_transfer_type=spec.transfer_type,  # type: ignore[arg-type]
         memfabric_nic=spec.nic,
         memfabric_device_id=spec.prefill_device if role == "prefill" else spec.decode_device,
+        mooncake_protocol=spec.mooncake_protocol,  # type: ignore[arg-type]
+        mooncake_device=spec.mooncake_device,
     )
     return build_container(settings).transport()
 
@@ -151,7 +155,8 @@ def store_main(conn: Connection, spec: EndpointSpec) -> None:
 
 
 def prefill_main(conn: Connection, spec: EndpointSpec) -> None:
-    """Process: expose a patterned buffer and report (session, address) until told to exit."""
+    """Process: expose a patterned buffer and report (session, address) until told to exit
+    (or ``spec.timeout_s`` passed)."""
     redirect_output(spec.log_path)
     phase = "start"
     engine: Any = None

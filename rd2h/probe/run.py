@@ -27,7 +27,8 @@ from typing import Any
 from rd2h.domain.addresses import TRANSFER_TYPE_NAMES, parse_ipv4, parse_store_url
 from rd2h.probe.endpoints import EndpointSpec, decode_main, prefill_main, store_main
 
-TRANSPORTS = ("memfabric", "cma")
+TRANSPORTS = ("memfabric", "cma", "mooncake")
+MOONCAKE_PROTOCOLS = ("tcp", "rdma")
 MAX_BYTES = 64 << 30
 MAX_DESCRIPTORS = 1 << 20
 DEFAULT_BLOCK = 1 << 20
@@ -56,6 +57,14 @@ class ProbeConfig:
     iterations: int = 5
     timeout_s: float = 60.0
     log_file: str | None = None
+    # Mooncake across two hosts: ``serve`` exposes the Prefill buffer here; ``peer`` (with
+    # ``remote`` and ``seed``, the ticket the serving side prints) reads it from there.
+    mooncake_protocol: str = "tcp"
+    mooncake_device: str = ""
+    serve: bool = False
+    peer: str | None = None
+    remote: int | None = None
+    seed: int | None = None
 
     @property
     def block_bytes(self) -> int:
@@ -89,6 +98,22 @@ class ProbeConfig:
             raise ValueError(f"--iterations must be in [1, 1000], got {self.iterations}")
         if not self.timeout_s > 0:
             raise ValueError(f"--timeout must be > 0, got {self.timeout_s}")
+        if self.mooncake_protocol not in MOONCAKE_PROTOCOLS:
+            raise ValueError(f"--protocol must be one of {list(MOONCAKE_PROTOCOLS)}")
+        ticket = (self.peer, self.remote, self.seed)
+        if self.serve and any(x is not None for x in ticket):
+            raise ValueError("--serve exposes a buffer; --peer, --remote and --seed read one: "
+                             "give one side's flags only")
+        if any(x is not None for x in ticket) and None in ticket:
+            raise ValueError("--peer, --remote and --seed go together (the command the "
+                             "serving side printed)")
+        if (self.serve or self.peer is not None) and self.transport != "mooncake":
+            raise ValueError("--serve and --peer are for two hosts: transport mooncake only")
+        if self.peer is not None:
+            host, _, port = self.peer.rpartition(":")
+            if not host or not port.isdigit():
+                raise ValueError(f"--peer must be HOST:PORT (the Prefill session), got "
+                                 f"{self.peer!r}")
 
 
 @dataclass
@@ -163,7 +188,7 @@ class _Child:
 def _explain(child: _Child, message: tuple[Any, ...], spec: EndpointSpec) -> ProbeFailure:
     """Turn a child's ``("error", phase, text)`` into the probe's sentence."""
     _, phase, text = message
-    engine = "MemFabric" if spec.transport == "memfabric" else "cma"
+    engine = {"memfabric": "MemFabric", "mooncake": "Mooncake"}.get(spec.transport, "cma")
     if phase == "store":
         return ProbeFailure(f"the MemFabric config store at {spec.store_url} could not start: "
                             f"{text}")
@@ -188,8 +213,31 @@ def _expect(child: _Child, spec: EndpointSpec, deadline: float, kind: str,
     return message
 
 
-def run_probe(cfg: ProbeConfig, log_path: str) -> ProbeResult:
-    """Run the endpoints; ``ProbeFailure`` with one sentence if anything goes wrong."""
+def _serve(prefill: _Child, spec: EndpointSpec, cfg: ProbeConfig, session: str,
+           address: int, deadline: float, announce: Any) -> None:
+    """Keep the Prefill buffer exposed until the deadline (or an interrupt), after telling
+    the operator the command that reads it on the Decode host."""
+    announce(
+        f"rd2h probe: serving {cfg.size} bytes at {session} over Mooncake "
+        f"{cfg.mooncake_protocol} for {cfg.timeout_s:g} s (Ctrl-C stops); on the Decode "
+        f"host run:\n  rd2h probe mooncake --host DECODE_HOST_ADDRESS --peer {session} "
+        f"--remote {address} --seed {spec.seed} --bytes {cfg.size}"
+        + (f" --protocol {cfg.mooncake_protocol}" if cfg.mooncake_protocol != "tcp" else "")
+    )
+    while (left := deadline - time.monotonic()) > 0:
+        if not prefill.proc.is_alive():
+            raise ProbeFailure(f"the {prefill.name} exited (code {prefill.proc.exitcode}) "
+                               "while serving")
+        if prefill.conn.poll(min(left, 0.5)):
+            message = tuple(prefill.conn.recv())
+            if message[0] == "error":
+                raise _explain(prefill, message, spec)
+
+
+def run_probe(cfg: ProbeConfig, log_path: str, announce: Any = print) -> ProbeResult | None:
+    """Run the endpoints; ``ProbeFailure`` with one sentence if anything goes wrong.
+    With ``cfg.serve`` it only exposes the Prefill buffer (``announce`` gets the command
+    to run on the Decode host) until ``cfg.timeout_s`` passed, and returns None."""
     cfg.validate()
     deadline = time.monotonic() + cfg.timeout_s
     store_url = cfg.store_url or ""
@@ -203,8 +251,10 @@ def run_probe(cfg: ProbeConfig, log_path: str) -> ProbeResult:
         transport=cfg.transport, host=cfg.host, store_url=store_url,
         transfer_type=cfg.transfer_type, nic=cfg.nic, prefill_device=cfg.prefill_device,
         decode_device=cfg.decode_device, size=cfg.size, block=cfg.block_bytes,
-        iterations=cfg.iterations, seed=secrets.randbits(32), timeout_s=cfg.timeout_s,
-        log_path=log_path,
+        iterations=cfg.iterations,
+        seed=cfg.seed if cfg.seed is not None else secrets.randbits(32),
+        timeout_s=cfg.timeout_s, log_path=log_path, mooncake_protocol=cfg.mooncake_protocol,
+        mooncake_device=cfg.mooncake_device,
     )
     ctx = mp.get_context("spawn")
     children: list[_Child] = []
@@ -216,10 +266,16 @@ def run_probe(cfg: ProbeConfig, log_path: str) -> ProbeResult:
         where = (f" (device {cfg.prefill_device})", f" (device {cfg.decode_device})")
         if cfg.transport != "memfabric":
             where = ("", "")
-        prefill = _Child(ctx, f"Prefill endpoint{where[0]}", prefill_main, spec)
-        children.append(prefill)
-        _, p_session, address = _expect(prefill, spec, deadline, "ready",
-                                        "expose its buffer")
+        if cfg.peer is not None:  # the Prefill buffer is on another host
+            p_session, address = cfg.peer, int(cfg.remote or 0)
+        else:
+            prefill = _Child(ctx, f"Prefill endpoint{where[0]}", prefill_main, spec)
+            children.append(prefill)
+            _, p_session, address = _expect(prefill, spec, deadline, "ready",
+                                            "expose its buffer")
+        if cfg.serve:
+            _serve(prefill, spec, cfg, p_session, address, deadline, announce)
+            return None
         decode = _Child(ctx, f"Decode endpoint{where[1]}", decode_main, spec, p_session,
                         address)
         children.append(decode)
@@ -237,13 +293,16 @@ def run_probe(cfg: ProbeConfig, log_path: str) -> ProbeResult:
         prefill_session=p_session, decode_session=report["session"],
         prefill_device=cfg.prefill_device if memfabric else None,
         decode_device=cfg.decode_device if memfabric else None,
-        transfer_type=cfg.transfer_type if memfabric else None,
+        transfer_type=(cfg.transfer_type if memfabric else cfg.mooncake_protocol
+                       if cfg.transport == "mooncake" else None),
         store_url=store_url or None,
     )
 
 
 def summary_text(res: ProbeResult) -> str:
     over = res.transport
+    if res.transport == "mooncake":
+        over = f"Mooncake {res.transfer_type}"
     if res.transport == "memfabric":
         over = f"MemFabric {res.transfer_type} (store {res.store_url})"
     devices = ""

@@ -121,6 +121,47 @@ def test_bad_flags_exit_2_with_one_line(
     assert captured.err.count("\n") == 1
 
 
+@pytest.mark.parametrize(
+    "argv, needle",
+    [
+        (["--serve", "--peer", "10.0.0.2:15000"], "give one side's flags only"),
+        (["--peer", "10.0.0.2:15000", "--remote", "4096"], "go together"),
+        (["--peer", "10.0.0.2", "--remote", "4096", "--seed", "1"], "--peer must be HOST:PORT"),
+        (["--protocol", "carrier-pigeon"], "invalid choice"),
+    ],
+)
+def test_mooncake_probe_flags_are_checked(
+    capsys: pytest.CaptureFixture[str], argv: list[str], needle: str
+) -> None:
+    with pytest.raises(SystemExit) if needle == "invalid choice" else _no_raise():
+        assert main(["probe", "mooncake", *argv]) == 2
+    captured = capsys.readouterr()
+    assert needle in captured.err
+
+
+def test_serving_and_reading_are_for_mooncake_only() -> None:
+    with pytest.raises(ValueError, match="transport mooncake only"):
+        ProbeConfig(transport="cma", serve=True).validate()
+    ProbeConfig(transport="mooncake", serve=True).validate()
+    ProbeConfig(transport="mooncake", peer="10.0.0.2:15000", remote=4096, seed=7).validate()
+
+
+def test_mooncake_help_says_how_to_probe_two_hosts(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        build_parser().parse_args(["probe", "mooncake", "--help"])
+    assert info.value.code == 0
+    out = capsys.readouterr().out
+    for needle in ["--serve", "--peer", "--remote", "--seed", "Decode host", "Prefill host",
+                   "600", "verified"]:
+        assert needle in out
+
+
+def _no_raise():
+    import contextlib
+
+    return contextlib.nullcontext()
+
+
 def test_summary_reports_devices_and_bandwidth() -> None:
     res = ProbeResult(
         transport="memfabric", bytes=1 << 26, descriptors=64, iterations=5, best_gbps=21.5,

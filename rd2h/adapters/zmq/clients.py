@@ -10,6 +10,7 @@ import zmq
 
 from rd2h.adapters.zmq.curve import CurveClientKeys, apply_client_keys, require_curve
 from rd2h.adapters.zmq.sockets import (
+    CONNECT_TIMEOUT_S,
     DEFAULT_HEARTBEAT_IVL_S,
     DEFAULT_HEARTBEAT_TIMEOUT_S,
     DEFAULT_RECV_HWM,
@@ -62,6 +63,7 @@ class ZmqControlClients:
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.IMMEDIATE, 1)
+        sock.setsockopt(zmq.CONNECT_TIMEOUT, int(CONNECT_TIMEOUT_S * 1000))
         sock.setsockopt(zmq.RCVHWM, 0)  # see the module docstring; ``poll`` bounds a take
         if self._curve is not None:
             apply_client_keys(sock, self._curve)

