@@ -1,4 +1,4 @@
-"""Benchmark of the vectorised read planner ``rd2h.domain.planning.plan_reads``.
+"""Benchmark of the vectorised read planner ``rd2h.domain.planning.planning.plan_reads``.
 
 Plans one DeepSeek-V3.2-like layer (spec 13: 128-token blocks; main K 128 KiB,
 main V 16 KiB, indexer 16 KiB and LIC8 scale 512 B per block; the Ascend layout
@@ -35,10 +35,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from rd2h.domain.layout import DestinationLayout, DestTensor, SourceLayout, TensorComponent
-from rd2h.domain.planning import Destination, ReadPlan, plan_reads
-from rd2h.domain.protocol import ReadReadyBatch, ReadRequest
-from rd2h.domain.topology import compute_mapping
+from rd2h.domain.planning.layout import DestinationLayout, DestTensor, SourceLayout, TensorComponent
+from rd2h.domain.planning.planning import Destination, ReadPlan, plan_reads
+from rd2h.domain.planning.topology import compute_mapping
+from rd2h.domain.wire.protocol import ReadReadyBatch, ReadRequest
 
 # Spec 13 reference shapes (DeepSeek-V3.2-like), bytes per 128-token block.
 BLOCK_TOKENS = 128
@@ -476,7 +476,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(
             json.dumps(
                 {
-                    "benchmark": "rd2h.domain.planning.plan_reads",
+                    "benchmark": "rd2h.domain.planning.planning.plan_reads",
                     "requests": args.requests,
                     "blocks_per_request": args.blocks,
                     "repeat": args.repeat,

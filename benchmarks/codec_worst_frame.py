@@ -36,7 +36,7 @@ import msgpack
 from rd2h.adapters.msgpack import codec as codec_module
 from rd2h.adapters.msgpack.codec import MsgpackCodec
 from rd2h.domain.errors import ProtocolError
-from rd2h.domain.protocol import (
+from rd2h.domain.wire.protocol import (
     LayerMetadata,
     MfMeta,
     ReadReadyBatch,

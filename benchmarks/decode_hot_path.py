@@ -62,12 +62,12 @@ from rd2h.adapters.zmq.channel import ZmqControlClients, ZmqControlServer
 from rd2h.app.clock import MonotonicClock
 from rd2h.app.decode import DecodeReceiver
 from rd2h.app.prefill import LayerTarget, PrefillSender
-from rd2h.domain.announce import group_batches
-from rd2h.domain.decode_session import DecodeSession, Read
-from rd2h.domain.layout import DestinationLayout, DestTensor, SourceLayout, TensorComponent
-from rd2h.domain.planning import Destination, plan_reads
-from rd2h.domain.protocol import MfMeta, ReadReadyBatch, ReadRequest
-from rd2h.domain.topology import compute_mapping
+from rd2h.domain.decode.decode_session import DecodeSession, Read
+from rd2h.domain.planning.layout import DestinationLayout, DestTensor, SourceLayout, TensorComponent
+from rd2h.domain.planning.planning import Destination, plan_reads
+from rd2h.domain.planning.topology import compute_mapping
+from rd2h.domain.prefill.announce import group_batches
+from rd2h.domain.wire.protocol import MfMeta, ReadReadyBatch, ReadRequest
 
 P_TP, D_TP = 4, 2
 LAYERS, CHUNKS, REQUESTS, PROMPT_TOKENS, BLOCK = 8, 2, 8, 8000, 128

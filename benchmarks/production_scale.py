@@ -103,7 +103,12 @@ def ext_id(r: int) -> str:
 
 
 def _layouts(case: Case, pool: int) -> tuple[dict[int, Any], dict[str, Any]]:
-    from rd2h.domain.layout import DestinationLayout, DestTensor, SourceLayout, TensorComponent
+    from rd2h.domain.planning.layout import (
+        DestinationLayout,
+        DestTensor,
+        SourceLayout,
+        TensorComponent,
+    )
     comps = list(BPB)
     src, dst = {}, {}
     for layer in range(case.layers):
@@ -159,8 +164,8 @@ def workload(case: Case, seed: int = 0) -> Workload:
 def announcements(w: Workload, member: int, instance: int) -> list[tuple[int, Any]]:
     """``(layer, ReadReadyBatch)`` one contributor of one Prefill instance sends to Decode
     rank 0, in order: its requests back to back, chunk by chunk, layer by layer."""
-    from rd2h.domain.announce import LayerTarget, group_batches
-    from rd2h.domain.protocol import ReadRequest
+    from rd2h.domain.prefill.announce import LayerTarget, group_batches
+    from rd2h.domain.wire.protocol import ReadRequest
     out = []
     case = w.case
     for k in range(case.per_instance):
@@ -256,7 +261,7 @@ def _feeder(endpoint: str, case: Case, conn: Any) -> None:
     import zmq
 
     from rd2h.adapters.msgpack import MsgpackCodec
-    from rd2h.domain.protocol import MfMeta
+    from rd2h.domain.wire.protocol import MfMeta
     w = workload(case)
     src, _ = _layouts(case, w.pool)
     meta_map = {lay.layer_name: lay.to_metadata() for lay in src.values()}
@@ -364,8 +369,8 @@ def prefill_side(case: Case) -> dict[str, Any]:
     from rd2h.adapters.zmq.channel import ZmqControlClients
     from rd2h.app.clock import MonotonicClock
     from rd2h.app.prefill import PrefillSender
-    from rd2h.domain.announce import LayerTarget
-    from rd2h.domain.protocol import ReadRequest
+    from rd2h.domain.prefill.announce import LayerTarget
+    from rd2h.domain.wire.protocol import ReadRequest
     configure_logging("ERROR")
     one = Case(case.name, case.prompt, case.chunk, 1, case.per_instance, case.layers)
     w = workload(one)

@@ -113,8 +113,8 @@ def configuration() -> str:
 def metrics() -> str:
     from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-    from rd2h.adapters.http.proxy_metrics import ProxyMetrics
     from rd2h.adapters.vllm import prom
+    from rd2h.proxy.metrics import ProxyMetrics
 
     engine = CollectorRegistry()
     labels = list(prom.VLLM_ENGINE_LABELS)  # what vLLM gives (checked on a real engine)

@@ -1,4 +1,4 @@
-"""Block digests for ``verify_kv`` (``rd2h.domain.digests``): XXH3-64 (the ``xxhash``
+"""Block digests for ``verify_kv`` (``rd2h.domain.wire.digests``): XXH3-64 (the ``xxhash``
 library) of bytes at addresses of this process, read in place (no copy)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from collections.abc import Iterable
 
 import xxhash
 
-from rd2h.domain.digests import DIGEST_MASK
+from rd2h.domain.wire.digests import DIGEST_MASK
 
 
 def digest_blocks(addrs: Iterable[int], sizes: Iterable[int]) -> list[int]:

@@ -3,7 +3,7 @@
 The loop receives frames, decodes them, feeds them to the session with the
 time, and performs what the session asks: acknowledge MF_META, reply, or run
 one batched read (outside the lock, so the engine side can admit and step
-meanwhile). Every rule lives in the session (``rd2h.domain.decode_session``).
+meanwhile). Every rule lives in the session (``rd2h.domain.decode.decode_session``).
 Per READ_READY_BATCH exactly one READ_DONE or READ_FAILED goes back, also when
 this rank owns none of the blocks; a malformed or hostile message never stops
 the loop. The loop has no poll interval: it sleeps until the session's next deadline
@@ -21,8 +21,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from rd2h.app.loop import LoopThread
 from rd2h.app.read_checks import ReadChecks
 from rd2h.app.telemetry import DecodeStats, add_sample, report_decode
-from rd2h.domain.compat import Compat
-from rd2h.domain.decode_session import (
+from rd2h.domain.decode.decode_session import (
     DEFAULT_MAX_PEERS,
     DecodeSession,
     Expired,
@@ -34,12 +33,13 @@ from rd2h.domain.decode_session import (
     SendAck,
     SendRefusal,
 )
+from rd2h.domain.decode.orphans import DEFAULT_ORPHANS_PER_PEER, DEFAULT_ORPHANS_TOTAL
+from rd2h.domain.decode.request_book import StepOutcome
 from rd2h.domain.errors import ProtocolError, TransferError
-from rd2h.domain.layout import DestinationLayout
-from rd2h.domain.orphans import DEFAULT_ORPHANS_PER_PEER, DEFAULT_ORPHANS_TOTAL
-from rd2h.domain.planning import ReadPlan
-from rd2h.domain.protocol import ReadReadyBatch
-from rd2h.domain.request_book import StepOutcome
+from rd2h.domain.planning.layout import DestinationLayout
+from rd2h.domain.planning.planning import ReadPlan
+from rd2h.domain.wire.compat import Compat
+from rd2h.domain.wire.protocol import ReadReadyBatch
 from rd2h.ports import runtime as rt
 from rd2h.ports.codec import WireCodec
 from rd2h.ports.control import ControlServer

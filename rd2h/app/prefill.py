@@ -6,7 +6,7 @@ layer's storage is written again. The sender thread owns the sockets: it feeds
 the session the replies, lost connections, finished device events and the time,
 and performs what the session asks (connect, send MF_META or a
 READ_READY_BATCH, disconnect). Every rule and deadline lives in the session
-(``rd2h.domain.prefill_session``). Sends never block the loop: a frame that
+(``rd2h.domain.prefill.prefill_session``). Sends never block the loop: a frame that
 cannot go yet waits in an outbox until it goes or its deadline ends the entry.
 The loop has no poll interval: it sleeps until the session's next deadline or the next
 input (a reply, a lost connection, a connection that can take a frame of the outbox
@@ -30,14 +30,13 @@ from rd2h.app.loop import LoopThread
 from rd2h.app.prefill_device import DeviceEventWaiter
 from rd2h.app.prefill_requests import SessionRequestsView
 from rd2h.app.telemetry import SenderStats, report_prefill
-from rd2h.domain.announce import LayerTarget, group_batches
-from rd2h.domain.compat import Compat, compat_of
 from rd2h.domain.errors import LayerSendError, ProtocolError
-from rd2h.domain.layout import SourceLayout
-from rd2h.domain.prefill_events import Connect, Disconnect, Output, SendBatch, SendMeta
-from rd2h.domain.prefill_requests import Named
-from rd2h.domain.prefill_session import PrefillSession, PrefillTimeouts
-from rd2h.domain.protocol import MfMeta, ReadDone, ReadFailed, ReadReadyBatch
+from rd2h.domain.planning.layout import SourceLayout
+from rd2h.domain.prefill.announce import LayerTarget, group_batches
+from rd2h.domain.prefill.prefill_events import Connect, Disconnect, Output, SendBatch, SendMeta
+from rd2h.domain.prefill.prefill_session import Named, PrefillSession, PrefillTimeouts
+from rd2h.domain.wire.compat import Compat, compat_of
+from rd2h.domain.wire.protocol import MfMeta, ReadDone, ReadFailed, ReadReadyBatch
 from rd2h.ports.codec import WireCodec
 from rd2h.ports.control import ControlClients
 from rd2h.ports.runtime import Clock, DeviceEvent, Logger

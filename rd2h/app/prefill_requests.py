@@ -6,8 +6,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterable
 
-from rd2h.domain.prefill_requests import RequestNews
-from rd2h.domain.prefill_session import PrefillSession
+from rd2h.domain.prefill.prefill_session import PrefillSession, RequestNews
 from rd2h.ports.runtime import Clock
 
 

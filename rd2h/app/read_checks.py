@@ -7,9 +7,9 @@ import time
 from collections.abc import Callable
 
 from rd2h.app.telemetry import DecodeStats
-from rd2h.domain.decode_session import Read
-from rd2h.domain.digests import BlockChecks
-from rd2h.domain.wire_values import clip, few
+from rd2h.domain.decode.decode_session import Read
+from rd2h.domain.wire.digests import BlockChecks
+from rd2h.domain.wire.wire_values import clip, few
 from rd2h.ports import runtime as rt
 
 

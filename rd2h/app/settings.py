@@ -5,7 +5,7 @@ of vLLM's ``kv_connector_extra_config`` (``Rd2hOptions.parse``), where secrets a
 named by file or environment variable, never written inline (``rd2h.app.secrets``). ``Rd2hSettings``
 is one endpoint: the same options plus where the rank sits (role, ports, TP
 rank), which the vLLM adapter, the demo and the probe fill in. Every entrypoint
-builds its objects from an ``Rd2hSettings`` through ``rd2h.app.container``.
+builds its objects from an ``Rd2hSettings`` through ``rd2h.bootstrap.container``.
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
 
 from rd2h.app.secrets import SecretSourceError, read_secret
-from rd2h.domain.addresses import TransferTypeName, parse_ipv4, parse_store_url
 from rd2h.domain.errors import Rd2hError, TopologyError
-from rd2h.domain.topology import MAX_PORT, plan_ports
+from rd2h.domain.planning.topology import MAX_PORT, plan_ports
+from rd2h.domain.wire.addresses import TransferTypeName, parse_ipv4, parse_store_url
 
 Transport = Literal["cma", "inproc", "memfabric", "mooncake"]
 Role = Literal["prefill", "decode"]

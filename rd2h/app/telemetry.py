@@ -6,9 +6,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from rd2h.domain import decode_session as d
-from rd2h.domain import prefill_events as p
-from rd2h.domain.wire_values import clip, few
+from rd2h.domain.decode import decode_session as d
+from rd2h.domain.prefill import prefill_events as p
+from rd2h.domain.wire.wire_values import clip, few
 from rd2h.ports.runtime import Logger
 
 # Latency samples kept between reads of the stats: beyond this the oldest half goes,

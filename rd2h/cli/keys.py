@@ -40,7 +40,7 @@ def add_keys_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from rd2h.app.gateways import curve_keypair
+    from rd2h.bootstrap.gateways import curve_keypair
 
     public, secret = curve_keypair()
     if args.secret_file is not None:

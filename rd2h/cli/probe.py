@@ -12,7 +12,7 @@ import tempfile
 from dataclasses import asdict
 from typing import Any
 
-from rd2h.domain.addresses import TRANSFER_TYPE_NAMES
+from rd2h.domain.wire.addresses import TRANSFER_TYPE_NAMES
 from rd2h.probe.run import (
     MOONCAKE_PROTOCOLS,
     TRANSPORTS,

@@ -124,7 +124,7 @@ def _non_negative(text: str) -> float:
 
 
 def _policies() -> list:
-    from rd2h.domain.routing import Policy
+    from rd2h.proxy.routing import Policy
 
     return list(Policy)
 
@@ -259,7 +259,7 @@ def admin_token(token: str | None, token_file: str | None, *, flag: str = "--adm
 
 
 def _run_proxy(args: argparse.Namespace) -> int:
-    from rd2h.app.gateways import proxy_config, serve_proxy
+    from rd2h.bootstrap.gateways import proxy_config, serve_proxy
 
     public_url = args.public_url or default_public_url(args.host, args.port)
     try:

@@ -10,9 +10,9 @@ import numpy as np
 from rd2h.app.settings import MIN_SECRET_CHARS, Deadlines
 from rd2h.demo.faults import Fault, check_faults
 from rd2h.demo.synthetic import Allocation, Shapes, block_pattern
-from rd2h.domain.chunks import chunk_block_range
-from rd2h.domain.compat import Compat, compat_of
-from rd2h.domain.topology import check_topology
+from rd2h.domain.planning.chunks import chunk_block_range
+from rd2h.domain.planning.topology import check_topology
+from rd2h.domain.wire.compat import Compat, compat_of
 
 ENGINE_SUFFIX = "-e0000001"  # vLLM appends 9 characters to request ids
 SENTINEL = 0xEE  # destination bytes before any pull

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from rd2h.app.container import build_container
+from rd2h.bootstrap.container import build_container
 from rd2h.demo.config import (
     SENTINEL,
     STEP_INTERVAL_S,
@@ -33,7 +33,7 @@ from rd2h.demo.faults import decode_server, decode_transfer
 from rd2h.demo.memory import enter_netns, killed, process_cpu, rank_settings
 from rd2h.demo.signals import Signals
 from rd2h.demo.synthetic import Allocation, block_pattern
-from rd2h.domain.layout import DestinationLayout, DestTensor
+from rd2h.domain.planning.layout import DestinationLayout, DestTensor
 
 
 def decode_main(cfg: DemoConfig, d_rank: int, base_port: int, dist_port: int, shm_name: str,

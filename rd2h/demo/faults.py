@@ -39,7 +39,7 @@ from typing import Literal
 import numpy as np
 
 from rd2h.domain.errors import ProtocolError, TransferError
-from rd2h.domain.protocol import ReadDone, ReadFailed, ReadReadyBatch
+from rd2h.domain.wire.protocol import ReadDone, ReadFailed, ReadReadyBatch
 from rd2h.ports.codec import WireCodec
 from rd2h.ports.control import ControlServer
 from rd2h.ports.transfer import TransferEngine

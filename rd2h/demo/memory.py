@@ -9,13 +9,13 @@ from typing import Any
 
 import numpy as np
 
-from rd2h.app.container import build_container
-from rd2h.app.gateways import network_namespaces
 from rd2h.app.settings import Rd2hSettings
+from rd2h.bootstrap.container import build_container
+from rd2h.bootstrap.gateways import network_namespaces
 from rd2h.demo.config import DemoConfig, layer_name
 from rd2h.demo.faults import KILLED_EXIT_CODE
 from rd2h.demo.synthetic import Allocation
-from rd2h.domain.layout import SourceLayout, TensorComponent
+from rd2h.domain.planning.layout import SourceLayout, TensorComponent
 
 
 def enter_netns(name: str) -> None:

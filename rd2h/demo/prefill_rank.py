@@ -23,12 +23,12 @@ from rd2h.demo.faults import prefill_kill_layer
 from rd2h.demo.memory import enter_netns, killed, prefill_memory, prefill_report, process_cpu
 from rd2h.demo.signals import Signals
 from rd2h.demo.synthetic import Allocation, block_pattern
-from rd2h.domain.chunks import external_request_id
-from rd2h.domain.digests import source_spans
 from rd2h.domain.errors import LayerSendError
-from rd2h.domain.layout import SourceLayout
-from rd2h.domain.protocol import ReadRequest
-from rd2h.domain.topology import compute_mapping, remote_port, tcp_endpoint
+from rd2h.domain.planning.chunks import external_request_id
+from rd2h.domain.planning.layout import SourceLayout
+from rd2h.domain.planning.topology import compute_mapping, remote_port, tcp_endpoint
+from rd2h.domain.wire.digests import source_spans
+from rd2h.domain.wire.protocol import ReadRequest
 from rd2h.ports.runtime import Digest
 
 

@@ -34,7 +34,7 @@ from rd2h.demo.memory import killed, prefill_memory, prefill_report
 from rd2h.demo.signals import Signals
 from rd2h.demo.synthetic import Allocation, block_pattern
 from rd2h.domain.errors import LayerSendError
-from rd2h.domain.topology import compute_mapping, remote_port, tcp_endpoint
+from rd2h.domain.planning.topology import compute_mapping, remote_port, tcp_endpoint
 
 ENGINE_ID = "demo-decode"
 

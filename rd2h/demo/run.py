@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from rd2h.app.gateways import network_namespaces
+from rd2h.bootstrap.gateways import network_namespaces
 from rd2h.demo.config import SENTINEL, DemoConfig, internal_id, main_pool_bytes, round_order
 from rd2h.demo.decode_rank import decode_main
 from rd2h.demo.faults import KILLED_EXIT_CODE, may_die
@@ -98,7 +98,7 @@ def run_demo(cfg: DemoConfig, *, progress: bool = True) -> DemoResult:
 
 
 # Imported once by the fork server; every rank process is forked from it ready to run.
-_PRELOAD = ["rd2h.demo.prefill_rank", "rd2h.demo.decode_rank", "rd2h.app.container",
+_PRELOAD = ["rd2h.demo.prefill_rank", "rd2h.demo.decode_rank", "rd2h.bootstrap.container",
             "rd2h.adapters.cma", "rd2h.adapters.torch.exchange", "torch.distributed"]
 
 

@@ -5,7 +5,7 @@ Decode or Prefill scheduler on the scheduler, a worker once the caches are
 registered, a role with nothing to do before that. Every hook translates vLLM's
 objects into plain values (``rd2h.entry.translate``) and forwards them.
 vLLM instantiates this class itself, so it is the one adapter that reaches the
-composition root (``rd2h.app.container``).
+composition root (``rd2h.bootstrap.container``).
 """
 
 from __future__ import annotations
@@ -24,10 +24,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from rd2h.adapters.vllm.caches import VllmCacheDestinations, source_layouts
 from rd2h.adapters.vllm.stats import Rd2hConnectorStats, delta
-from rd2h.app.assembly import build_decode_worker, build_prefill_worker, build_scheduler_role
 from rd2h.app.connector.plans import StepPlan
 from rd2h.app.connector.roles import ConnectorRole
 from rd2h.app.settings import ConnectorConfigError
+from rd2h.bootstrap.roles import build_decode_worker, build_prefill_worker, build_scheduler_role
 from rd2h.entry import translate
 
 if TYPE_CHECKING:
@@ -100,7 +100,8 @@ class SfaRemoteD2HConnector(KVConnectorBase_V1, SupportsHMA):
 
     def on_new_request(self, request: Request) -> None:
         """Prefill of a model with recurrent state: computes the prompt but its last
-        token(s), which Decode computes itself (the N-1 scheme, ``rd2h.domain.kv_groups``)."""
+        token(s), which Decode computes itself (the N-1 scheme,
+        ``rd2h.domain.planning.kv_groups``)."""
         count = self._role.prompt_backoff(translate.request(request))
         if count:
             translate.drop_prompt_tail(request, count)

@@ -10,8 +10,7 @@ from typing import Any
 from rd2h.app.connector.facts import EngineFacts
 from rd2h.app.connector.roles import BlockIds, RequestFacts, ScheduledRequest
 from rd2h.app.settings import ConnectorConfigError, Rd2hOptions
-from rd2h.domain.compat import Compat, compat_of
-from rd2h.domain.kv_groups import (
+from rd2h.domain.planning.kv_groups import (
     FULL,
     NO_BLOCK,
     SLIDING,
@@ -21,6 +20,7 @@ from rd2h.domain.kv_groups import (
     check_groups,
     groups_summary,
 )
+from rd2h.domain.wire.compat import Compat, compat_of
 
 # vLLM's KV cache spec types by the kind rd2h gives them (exact type names: a subclass
 # vLLM adds later, e.g. a full-attention variant with sink tokens or a gap in its

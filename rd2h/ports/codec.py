@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections.abc import Hashable
 from typing import Protocol
 
-from rd2h.domain.compat import MetaRefused
-from rd2h.domain.protocol import Message
+from rd2h.domain.wire.compat import MetaRefused
+from rd2h.domain.wire.protocol import Message
 
 
 class WireCodec(Protocol):

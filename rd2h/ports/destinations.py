@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Literal, Protocol
 
-from rd2h.domain.layout import DestinationLayout
+from rd2h.domain.planning.layout import DestinationLayout
 
 MainSharing = Literal["rank_local", "shared_pool"]
 

@@ -16,7 +16,7 @@ class Clock(Protocol):
 class Digest(Protocol):
     def __call__(self, addrs: Sequence[int], sizes: Sequence[int]) -> list[int]:
         """``verify_kv``: the digest of ``sizes[i]`` bytes at ``addrs[i]`` of this process
-        (``rd2h.domain.digests``)."""
+        (``rd2h.domain.wire.digests``)."""
         ...
 
 
@@ -98,6 +98,21 @@ class Timeline(Protocol):
     def stamp_bytes(self, request_id: str, hop: HopName, nbytes: int) -> None:
         """Record that ``nbytes`` of ``request_id`` passed ``hop`` now (a hop that a
         request passes many times, each with its bytes: one layer's read)."""
+
+
+class SilentLogger:
+    """A logger that drops everything (a service built without the composition root)."""
+
+    def bind(self, **context: Any) -> SilentLogger:
+        return self
+
+    def debug(self, event: str, **kw: Any) -> None:
+        return None
+
+    info = warning = error = debug
+
+
+SILENT_LOGGER = SilentLogger()
 
 
 class NoTimeline:

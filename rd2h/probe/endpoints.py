@@ -90,8 +90,8 @@ def first_difference(got: np.ndarray, expected: np.ndarray) -> str | None:
 def make_engine(spec: EndpointSpec, role: str) -> TransferEngine:
     """The transfer engine of one endpoint (``role`` is 'prefill' or 'decode'), built by
     the composition root like any rank's."""
-    from rd2h.app.container import build_container
     from rd2h.app.settings import Rd2hSettings
+    from rd2h.bootstrap.container import build_container
 
     memfabric = spec.transport == "memfabric"
     settings = Rd2hSettings(
@@ -143,7 +143,7 @@ def store_main(conn: Connection, spec: EndpointSpec) -> None:
     """Process: run a MemFabric config store at ``spec.store_url`` until told to exit."""
     redirect_output(spec.log_path)
     try:
-        from rd2h.app.gateways import start_memfabric_store
+        from rd2h.bootstrap.gateways import start_memfabric_store
 
         start_memfabric_store(spec.store_url)
     except Exception as exc:
@@ -166,7 +166,7 @@ def prefill_main(conn: Connection, spec: EndpointSpec) -> None:
         buf = pattern(spec.size, spec.seed)
         engine.register_memory(buf.ctypes.data, buf.nbytes)
         if spec.transport == "cma":
-            from rd2h.app.gateways import allow_reads_by
+            from rd2h.bootstrap.gateways import allow_reads_by
 
             allow_reads_by(os.getppid())  # the Decode endpoint is our sibling
         conn.send(("ready", engine.session_id, buf.ctypes.data))

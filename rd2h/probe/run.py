@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from rd2h.domain.addresses import TRANSFER_TYPE_NAMES, parse_ipv4, parse_store_url
+from rd2h.domain.wire.addresses import TRANSFER_TYPE_NAMES, parse_ipv4, parse_store_url
 from rd2h.probe.endpoints import EndpointSpec, decode_main, prefill_main, store_main
 
 TRANSPORTS = ("memfabric", "cma", "mooncake")

@@ -33,7 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from rd2h.domain.protocol import MfMeta, ReadDone, ReadFailed, ReadReadyBatch
+from rd2h.domain.wire.protocol import MfMeta, ReadDone, ReadFailed, ReadReadyBatch
 from rd2h.ports.codec import WireCodec
 
 _WAKE = ("", b"")

@@ -1,6 +1,6 @@
 """The one rig: every test that runs Prefill senders, Decode receivers or the
 connector's worker roles builds them here, through the app's own composition root
-(``rd2h.app.container.bootstrap`` with overrides), never by wiring classes by hand.
+(``rd2h.bootstrap.container.bootstrap`` with overrides), never by wiring classes by hand.
 
 Two kinds of control plane: real ZeroMQ sockets on loopback (``Rig()``, the default;
 Decode binds a free port, retried) or the in-memory network of ``fakes.control``
@@ -36,14 +36,14 @@ from rd2h.adapters.zmq.channel import BindError
 from rd2h.app.clock import MonotonicClock
 from rd2h.app.connector.decode_worker import DecodeWorker
 from rd2h.app.connector.prefill_worker import PrefillWorker
-from rd2h.app.container import Container, bootstrap
 from rd2h.app.decode import DecodeReceiver
 from rd2h.app.prefill import LayerTarget, PrefillSender
 from rd2h.app.settings import Rd2hSettings, Role
-from rd2h.domain.layout import DestinationLayout, DestTensor, SourceLayout, TensorComponent
-from rd2h.domain.protocol import ACK, Message, MfMeta, ReadRequest
-from rd2h.domain.request_book import StepOutcome
-from rd2h.domain.topology import tcp_endpoint
+from rd2h.bootstrap.container import Container, bootstrap
+from rd2h.domain.decode.request_book import StepOutcome
+from rd2h.domain.planning.layout import DestinationLayout, DestTensor, SourceLayout, TensorComponent
+from rd2h.domain.planning.topology import tcp_endpoint
+from rd2h.domain.wire.protocol import ACK, Message, MfMeta, ReadRequest
 from rd2h.ports.codec import WireCodec
 from rd2h.ports.runtime import Clock
 

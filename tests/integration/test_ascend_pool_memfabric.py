@@ -35,12 +35,12 @@ from fakes.net import free_ports
 from rd2h.adapters.ascend.sparse_pool import SparseKvPoolDestinations
 from rd2h.adapters.memfabric import start_config_store
 from rd2h.adapters.torch.exchange import InMemoryExchangeGroup
-from rd2h.app.assembly import build_decode_worker, build_prefill_worker
 from rd2h.app.connector.facts import EngineFacts
 from rd2h.app.connector.plans import DecodeEndpoint, DecodeLoad, PrefillSend, StepPlan
 from rd2h.app.settings import Rd2hOptions
-from rd2h.domain.chunks import external_request_id
-from rd2h.domain.layout import SourceLayout, TensorComponent
+from rd2h.bootstrap.roles import build_decode_worker, build_prefill_worker
+from rd2h.domain.planning.chunks import external_request_id
+from rd2h.domain.planning.layout import SourceLayout, TensorComponent
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 

@@ -32,7 +32,7 @@ from fakes.rig import (
 from rd2h.adapters.msgpack import AuthenticatedCodec, MsgpackCodec
 from rd2h.app.prefill import PrefillSender
 from rd2h.domain.errors import LayerSendError
-from rd2h.domain.protocol import (
+from rd2h.domain.wire.protocol import (
     Message,
     MfMeta,
     ReadDone,

@@ -21,9 +21,9 @@ from fakes.rig import (
 )
 
 from rd2h.adapters.msgpack import AuthenticatedCodec
-from rd2h.domain.compat import compat_of
 from rd2h.domain.errors import LayerSendError
-from rd2h.domain.protocol import ReadRequest
+from rd2h.domain.wire.compat import compat_of
+from rd2h.domain.wire.protocol import ReadRequest
 
 pytestmark = pytest.mark.integration
 

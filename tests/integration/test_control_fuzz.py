@@ -52,7 +52,7 @@ from hypothesis import strategies as st
 from rd2h.adapters.msgpack import AuthenticatedCodec, MsgpackCodec
 from rd2h.app.prefill import PrefillSender
 from rd2h.domain.errors import ProtocolError, UnknownMessageType
-from rd2h.domain.protocol import (
+from rd2h.domain.wire.protocol import (
     MF_META,
     READ_DONE,
     READ_FAILED,

@@ -27,7 +27,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from rd2h.adapters.http.metaserver import MetaserverClient
-from rd2h.adapters.http.proxy import ProxyConfig, create_app
+from rd2h.proxy.service import ProxyConfig, create_app
 
 pytestmark = pytest.mark.integration
 

@@ -31,7 +31,7 @@ from fakes.rig import (
     step,
 )
 
-from rd2h.domain.protocol import MF_META, READ_READY_BATCH
+from rd2h.domain.wire.protocol import MF_META, READ_READY_BATCH
 
 pytestmark = pytest.mark.integration
 

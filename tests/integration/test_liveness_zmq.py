@@ -20,8 +20,8 @@ from rd2h.adapters.msgpack import MsgpackCodec
 from rd2h.adapters.zmq.channel import ZmqControlClients, ZmqControlServer, tcp_endpoint
 from rd2h.app.prefill import LayerTarget
 from rd2h.domain.errors import LayerSendError
-from rd2h.domain.layout import SourceLayout, TensorComponent
-from rd2h.domain.protocol import MfMeta, ReadRequest
+from rd2h.domain.planning.layout import SourceLayout, TensorComponent
+from rd2h.domain.wire.protocol import MfMeta, ReadRequest
 
 pytestmark = pytest.mark.integration
 
@@ -33,7 +33,7 @@ DECODE_PEER = textwrap.dedent("""
     import sys
     from rd2h.adapters.msgpack import MsgpackCodec
     from rd2h.adapters.zmq.channel import ZmqControlServer
-    from rd2h.domain.protocol import ACK, MfMeta
+    from rd2h.domain.wire.protocol import ACK, MfMeta
     server = ZmqControlServer("127.0.0.1", int(sys.argv[1]), heartbeat_ivl_s=0.1,
                               heartbeat_timeout_s=0.5)
     codec = MsgpackCodec()

@@ -349,9 +349,9 @@ def test_importing_rd2h_never_imports_memfabric(tmp_path: Path) -> None:
     code = """
     import json, sys
     sys.modules["memfabric_hybrid"] = None  # as if it were not installed
-    import rd2h.adapters.memfabric, rd2h.app.container, rd2h.cli.main, rd2h.probe.run
+    import rd2h.adapters.memfabric, rd2h.bootstrap.container, rd2h.cli.main, rd2h.probe.run
     from rd2h.app.settings import Rd2hSettings
-    from rd2h.app.container import bootstrap
+    from rd2h.bootstrap.container import bootstrap
     from rd2h.domain.errors import TransferError
     s = Rd2hSettings(role="decode", transport="memfabric", memfabric_store_url="tcp://1.2.3.4:5")
     c = bootstrap(s)

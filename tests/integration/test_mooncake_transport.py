@@ -333,8 +333,13 @@ def test_dead_prefill_peer_fails_the_layer_and_its_requests_quickly(
     failed with their destination blocks invalid, and the loop keeps serving."""
     from rd2h.adapters.msgpack import MsgpackCodec
     from rd2h.adapters.torch.exchange import InMemoryExchangeGroup
-    from rd2h.domain.layout import DestinationLayout, DestTensor, SourceLayout, TensorComponent
-    from rd2h.domain.protocol import ACK, MfMeta, ReadFailed, ReadReadyBatch, ReadRequest
+    from rd2h.domain.planning.layout import (
+        DestinationLayout,
+        DestTensor,
+        SourceLayout,
+        TensorComponent,
+    )
+    from rd2h.domain.wire.protocol import ACK, MfMeta, ReadFailed, ReadReadyBatch, ReadRequest
 
     session, address, proc = peer
     bpb, blocks = 64 * 1024, 64

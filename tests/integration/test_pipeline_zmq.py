@@ -50,9 +50,10 @@ from rd2h.adapters.zmq.channel import (
 )
 from rd2h.app.decode import DecodeReceiver
 from rd2h.app.prefill import PrefillSender
+from rd2h.domain.decode.request_book import StepOutcome
 from rd2h.domain.errors import LayerSendError
-from rd2h.domain.layout import SourceLayout, TensorComponent
-from rd2h.domain.protocol import (
+from rd2h.domain.planning.layout import SourceLayout, TensorComponent
+from rd2h.domain.wire.protocol import (
     ACK,
     MF_META,
     READ_READY_BATCH,
@@ -63,7 +64,6 @@ from rd2h.domain.protocol import (
     ReadReadyBatch,
     ReadRequest,
 )
-from rd2h.domain.request_book import StepOutcome
 
 pytestmark = pytest.mark.integration
 

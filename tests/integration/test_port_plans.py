@@ -17,10 +17,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rd2h.adapters.zmq.channel import BindError, ZmqControlServer, tcp_endpoint
-from rd2h.app.container import bootstrap
 from rd2h.app.settings import Rd2hSettings
+from rd2h.bootstrap.container import bootstrap
 from rd2h.domain.errors import TopologyError
-from rd2h.domain.topology import MAX_PORT, compute_mapping, plan_ports, remote_port
+from rd2h.domain.planning.topology import MAX_PORT, compute_mapping, plan_ports, remote_port
 
 pytestmark = pytest.mark.integration
 

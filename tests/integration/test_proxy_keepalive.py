@@ -35,7 +35,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from prometheus_client.parser import text_string_to_metric_families
 
-from rd2h.adapters.http.proxy import ProxyConfig, create_app
+from rd2h.proxy.service import ProxyConfig, create_app
 
 pytestmark = pytest.mark.integration
 

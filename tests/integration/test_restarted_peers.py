@@ -33,7 +33,7 @@ from fakes.rig import (
 from rd2h.adapters.msgpack.codec import MsgpackCodec
 from rd2h.adapters.zmq.channel import BindError
 from rd2h.domain.errors import LayerSendError
-from rd2h.domain.protocol import MfMeta, ReadReadyBatch
+from rd2h.domain.wire.protocol import MfMeta, ReadReadyBatch
 
 pytestmark = pytest.mark.integration
 

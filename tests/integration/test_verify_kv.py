@@ -32,9 +32,9 @@ from fakes.rig import (
 )
 
 from rd2h.adapters.hashing import digest_blocks
-from rd2h.domain.digests import source_spans
 from rd2h.domain.errors import LayerSendError
-from rd2h.domain.protocol import ReadRequest
+from rd2h.domain.wire.digests import source_spans
+from rd2h.domain.wire.protocol import ReadRequest
 
 pytestmark = pytest.mark.integration
 

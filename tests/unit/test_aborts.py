@@ -5,9 +5,17 @@ reported finished once no read can land in its blocks (vLLM frees them only then
 
 from __future__ import annotations
 
-from rd2h.domain.decode_session import DecodeSession, LayerDone, Read, Reply, SendAck, Skipped
-from rd2h.domain.layout import DestinationLayout, DestTensor, SourceLayout, TensorComponent
-from rd2h.domain.protocol import (
+from rd2h.domain.decode.decode_session import (
+    DecodeSession,
+    LayerDone,
+    Read,
+    Reply,
+    SendAck,
+    Skipped,
+)
+from rd2h.domain.decode.request_book import DecodeRequestBook, StepOutcome
+from rd2h.domain.planning.layout import DestinationLayout, DestTensor, SourceLayout, TensorComponent
+from rd2h.domain.wire.protocol import (
     MfMeta,
     ReadDone,
     ReadReadyBatch,
@@ -15,7 +23,6 @@ from rd2h.domain.protocol import (
     fields_of,
     message_from_fields,
 )
-from rd2h.domain.request_book import DecodeRequestBook, StepOutcome
 
 X9 = "-abcdefgh"
 NAME = "model.layers.0.attn"

@@ -15,12 +15,12 @@ from fakes.logs import RecordingLogger
 from rd2h.adapters.inproc import InprocTransferEngine
 from rd2h.adapters.msgpack import MsgpackCodec
 from rd2h.adapters.torch.exchange import InMemoryExchangeGroup
-from rd2h.app.container import bootstrap
 from rd2h.app.prefill import LayerTarget, group_batches
 from rd2h.app.settings import Deadlines, Rd2hSettings
+from rd2h.bootstrap.container import bootstrap
 from rd2h.domain.errors import LayerSendError
-from rd2h.domain.layout import DestinationLayout, DestTensor, SourceLayout, TensorComponent
-from rd2h.domain.protocol import MfMeta, ReadFailed, ReadReadyBatch, ReadRequest
+from rd2h.domain.planning.layout import DestinationLayout, DestTensor, SourceLayout, TensorComponent
+from rd2h.domain.wire.protocol import MfMeta, ReadFailed, ReadReadyBatch, ReadRequest
 
 # ---------------------------------------------------------------- settings / container
 

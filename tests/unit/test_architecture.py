@@ -1,6 +1,9 @@
-"""The shape of the package, checked: no import cycle between modules, no file over 400
-lines, and the sans-IO sessions import nothing but the standard library, numpy and the
-domain. (The layer contracts themselves are import-linter's, run by ``.ci/run``.)"""
+"""The shape of the package, checked: no import cycle between modules; the domain in
+rooms named by concern; no two modules of the library's rooms share a name; the sessions
+are one class each, with no mixins; a loose size alarm (modules are cut by concern, not
+by a line count); and the sans-IO sessions import nothing but the standard library,
+numpy and the domain. (The layer contracts themselves are import-linter's, run by
+``.ci/run``.)"""
 
 from __future__ import annotations
 
@@ -11,7 +14,7 @@ import grimp
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2] / "rd2h"
-SESSIONS = ("rd2h.domain.prefill_session", "rd2h.domain.decode_session")
+SESSIONS = ("rd2h.domain.prefill.prefill_session", "rd2h.domain.decode.decode_session")
 
 
 @pytest.fixture(scope="module")
@@ -73,10 +76,48 @@ def test_the_cycle_check_can_fail() -> None:
     assert _cycles(g) == [["rd2h.a", "rd2h.b"]]
 
 
-def test_no_file_over_400_lines() -> None:
+DOMAIN_ROOMS = {"wire", "decode", "prefill", "planning"}
+SIZE_ALARM = 800  # lines: past this a module is probably two concerns
+
+
+def test_the_domain_is_in_rooms_by_concern() -> None:
+    """Every domain module sits in a room (its errors are shared by all of them)."""
+    domain = ROOT / "domain"
+    loose = {p.name for p in domain.glob("*.py")} - {"__init__.py", "errors.py"}
+    assert loose == set()
+    assert {p.name for p in domain.iterdir() if p.is_dir() and p.name != "__pycache__"} \
+        == DOMAIN_ROOMS
+
+
+def _library_modules() -> list[Path]:
+    """The library's own rooms: the domain, the app, the proxy, the entry point."""
+    return [p for room in ("domain", "app", "proxy", "entry") for p in (ROOT / room).rglob("*.py")
+            if p.name != "__init__.py"]
+
+
+def test_no_two_library_modules_share_a_name() -> None:
+    seen: dict[str, list[str]] = {}
+    for p in _library_modules():
+        seen.setdefault(p.stem, []).append(str(p.relative_to(ROOT.parent)))
+    assert {k: v for k, v in seen.items() if len(v) > 1} == {}
+
+
+def test_no_module_past_the_size_alarm() -> None:
     long = {str(p.relative_to(ROOT.parent)): n for p in ROOT.rglob("*.py")
-            if (n := len(p.read_text().splitlines())) > 400}
+            if (n := len(p.read_text().splitlines())) > SIZE_ALARM}
     assert long == {}
+
+
+@pytest.mark.parametrize("session", SESSIONS)
+def test_each_session_is_one_class_without_mixins(session: str) -> None:
+    import importlib
+    import inspect
+
+    module = importlib.import_module(session)
+    classes = [c for _, c in inspect.getmembers(module, inspect.isclass)
+               if c.__module__ == session and c.__name__.endswith("Session")]
+    assert len(classes) == 1, classes
+    assert classes[0].__bases__ == (object,), classes[0].__bases__
 
 
 @pytest.mark.parametrize("session", SESSIONS)

@@ -15,11 +15,11 @@ from hypothesis import strategies as st
 
 from rd2h.adapters.msgpack import AuthenticatedCodec, MsgpackCodec
 from rd2h.adapters.msgpack.auth import array_header, read_array_header, split_signed
-from rd2h.app.container import bootstrap
 from rd2h.app.settings import Rd2hSettings
-from rd2h.domain.compat import compat_of
+from rd2h.bootstrap.container import bootstrap
 from rd2h.domain.errors import AuthenticationError, ProtocolError
-from rd2h.domain.protocol import (
+from rd2h.domain.wire.compat import compat_of
+from rd2h.domain.wire.protocol import (
     ACK,
     READ_READY_BATCH,
     LayerMetadata,

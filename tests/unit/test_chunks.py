@@ -6,7 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rd2h.domain.chunks import (
+from rd2h.domain.errors import ChunkError, Rd2hError
+from rd2h.domain.planning.chunks import (
     ENGINE_SUFFIX_LEN,
     CacheGroups,
     chunk_block_range,
@@ -16,7 +17,6 @@ from rd2h.domain.chunks import (
     is_indexer_layer,
     layer_index,
 )
-from rd2h.domain.errors import ChunkError, Rd2hError
 
 PROPS = settings(max_examples=300, deadline=None)
 

@@ -20,7 +20,7 @@ from rd2h.adapters.msgpack.codec import (
     worst_case_decode_bytes,
 )
 from rd2h.domain.errors import ProtocolError
-from rd2h.domain.protocol import LayerMetadata, MfMeta, ReadReadyBatch, ReadRequest
+from rd2h.domain.wire.protocol import LayerMetadata, MfMeta, ReadReadyBatch, ReadRequest
 
 DEFAULT = MsgpackCodec()
 ASTRAL = "\U0001f600".encode()  # one character, 4 UTF-8 bytes, decodes to UCS-4
@@ -260,8 +260,8 @@ def test_an_mf_meta_of_61_layers_round_trips_at_the_default_limits():
 def test_the_deployment_defaults_bound_is_the_one_the_readme_states():
     """What a deployment gets without tuning (``Rd2hOptions``' defaults, built by the
     composition root)."""
-    from rd2h.app.container import bootstrap
     from rd2h.app.settings import Rd2hSettings
+    from rd2h.bootstrap.container import bootstrap
 
     codec = bootstrap(Rd2hSettings(role="decode")).codec()
     assert isinstance(codec, MsgpackCodec)

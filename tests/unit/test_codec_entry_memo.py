@@ -11,7 +11,7 @@ import rd2h.adapters.msgpack.codec as codec_module
 import rd2h.adapters.msgpack.entries as entry_memo
 from rd2h.adapters.msgpack import MsgpackCodec
 from rd2h.domain.errors import ProtocolError
-from rd2h.domain.protocol import (
+from rd2h.domain.wire.protocol import (
     READ_READY_BATCH,
     ReadReadyBatch,
     ReadRequest,

@@ -10,7 +10,8 @@ import pytest
 
 from rd2h.adapters.msgpack import AuthenticatedCodec, MsgpackCodec
 from rd2h.app.settings import Rd2hOptions
-from rd2h.domain.compat import (
+from rd2h.domain.errors import AuthenticationError, ProtocolError
+from rd2h.domain.wire.compat import (
     INCOMPATIBLE,
     MAX_KEYS,
     NAK,
@@ -22,8 +23,7 @@ from rd2h.domain.compat import (
     compat_of,
     decode_compat,
 )
-from rd2h.domain.errors import AuthenticationError, ProtocolError
-from rd2h.domain.protocol import ACK, MF_META, LayerMetadata, MfMeta, ReadDone, fields_of
+from rd2h.domain.wire.protocol import ACK, MF_META, LayerMetadata, MfMeta, ReadDone, fields_of
 from rd2h.entry import translate
 
 SECRET = b"0123456789abcdef-secret"

@@ -4,16 +4,7 @@ waits on that endpoint at once with that reason; peers without a map work as bef
 
 from __future__ import annotations
 
-from rd2h.domain.announce import LayerTarget, group_batches
-from rd2h.domain.compat import (
-    INCOMPATIBLE,
-    Compat,
-    MetaRefused,
-    Mismatch,
-    compat_of,
-    decode_compat,
-)
-from rd2h.domain.decode_session import (
+from rd2h.domain.decode.decode_session import (
     DecodeSession,
     Forget,
     LayerFailed,
@@ -23,10 +14,19 @@ from rd2h.domain.decode_session import (
     SendAck,
     SendRefusal,
 )
-from rd2h.domain.layout import DestinationLayout, DestTensor, SourceLayout, TensorComponent
-from rd2h.domain.prefill_events import Disconnect, HandshakeDone, LayerAnswered, SendMeta
-from rd2h.domain.prefill_session import PrefillSession, PrefillTimeouts
-from rd2h.domain.protocol import MfMeta, ReadFailed, ReadReadyBatch, ReadRequest
+from rd2h.domain.planning.layout import DestinationLayout, DestTensor, SourceLayout, TensorComponent
+from rd2h.domain.prefill.announce import LayerTarget, group_batches
+from rd2h.domain.prefill.prefill_events import Disconnect, HandshakeDone, LayerAnswered, SendMeta
+from rd2h.domain.prefill.prefill_session import PrefillSession, PrefillTimeouts
+from rd2h.domain.wire.compat import (
+    INCOMPATIBLE,
+    Compat,
+    MetaRefused,
+    Mismatch,
+    compat_of,
+    decode_compat,
+)
+from rd2h.domain.wire.protocol import MfMeta, ReadFailed, ReadReadyBatch, ReadRequest
 
 NAME = "model.layers.0.attn"
 BPB, NB = 64, 8

@@ -8,8 +8,8 @@ import pytest
 from fakes.logs import RecordingLogger
 
 from rd2h.app.connector.facts import EngineFacts
-from rd2h.app.container import bootstrap
 from rd2h.app.settings import ConnectorConfigError, Deadlines, Rd2hOptions, Rd2hSettings
+from rd2h.bootstrap.container import bootstrap
 from rd2h.domain.errors import Rd2hError
 
 

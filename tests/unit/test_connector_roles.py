@@ -36,14 +36,14 @@ from rd2h.app.connector.prefill_scheduler import (
 )
 from rd2h.app.connector.prefill_worker import PrefillWorker
 from rd2h.app.connector.roles import RequestFacts, ScheduledRequest
-from rd2h.app.container import bootstrap
 from rd2h.app.prefill import PrefillSender
 from rd2h.app.settings import Rd2hSettings
 from rd2h.app.timeline import load
-from rd2h.domain.chunks import external_request_id
+from rd2h.bootstrap.container import bootstrap
 from rd2h.domain.errors import LayerSendError, TopologyError
-from rd2h.domain.layout import DestinationLayout, DestTensor, SourceLayout, TensorComponent
-from rd2h.domain.protocol import ReadRequest
+from rd2h.domain.planning.chunks import external_request_id
+from rd2h.domain.planning.layout import DestinationLayout, DestTensor, SourceLayout, TensorComponent
+from rd2h.domain.wire.protocol import ReadRequest
 
 SUFFIX = "-0a1b2c3d"  # vLLM's 9-character engine suffix
 assert len(SUFFIX) == 9

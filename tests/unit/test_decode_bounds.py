@@ -15,7 +15,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from rd2h.domain.decode_session import (
+from rd2h.domain.decode.decode_session import (
     Capped,
     DecodeSession,
     Forget,
@@ -24,8 +24,8 @@ from rd2h.domain.decode_session import (
     SendAck,
 )
 from rd2h.domain.errors import ProtocolError
-from rd2h.domain.layout import DestinationLayout, DestTensor, SourceLayout, TensorComponent
-from rd2h.domain.protocol import MfMeta, ReadReadyBatch, ReadRequest
+from rd2h.domain.planning.layout import DestinationLayout, DestTensor, SourceLayout, TensorComponent
+from rd2h.domain.wire.protocol import MfMeta, ReadReadyBatch, ReadRequest
 
 X9 = "-abcdefgh"
 NAMES = ("model.layers.0.attn", "model.layers.1.attn")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from rd2h.domain.decode_session import (
+from rd2h.domain.decode.decode_session import (
     DecodeSession,
     Expired,
     Forget,
@@ -18,10 +18,10 @@ from rd2h.domain.decode_session import (
     Reply,
     SendAck,
 )
+from rd2h.domain.decode.request_book import StepOutcome
 from rd2h.domain.errors import AuthenticationError, ProtocolError, UnknownMessageType
-from rd2h.domain.layout import DestinationLayout, DestTensor, SourceLayout, TensorComponent
-from rd2h.domain.protocol import MfMeta, ReadDone, ReadFailed, ReadReadyBatch, ReadRequest
-from rd2h.domain.request_book import StepOutcome
+from rd2h.domain.planning.layout import DestinationLayout, DestTensor, SourceLayout, TensorComponent
+from rd2h.domain.wire.protocol import MfMeta, ReadDone, ReadFailed, ReadReadyBatch, ReadRequest
 
 X9 = "-abcdefgh"  # vLLM's engine suffix
 NAME = "model.layers.0.attn"

@@ -350,7 +350,7 @@ def _stand_in(tmp: Path, key: str) -> Path:
     path = tmp / f"stand-in-{key}"
     if not path.exists():
         if key == "curve_secret_key":
-            from rd2h.app.gateways import curve_keypair
+            from rd2h.bootstrap.gateways import curve_keypair
 
             path.write_text(curve_keypair()[1])
         else:
@@ -367,7 +367,7 @@ def run_proxy_cli(args: list[str]) -> tuple[Any, str]:
     captured = []
     err = io.StringIO()
     with contextlib.redirect_stderr(err), mock.patch(
-            "rd2h.app.gateways.serve_proxy", lambda config, *a, **k: captured.append(config)):
+            "rd2h.bootstrap.gateways.serve_proxy", lambda config, *a, **k: captured.append(config)):
         try:
             ns = build_parser().parse_args(["proxy", *args])
             rc = ns.func(ns)
@@ -377,7 +377,7 @@ def run_proxy_cli(args: list[str]) -> tuple[Any, str]:
 
 
 def proxy_problems(objects: list[Obj], tmp: Path) -> list[str]:
-    from rd2h.adapters.http.proxy import create_app
+    from rd2h.proxy.service import create_app
 
     problems: list[str] = []
     services = of_kind(objects, "Service")
@@ -497,7 +497,7 @@ def secret_problems(objects: list[Obj]) -> list[str]:
 
 def opened_ports(c: Obj, objects: list[Obj]) -> tuple[dict[int, str], list[str]]:
     """Every port the engine container listens on -> what it is, and any problem."""
-    from rd2h.domain.topology import plan_ports
+    from rd2h.domain.planning.topology import plan_ports
 
     args = engine_args(c, objects)
     cfg, why = engine_config(c, objects)

@@ -1,4 +1,4 @@
-"""``verify_kv``'s checks as the planner builds them (``rd2h.domain.digests``): only the
+"""``verify_kv``'s checks as the planner builds them (``rd2h.domain.wire.digests``): only the
 blocks this rank read, at their destination addresses, each with the digest Prefill
 stated for that source block; digests that do not fit the blocks fail the layer."""
 
@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import pytest
 
-from rd2h.domain.destination import Destination
+from rd2h.domain.decode.destination import Destination
 from rd2h.domain.errors import PlanningError
-from rd2h.domain.layout import DestinationLayout, DestTensor, SourceLayout, TensorComponent
-from rd2h.domain.planning import plan_reads
-from rd2h.domain.protocol import ReadReadyBatch, ReadRequest
+from rd2h.domain.planning.layout import DestinationLayout, DestTensor, SourceLayout, TensorComponent
+from rd2h.domain.planning.planning import plan_reads
+from rd2h.domain.wire.protocol import ReadReadyBatch, ReadRequest
 
 SRC = SourceLayout("L", (TensorComponent(0x1000, 64, num_blocks=8),),
                    indexer=TensorComponent(0x8000, 16, num_blocks=8))

@@ -60,7 +60,7 @@ def _table_after(text: str, marker: str) -> list[list[str]]:
 
 def test_the_gate_budget_figure_is_the_codes() -> None:
     from rd2h.app.settings import Deadlines
-    from rd2h.domain.prefill_state import GATE_SLACK_S, PrefillTimeouts
+    from rd2h.domain.prefill.prefill_state import GATE_SLACK_S, PrefillTimeouts
 
     text = _flat(_read(DOCS / "operations" / "deadlines.md"))
     assert "`device_event_s + meta_ack_s + 2 x layer_ack_s`" in text
@@ -72,7 +72,7 @@ def test_the_gate_budget_figure_is_the_codes() -> None:
     assert (event, meta, layer) == (d.device_event_s, d.meta_ack_s, d.layer_ack_s)
     assert slack == GATE_SLACK_S
     assert event + meta + 2 * layer + slack == total, "the page's own sum is wrong"
-    # What the connector builds from the settings (rd2h.app.container -> PrefillSender)
+    # What the connector builds from the settings (rd2h.bootstrap.container -> PrefillSender)
     # and the session's own defaults must both give the figure.
     from_settings = PrefillTimeouts(meta_ack_s=d.meta_ack_s, layer_ack_s=d.layer_ack_s,
                                     device_event_s=d.device_event_s,
@@ -280,7 +280,7 @@ def test_no_page_of_the_site_cites_a_spec_section_it_does_not_have() -> None:
 def _keys_the_code_states() -> set[str]:
     """Every key rd2h puts in MF_META's compatibility map: ``compat_of``'s parameters
     and every ``with_values(...)`` keyword in the package."""
-    from rd2h.domain.compat import compat_of
+    from rd2h.domain.wire.compat import compat_of
 
     keys = set(inspect.signature(compat_of).parameters)
     for path in (ROOT / "rd2h").rglob("*.py"):
@@ -292,7 +292,7 @@ def _keys_the_code_states() -> set[str]:
 
 
 def test_the_security_page_lists_every_compatibility_key() -> None:
-    from rd2h.domain.compat import KNOWN
+    from rd2h.domain.wire.compat import KNOWN
 
     rows = _table_after(_read(DOCS / "security.md"),
                         "**Mismatched builds meet at the handshake.**")

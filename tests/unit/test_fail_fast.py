@@ -11,13 +11,13 @@ import pytest
 from fakes.logs import RecordingLogger
 from fakes.metaserver import RecordingMetaserver
 
-from rd2h.adapters.http.proxy_outcomes import DispatchFailures, WatchError
 from rd2h.app.connector.roles import RequestFacts
-from rd2h.app.container import bootstrap
 from rd2h.app.settings import Rd2hSettings
-from rd2h.domain.decode_session import DecodeSession, Read, SendAck
-from rd2h.domain.layout import DestinationLayout, DestTensor, SourceLayout, TensorComponent
-from rd2h.domain.protocol import MfMeta, ReadReadyBatch, ReadRequest
+from rd2h.bootstrap.container import bootstrap
+from rd2h.domain.decode.decode_session import DecodeSession, Read, SendAck
+from rd2h.domain.planning.layout import DestinationLayout, DestTensor, SourceLayout, TensorComponent
+from rd2h.domain.wire.protocol import MfMeta, ReadReadyBatch, ReadRequest
+from rd2h.proxy.outcomes import DispatchFailures, WatchError
 
 X9 = "-abcdefgh"
 

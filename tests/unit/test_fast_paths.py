@@ -10,7 +10,7 @@ import pytest
 
 from rd2h.adapters.regions import RegionTable, validate_batch
 from rd2h.domain.errors import ProtocolError, TransferError
-from rd2h.domain.protocol import MAX_WIRE_INT, _block_ids, _ids_in_range
+from rd2h.domain.wire.protocol import MAX_WIRE_INT, _block_ids, _ids_in_range
 
 EDGES = [0, 1, MAX_WIRE_INT - 1, MAX_WIRE_INT, MAX_WIRE_INT + 1, (1 << 64) - 1, 1 << 64,
          1 << 70, -1, -(1 << 63), -(1 << 64) - 1]

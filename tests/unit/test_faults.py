@@ -22,7 +22,7 @@ from rd2h.demo.faults import (
     prefill_kill_layer,
 )
 from rd2h.domain.errors import TransferError
-from rd2h.domain.protocol import ACK, MfMeta, ReadDone, ReadFailed, ReadReadyBatch
+from rd2h.domain.wire.protocol import ACK, MfMeta, ReadDone, ReadFailed, ReadReadyBatch
 
 CODEC = MsgpackCodec()
 

@@ -14,11 +14,11 @@ from fakes.logs import RecordingLogger
 
 from rd2h.adapters.msgpack import MsgpackCodec
 from rd2h.app.connector.plans import DecodeEndpoint, PrefillSend, StepPlan
-from rd2h.app.container import bootstrap
 from rd2h.app.settings import Deadlines, Rd2hSettings
-from rd2h.domain.layout import SourceLayout, TensorComponent
-from rd2h.domain.prefill_state import GATE_SLACK_S, PrefillTimeouts
-from rd2h.domain.protocol import ACK, MfMeta, ReadDone, ReadReadyBatch
+from rd2h.bootstrap.container import bootstrap
+from rd2h.domain.planning.layout import SourceLayout, TensorComponent
+from rd2h.domain.prefill.prefill_state import GATE_SLACK_S, PrefillTimeouts
+from rd2h.domain.wire.protocol import ACK, MfMeta, ReadDone, ReadReadyBatch
 
 NAME = "model.layers.0.self_attn.attn"
 CODEC = MsgpackCodec()

@@ -13,8 +13,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rd2h.domain.errors import CompletionError
-from rd2h.domain.gates import GateState, StorageSlotGates
-from rd2h.domain.layout import SourceLayout, TensorComponent
+from rd2h.domain.planning.layout import SourceLayout, TensorComponent
+from rd2h.domain.prefill.gates import GateState, StorageSlotGates
 
 HSETTINGS = settings(deadline=None, max_examples=150)
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from rd2h.domain.errors import LayoutMismatch, ProtocolError
-from rd2h.domain.layout import (
+from rd2h.domain.planning.layout import (
     DestinationLayout,
     DestTensor,
     HeadRange,
@@ -21,8 +21,8 @@ from rd2h.domain.layout import (
     main_slices,
     validate_layout,
 )
-from rd2h.domain.planning import Destination, plan_reads
-from rd2h.domain.protocol import ReadReadyBatch, ReadRequest, decode_layer_metadata
+from rd2h.domain.planning.planning import Destination, plan_reads
+from rd2h.domain.wire.protocol import ReadReadyBatch, ReadRequest, decode_layer_metadata
 
 LAYER = "model.layers.0.self_attn.attn"
 HEADS, BLOCK, WIDTH = 4, 16, 8  # total KV heads, tokens per block, floats per token row

@@ -12,9 +12,9 @@ from hypothesis import strategies as st
 
 from rd2h.adapters.msgpack import MsgpackCodec
 from rd2h.domain.errors import LayoutMismatch, PlanningError, ProtocolError, UnknownMessageType
-from rd2h.domain.layout import DestinationLayout, DestTensor, SourceLayout, TensorComponent
-from rd2h.domain.planning import Destination, plan_reads
-from rd2h.domain.protocol import (
+from rd2h.domain.planning.layout import DestinationLayout, DestTensor, SourceLayout, TensorComponent
+from rd2h.domain.planning.planning import Destination, plan_reads
+from rd2h.domain.wire.protocol import (
     MAX_ERROR_CHARS,
     MAX_WIRE_INT,
     MF_META,

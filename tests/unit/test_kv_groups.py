@@ -31,8 +31,8 @@ from vllm.v1.kv_cache_interface import (
     UniformTypeKVCacheSpecs,
 )
 
-from rd2h.domain.compat import compare
-from rd2h.domain.kv_groups import NO_BLOCK, UnsupportedKvGroup, leading_gap
+from rd2h.domain.planning.kv_groups import NO_BLOCK, UnsupportedKvGroup, leading_gap
+from rd2h.domain.wire.compat import compare
 from rd2h.entry import translate
 from rd2h.entry.connector import SfaRemoteD2HConnector
 

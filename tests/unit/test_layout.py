@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rd2h.domain.errors import LayoutMismatch, Rd2hError
-from rd2h.domain.layout import (
+from rd2h.domain.planning.layout import (
     DestinationLayout,
     DestTensor,
     SourceLayout,
@@ -15,7 +15,7 @@ from rd2h.domain.layout import (
     per_block_bytes_from_rows,
     validate_layout,
 )
-from rd2h.domain.protocol import LayerMetadata
+from rd2h.domain.wire.protocol import LayerMetadata
 
 LAYER = "model.layers.3.self_attn.attn"
 

@@ -17,13 +17,14 @@ from fakes.net import wait_until
 from rd2h.adapters.inproc import InprocTransferEngine
 from rd2h.adapters.msgpack import MsgpackCodec
 from rd2h.adapters.torch.exchange import InMemoryExchangeGroup
-from rd2h.app.container import bootstrap
 from rd2h.app.prefill import LayerTarget, PrefillSender
 from rd2h.app.settings import Rd2hSettings
-from rd2h.domain.contributors import PeerContributions
+from rd2h.bootstrap.container import bootstrap
+from rd2h.domain.decode.contributors import PeerContributions
+from rd2h.domain.decode.request_book import DecodeRequestBook
 from rd2h.domain.errors import LayerSendError
-from rd2h.domain.layout import DestinationLayout, DestTensor, SourceLayout, TensorComponent
-from rd2h.domain.protocol import (
+from rd2h.domain.planning.layout import DestinationLayout, DestTensor, SourceLayout, TensorComponent
+from rd2h.domain.wire.protocol import (
     ACK,
     MfMeta,
     ReadDone,
@@ -31,7 +32,6 @@ from rd2h.domain.protocol import (
     ReadReadyBatch,
     ReadRequest,
 )
-from rd2h.domain.request_book import DecodeRequestBook
 
 CODEC = MsgpackCodec()
 WAIT = 5.0

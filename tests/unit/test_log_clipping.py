@@ -7,8 +7,8 @@ from __future__ import annotations
 from fakes.logs import RecordingLogger
 
 from rd2h.app.telemetry import DecodeStats, report_decode
-from rd2h.domain import decode_events as d
-from rd2h.domain.wire_values import MAX_LOGGED_IDS, few
+from rd2h.domain.decode import decode_events as d
+from rd2h.domain.wire.wire_values import MAX_LOGGED_IDS, few
 
 
 def test_skipped_ids_are_clipped_and_counted() -> None:

@@ -21,8 +21,8 @@ from rd2h.adapters.memfabric import (
     start_config_store,
 )
 from rd2h.adapters.memfabric.library import error_tap
-from rd2h.app.container import bootstrap
 from rd2h.app.settings import Rd2hSettings
+from rd2h.bootstrap.container import bootstrap
 from rd2h.domain.errors import TransferError, TransportBindingError, TransportLibraryError
 
 STORE = "tcp://127.0.0.1:7000"

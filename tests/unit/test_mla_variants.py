@@ -38,7 +38,7 @@ from vllm.v1.kv_cache_interface import (
     UniformTypeKVCacheSpecs,
 )
 
-from rd2h.domain.kv_groups import UnsupportedKvGroup
+from rd2h.domain.planning.kv_groups import UnsupportedKvGroup
 
 BLOCK = 256
 

@@ -36,8 +36,8 @@ from vllm.v1.request import Request
 from rd2h.adapters.vllm.multi import MultiConnectorConfigError, Rd2hMultiConnector
 from rd2h.adapters.vllm.stats import Rd2hConnectorStats
 from rd2h.app.prefill_requests import SessionRequestsView
-from rd2h.domain.prefill_session import PrefillSession
-from rd2h.domain.prefill_state import PrefillTimeouts
+from rd2h.domain.prefill.prefill_session import PrefillSession
+from rd2h.domain.prefill.prefill_state import PrefillTimeouts
 
 WORKER, SCHEDULER = KVConnectorRole.WORKER, KVConnectorRole.SCHEDULER
 LAYER = "model.layers.3.self_attn"
@@ -302,8 +302,8 @@ def _rd2h_with_sink(accept: bool) -> tuple[Any, Any, RecordingSender]:
     from fakes.logs import RecordingLogger
 
     from rd2h.app.connector.plans import DecodeEndpoint, PrefillSend, StepPlan
-    from rd2h.app.container import bootstrap
     from rd2h.app.settings import Rd2hSettings
+    from rd2h.bootstrap.container import bootstrap
 
     rd2h = {"kv_connector": "SfaRemoteD2HConnector",
             "kv_connector_module_path": "rd2h.entry.connector",

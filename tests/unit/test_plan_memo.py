@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 
 from rd2h.domain.errors import PlanningError
-from rd2h.domain.layout import DestinationLayout, DestTensor, SourceLayout, TensorComponent
-from rd2h.domain.plan_memo import PlanMemo
-from rd2h.domain.planning import Destination, plan_reads
-from rd2h.domain.protocol import ReadReadyBatch, ReadRequest
+from rd2h.domain.planning.layout import DestinationLayout, DestTensor, SourceLayout, TensorComponent
+from rd2h.domain.planning.plan_memo import PlanMemo
+from rd2h.domain.planning.planning import Destination, plan_reads
+from rd2h.domain.wire.protocol import ReadReadyBatch, ReadRequest
 
 SIZES = {"k": 4096, "v": 512, "idx": 512, "scale": 16}
 N_BLOCKS = 64

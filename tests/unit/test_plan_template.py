@@ -10,9 +10,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rd2h.domain.errors import LayoutMismatch
-from rd2h.domain.layout import DestinationLayout, DestTensor, SourceLayout, TensorComponent
-from rd2h.domain.planning import Destination, PlanMemo, plan_reads
-from rd2h.domain.protocol import ReadReadyBatch, ReadRequest
+from rd2h.domain.planning.layout import DestinationLayout, DestTensor, SourceLayout, TensorComponent
+from rd2h.domain.planning.planning import Destination, PlanMemo, plan_reads
+from rd2h.domain.wire.protocol import ReadReadyBatch, ReadRequest
 
 BPB = (4096, 512, 512, 16)  # main K, main V, indexer, scale: bytes per block
 POOL = 64

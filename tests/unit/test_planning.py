@@ -16,22 +16,22 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rd2h.domain.errors import LayoutMismatch, PlanningError
-from rd2h.domain.kv_groups import NO_BLOCK
-from rd2h.domain.layout import (
+from rd2h.domain.planning.kv_groups import NO_BLOCK
+from rd2h.domain.planning.layout import (
     DestinationLayout,
     DestTensor,
     SourceLayout,
     TensorComponent,
     per_block_bytes_from_rows,
 )
-from rd2h.domain.planning import (
+from rd2h.domain.planning.planning import (
     Destination,
     ReadPlan,
     RequestOwnership,
     coalesce,
     plan_reads,
 )
-from rd2h.domain.protocol import ReadReadyBatch, ReadRequest, decode_read_request
+from rd2h.domain.wire.protocol import ReadReadyBatch, ReadRequest, decode_read_request
 
 LAYER = "model.layers.3.self_attn"
 HSETTINGS = settings(deadline=None, max_examples=120)

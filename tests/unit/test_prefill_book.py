@@ -8,7 +8,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rd2h.domain.prefill_book import (
+from rd2h.domain.prefill.prefill_book import (
     Announced,
     PrefillRequestBook,
     RequestFailed,

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from rd2h.domain.prefill_state import (
+from rd2h.domain.prefill.prefill_state import (
     TRANSITIONS,
     Link,
     LinkEvent,

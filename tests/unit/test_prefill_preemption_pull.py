@@ -31,7 +31,7 @@ from rd2h.adapters.inproc import InprocTransferEngine
 from rd2h.app.connector.plans import DecodeLoad, StepPlan
 from rd2h.app.connector.roles import RequestFacts, ScheduledRequest, TransferResults
 from rd2h.domain.errors import CompletionError, TransferError
-from rd2h.domain.layout import DestinationLayout, DestTensor, SourceLayout, TensorComponent
+from rd2h.domain.planning.layout import DestinationLayout, DestTensor, SourceLayout, TensorComponent
 
 WAIT = 5.0  # every wait's deadline (they take milliseconds)
 BS = 4  # tokens per block

@@ -15,8 +15,8 @@ from fakes.metaserver import RecordingMetaserver
 from rd2h.app.connector.plans import DecodeEndpoint, PrefillSend
 from rd2h.app.connector.prefill_scheduler import PrefillScheduler
 from rd2h.app.connector.roles import RequestFacts, ScheduledRequest
-from rd2h.app.container import bootstrap
 from rd2h.app.settings import Rd2hSettings
+from rd2h.bootstrap.container import bootstrap
 
 SUFFIX = "-0a1b2c3d"
 A, C = "a" + SUFFIX, "c" + SUFFIX
@@ -124,7 +124,7 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
 )
 from vllm.v1.request import Request  # noqa: E402
 
-from rd2h.app import assembly  # noqa: E402
+from rd2h.bootstrap import roles as assembly  # noqa: E402
 from rd2h.entry.connector import SfaRemoteD2HConnector  # noqa: E402
 
 

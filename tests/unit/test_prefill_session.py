@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import pytest
 
-from rd2h.domain.announce import LayerTarget, group_batches
 from rd2h.domain.errors import CompletionError, LayerSendError
-from rd2h.domain.layout import SourceLayout, TensorComponent
-from rd2h.domain.prefill_events import (
+from rd2h.domain.planning.layout import SourceLayout, TensorComponent
+from rd2h.domain.prefill.announce import LayerTarget, group_batches
+from rd2h.domain.prefill.prefill_events import (
     Connect,
     Disconnect,
     EndpointReset,
@@ -20,8 +20,8 @@ from rd2h.domain.prefill_events import (
     SendBatch,
     SendMeta,
 )
-from rd2h.domain.prefill_session import PrefillSession, PrefillTimeouts
-from rd2h.domain.protocol import ReadDone, ReadFailed, ReadRequest
+from rd2h.domain.prefill.prefill_session import PrefillSession, PrefillTimeouts
+from rd2h.domain.wire.protocol import ReadDone, ReadFailed, ReadRequest
 
 T = PrefillTimeouts(meta_ack_s=2.0, layer_ack_s=5.0, device_event_s=3.0, reconnect_after_s=4.0)
 REQ = ReadRequest("r", (0,), (0,), 0, 0)

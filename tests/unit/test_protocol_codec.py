@@ -11,9 +11,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from rd2h.adapters.msgpack.codec import MsgpackCodec
-from rd2h.domain.compat import compat_of
 from rd2h.domain.errors import ProtocolError, Rd2hError, UnknownMessageType
-from rd2h.domain.protocol import (
+from rd2h.domain.wire.compat import compat_of
+from rd2h.domain.wire.protocol import (
     ACK,
     LAYER_METADATA_KEYS,
     MF_META,

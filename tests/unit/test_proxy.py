@@ -24,8 +24,11 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from prometheus_client import REGISTRY, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from rd2h.adapters.http.proxy import ProxyConfig, create_app
-from rd2h.adapters.http.proxy_upstream import (
+from rd2h.adapters.logging import make_logger
+from rd2h.cli.main import main
+from rd2h.cli.proxy import default_public_url
+from rd2h.proxy.service import ProxyConfig, create_app
+from rd2h.proxy.upstream import (
     CONNECT,
     POOL_SHARD_SIZE,
     STALE,
@@ -33,9 +36,6 @@ from rd2h.adapters.http.proxy_upstream import (
     Upstream,
     resend_reason,
 )
-from rd2h.adapters.logging import make_logger
-from rd2h.cli.main import main
-from rd2h.cli.proxy import default_public_url
 
 PROXY = "http://proxy:8000"
 HEX32 = re.compile(r"^[0-9a-f]{32}$")
@@ -923,7 +923,7 @@ def test_cli_help_explains_the_endpoints_and_keepalive(capsys) -> None:
 
 
 def test_cli_keepalive_flags_reach_the_config(monkeypatch) -> None:
-    import rd2h.app.gateways as gateways
+    import rd2h.bootstrap.gateways as gateways
 
     seen: dict[str, Any] = {}
     monkeypatch.setattr(gateways, "serve_proxy",

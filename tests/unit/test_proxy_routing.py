@@ -10,8 +10,8 @@ from typing import Any
 import httpx
 from test_proxy import PROXY, Setup, run
 
-from rd2h.adapters.http.proxy import create_app
-from rd2h.adapters.http.proxy_config import ProxyConfig
+from rd2h.proxy.options import ProxyConfig
+from rd2h.proxy.service import create_app
 
 TOKEN = "t0ken-t0ken-t0ken-t0ken"
 FAST = {"probe_interval_s": 0.05, "probe_timeout_s": 0.5, "eject_base_s": 0.2,
@@ -339,7 +339,7 @@ def test_decode_failing_a_request_whose_prefill_failed_says_why() -> None:
 
 
 def test_cli_routing_flags_reach_the_config(monkeypatch) -> None:
-    import rd2h.app.gateways as gateways
+    import rd2h.bootstrap.gateways as gateways
     from rd2h.cli.main import main
 
     seen: dict[str, Any] = {}

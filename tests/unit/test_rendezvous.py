@@ -6,7 +6,7 @@ import uuid
 
 import pytest
 
-from rd2h.domain.rendezvous import (
+from rd2h.domain.wire.rendezvous import (
     ClientRequestError,
     Endpoint,
     MetaserverPostError,

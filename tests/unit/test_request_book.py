@@ -11,18 +11,18 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rd2h.domain.contributors import ContributorTracker
-from rd2h.domain.errors import ProtocolError
-from rd2h.domain.layout import DestinationLayout, DestTensor, SourceLayout, TensorComponent
-from rd2h.domain.planning import plan_reads
-from rd2h.domain.protocol import ReadReadyBatch, ReadRequest
-from rd2h.domain.request_book import (
+from rd2h.domain.decode.contributors import ContributorTracker
+from rd2h.domain.decode.request_book import (
     DecodeRequestBook,
     MergedReport,
     RankReport,
     StepOutcome,
     merge_tp_reports,
 )
+from rd2h.domain.errors import ProtocolError
+from rd2h.domain.planning.layout import DestinationLayout, DestTensor, SourceLayout, TensorComponent
+from rd2h.domain.planning.planning import plan_reads
+from rd2h.domain.wire.protocol import ReadReadyBatch, ReadRequest
 
 HSETTINGS = settings(deadline=None, max_examples=150)
 SUFFIX = "-abcdefgh"  # vLLM's 9-character engine suffix

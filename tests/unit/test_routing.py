@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from rd2h.domain.affinity import PrefixAffinity, prompt_text
-from rd2h.domain.routing import Failure, HealthRules, InstancePool, Policy
+from rd2h.proxy.affinity import PrefixAffinity, prompt_text
+from rd2h.proxy.routing import Failure, HealthRules, InstancePool, Policy
 
 URLS = ["http://a:1", "http://b:1", "http://c:1"]
 

@@ -24,12 +24,12 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from rd2h.domain.announce import LayerTarget, group_batches
-from rd2h.domain.decode_session import DecodeSession, Read, Reply
-from rd2h.domain.layout import DestinationLayout, DestTensor, SourceLayout, TensorComponent
-from rd2h.domain.prefill_events import Connect, Disconnect, SendBatch, SendMeta
-from rd2h.domain.prefill_session import PrefillSession, PrefillTimeouts
-from rd2h.domain.protocol import ReadFailed, ReadReadyBatch, ReadRequest
+from rd2h.domain.decode.decode_session import DecodeSession, Read, Reply
+from rd2h.domain.planning.layout import DestinationLayout, DestTensor, SourceLayout, TensorComponent
+from rd2h.domain.prefill.announce import LayerTarget, group_batches
+from rd2h.domain.prefill.prefill_events import Connect, Disconnect, SendBatch, SendMeta
+from rd2h.domain.prefill.prefill_session import PrefillSession, PrefillTimeouts
+from rd2h.domain.wire.protocol import ReadFailed, ReadReadyBatch, ReadRequest
 
 EP = "tcp://decode-0:30000"
 X9 = "-abcdefgh"  # vLLM's engine suffix
@@ -255,7 +255,7 @@ class SessionPair(RuleBasedStateMachine):
         self.ended.update(rid[: -len(X9)] for rid in by_vllm)
 
     def meta(self, r: int) -> Any:
-        from rd2h.domain.protocol import MfMeta
+        from rd2h.domain.wire.protocol import MfMeta
 
         return MfMeta(f"p{r}", {lay.layer_name: lay.to_metadata() for lay in source(r).values()})
 

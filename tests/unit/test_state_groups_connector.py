@@ -47,9 +47,9 @@ from vllm.v1.kv_cache_interface import (
 )
 from vllm.v1.outputs import KVConnectorOutput
 
-from rd2h.domain.compat import compare
 from rd2h.domain.errors import LayerSendError
-from rd2h.domain.kv_groups import UnsupportedKvGroup
+from rd2h.domain.planning.kv_groups import UnsupportedKvGroup
+from rd2h.domain.wire.compat import compare
 from rd2h.entry.connector import SfaRemoteD2HConnector
 
 BS, NB, HEADS, HEAD = 4, 24, 2, 8

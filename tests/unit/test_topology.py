@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rd2h.domain.errors import Rd2hError, TopologyError
-from rd2h.domain.topology import (
+from rd2h.domain.planning.topology import (
     MAX_PORT,
     PortPlan,
     TpMapping,

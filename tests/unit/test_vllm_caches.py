@@ -17,7 +17,7 @@ from rd2h.adapters.vllm.caches import (
     source_layouts,
 )
 from rd2h.domain.errors import LayoutMismatch
-from rd2h.domain.layout import (
+from rd2h.domain.planning.layout import (
     DestinationLayout,
     DestTensor,
     HeadRange,

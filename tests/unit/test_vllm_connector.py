@@ -46,9 +46,9 @@ from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.request import Request
 
 from rd2h.adapters.vllm.stats import Rd2hConnectorStats, delta
-from rd2h.app import assembly
 from rd2h.app.connector.plans import DecodeEndpoint, DecodeLoad, PrefillSend
 from rd2h.app.settings import ConnectorConfigError
+from rd2h.bootstrap import roles as assembly
 from rd2h.domain.errors import LayerSendError
 from rd2h.entry.connector import (
     Rd2hConnectorMetadata,

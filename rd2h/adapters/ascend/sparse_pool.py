@@ -23,7 +23,7 @@ from typing import Any
 
 from rd2h.adapters.torch.tensors import main_views, region_of
 from rd2h.domain.errors import LayoutMismatch
-from rd2h.domain.layout import DestinationLayout, DestTensor
+from rd2h.domain.planning.layout import DestinationLayout, DestTensor
 
 
 class SparseKvPoolDestinations:

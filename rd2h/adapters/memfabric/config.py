@@ -1,6 +1,6 @@
 """What binds a process's MemFabric engine: role, device, host, store and transfer type.
 
-Pure stdlib (the address checks are the domain's, ``rd2h.domain.addresses``), so it
+Pure stdlib (the address checks are the domain's, ``rd2h.domain.wire.addresses``), so it
 never imports the library.
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Literal, get_args
 
-from rd2h.domain.addresses import (
+from rd2h.domain.wire.addresses import (
     TRANSFER_TYPE_NAMES,
     TransferTypeName,
     parse_host_port,

@@ -16,7 +16,7 @@ The framing rule lives here and nowhere else:
   signed frames on the connection from 1.
 - The signed MF_META acknowledgement is ``b"ACK" + nonce + seq + tag`` with
   ``P = b"ACK"``: it tells Prefill the Decode nonce of the connection. Decode's
-  refusal of an MF_META (``rd2h.domain.compat``) is signed the same way:
+  refusal of an MF_META (``rd2h.domain.wire.compat``) is signed the same way:
   ``P + nonce + seq + tag`` with ``P = b"NAK" + msgpack(refusal)``.
 
 So every frame after MF_META is bound to both nonces of its connection: a frame
@@ -57,9 +57,9 @@ from collections.abc import Hashable
 from dataclasses import dataclass, field
 
 from rd2h.adapters.msgpack.codec import MsgpackCodec
-from rd2h.domain.compat import NAK, MetaRefused
 from rd2h.domain.errors import AuthenticationError, ProtocolError
-from rd2h.domain.protocol import Message, ReadReadyBatch, ack_plain, parse_ack
+from rd2h.domain.wire.compat import NAK, MetaRefused
+from rd2h.domain.wire.protocol import Message, ReadReadyBatch, ack_plain, parse_ack
 
 DIGEST_BYTES = 32
 NONCE_BYTES = 16

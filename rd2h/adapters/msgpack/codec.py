@@ -46,9 +46,9 @@ from typing import Any
 import msgpack
 
 from rd2h.adapters.msgpack.entries import element_bytes, entries_at
-from rd2h.domain.compat import NAK, MetaRefused, refusal_fields, refusal_from_fields
 from rd2h.domain.errors import ProtocolError
-from rd2h.domain.protocol import (
+from rd2h.domain.wire.compat import NAK, MetaRefused, refusal_fields, refusal_from_fields
+from rd2h.domain.wire.protocol import (
     READ_READY_BATCH,
     Message,
     ReadReadyBatch,
@@ -239,7 +239,7 @@ class MsgpackCodec:
     def encode(self, message: Message, conn: Hashable = None) -> bytes:
         return self._pack(fields_of(message, encode_nested_metadata=self._pack))
 
-    # The MF_META acknowledgement, unsigned (``rd2h.domain.protocol``).
+    # The MF_META acknowledgement, unsigned (``rd2h.domain.wire.protocol``).
     encode_ack, is_ack = staticmethod(encode_plain_ack), staticmethod(is_plain_ack)
     ack_generation = staticmethod(plain_ack_generation)
 

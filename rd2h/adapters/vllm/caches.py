@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from rd2h.adapters.torch.tensors import head_major, main_views, region_of, state_page
-from rd2h.domain.layout import (
+from rd2h.domain.planning.layout import (
     DestinationLayout,
     DestTensor,
     HeadRange,

@@ -55,7 +55,7 @@ from rd2h.adapters.zmq.sockets import (
     source_fd,
 )
 from rd2h.domain.errors import Rd2hError
-from rd2h.domain.topology import tcp_endpoint
+from rd2h.domain.planning.topology import tcp_endpoint
 
 __all__ = ["BindError", "ZmqControlClients", "ZmqControlServer"]
 

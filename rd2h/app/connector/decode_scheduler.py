@@ -2,7 +2,7 @@
 locally, rendezvous post to the proxy's metaserver once every Decode rank has
 admitted the request, cancellation when the request finishes.
 
-Recurrent state (``rd2h.domain.kv_groups``, the N-1 scheme): the match is the prompt
+Recurrent state (``rd2h.domain.planning.kv_groups``, the N-1 scheme): the match is the prompt
 but its last token, which this engine computes from the state after the others; a
 request with nothing to pull then (a one-token prompt, or a local prefix hit of all
 but the last token) is computed here, and the proxy is told so (a local notice). A
@@ -16,9 +16,9 @@ from typing import Any
 
 from rd2h.app.connector.plans import DecodeLoad, StepPlan
 from rd2h.app.connector.roles import BlockIds, ConnectorRole, RequestFacts, ScheduledRequest
-from rd2h.domain.chunks import external_request_id
-from rd2h.domain.kv_groups import NO_BLOCK, STATE_BACKOFF, state_slot
-from rd2h.domain.rendezvous import sampled, traceparent
+from rd2h.domain.planning.chunks import external_request_id
+from rd2h.domain.planning.kv_groups import NO_BLOCK, STATE_BACKOFF, state_slot
+from rd2h.domain.wire.rendezvous import sampled, traceparent
 from rd2h.ports.metaserver import MetaserverPoster
 from rd2h.ports.runtime import NO_TIMELINE, HopName, Logger, Timeline
 

@@ -7,8 +7,8 @@ from dataclasses import dataclass, replace
 from typing import Literal
 
 from rd2h.app.settings import Rd2hOptions, Rd2hSettings
-from rd2h.domain.compat import Compat
-from rd2h.domain.layout import HeadRange
+from rd2h.domain.planning.layout import HeadRange
+from rd2h.domain.wire.compat import Compat
 
 
 @dataclass(frozen=True)
@@ -30,11 +30,11 @@ class EngineFacts:
     # The model's KV heads over all TP ranks when they are split over the ranks (a GQA
     # or MHA model; None for MLA's one latent "head" or when unknown).
     total_kv_heads: int | None = None
-    # The KV cache groups rd2h transfers (``rd2h.domain.kv_groups.check_groups``): every
+    # The KV cache groups rd2h transfers (``rd2h.domain.planning.kv_groups.check_groups``): every
     # transferable group of the engine; an engine with one rd2h cannot move never starts.
     moved_groups: tuple[int, ...] = (0,)
     groups_text: str = ""  # the moved groups in words, for the log line at start
-    # The moved groups that hold recurrent state (``rd2h.domain.kv_groups``, N-1 scheme).
+    # The moved groups that hold recurrent state (``rd2h.domain.planning.kv_groups``, N-1 scheme).
     state_groups: tuple[int, ...] = ()
     # Tokens per block of every group, by index (empty: ``block_size`` for each).
     group_block_sizes: tuple[int, ...] = ()

@@ -10,7 +10,7 @@ so the request keeps its progress here (``transferred``): when it resumes (with 
 blocks, recomputed from the start or from a prefix-cache hit), the blocks after that
 point are announced from the new block table as they complete.
 
-Recurrent state (``rd2h.domain.kv_groups``, the N-1 scheme): a request for a remote
+Recurrent state (``rd2h.domain.planning.kv_groups``, the N-1 scheme): a request for a remote
 Decode is shortened by its last prompt token on arrival (``prompt_backoff``, once per
 request, whatever preemption does later), so the state Prefill ends with is the state
 after N-1 tokens; each state group's running-state block is announced with the final
@@ -24,11 +24,11 @@ from typing import Any
 
 from rd2h.app.connector.plans import DecodeEndpoint, PrefillSend, StepPlan
 from rd2h.app.connector.roles import BlockIds, ConnectorRole, RequestFacts, ScheduledRequest
-from rd2h.domain.chunks import chunk_block_range, external_request_id
 from rd2h.domain.errors import ChunkError, Rd2hError
-from rd2h.domain.kv_groups import NO_BLOCK, STATE_BACKOFF, leading_gap, state_slot
-from rd2h.domain.rendezvous import sampled, traceparent
-from rd2h.domain.topology import MAX_PORT, check_topology
+from rd2h.domain.planning.chunks import chunk_block_range, external_request_id
+from rd2h.domain.planning.kv_groups import NO_BLOCK, STATE_BACKOFF, leading_gap, state_slot
+from rd2h.domain.planning.topology import MAX_PORT, check_topology
+from rd2h.domain.wire.rendezvous import sampled, traceparent
 from rd2h.ports.runtime import NO_TIMELINE, HopName, Logger, Timeline
 
 

@@ -20,14 +20,14 @@ from typing import Any
 from rd2h.app.connector.plans import PrefillSend, StepPlan
 from rd2h.app.connector.roles import ConnectorRole, TransferResults
 from rd2h.app.prefill import LayerTarget, PrefillSender
-from rd2h.domain.chunks import layer_index
-from rd2h.domain.digests import source_spans
 from rd2h.domain.errors import CompletionError
-from rd2h.domain.layout import SourceLayout
-from rd2h.domain.prefill_book import Announced, RequestFailed, RequestWithheld
-from rd2h.domain.prefill_requests import RequestNews
-from rd2h.domain.protocol import ReadRequest
-from rd2h.domain.topology import compute_mapping, remote_port, tcp_endpoint
+from rd2h.domain.planning.chunks import layer_index
+from rd2h.domain.planning.layout import SourceLayout
+from rd2h.domain.planning.topology import compute_mapping, remote_port, tcp_endpoint
+from rd2h.domain.prefill.prefill_book import Announced, RequestFailed, RequestWithheld
+from rd2h.domain.prefill.prefill_session import RequestNews
+from rd2h.domain.wire.digests import source_spans
+from rd2h.domain.wire.protocol import ReadRequest
 from rd2h.ports.runtime import (
     NO_TIMELINE,
     Clock,

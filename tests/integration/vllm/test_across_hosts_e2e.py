@@ -29,7 +29,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from servers import Server, bytes_pulled, proxy_server, rd2h_kv, running, vllm_server
 
 from rd2h.demo.tiny_model import VOCAB
-from rd2h.domain.prefill_state import PrefillTimeouts
+from rd2h.domain.prefill.prefill_state import PrefillTimeouts
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(1800)]
 

@@ -27,7 +27,7 @@ import stall
 from fakes.net import free_port, quiet_ports
 from servers import Server, leaks_in, proxy_server, rd2h_kv, running, secret_file, vllm_server
 
-from rd2h.app.gateways import curve_keypair
+from rd2h.bootstrap.gateways import curve_keypair
 from rd2h.demo.tiny_model import VOCAB
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(1200)]

@@ -46,7 +46,7 @@ from fakes.net import free_port, quiet_ports
 from servers import MLA_ARGS, Server, proxy_server, rd2h_kv, vllm_server
 
 from rd2h.demo.tiny_model import VOCAB
-from rd2h.domain.topology import compute_mapping, contributor_group
+from rd2h.domain.planning.topology import compute_mapping, contributor_group
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(1800)]
 

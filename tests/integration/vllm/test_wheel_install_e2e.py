@@ -103,7 +103,7 @@ def test_the_wheel_installs_rd2h_alone_outside_the_checkout(installed) -> None:
     # The console script and the extras' imports work from there.
     assert "proxy" in _run([str(installed["venv"] / "bin" / "rd2h"), "--help"], base,
                            installed["log"])
-    _run([str(py), "-c", "import rd2h.adapters.mooncake, rd2h.adapters.http.proxy"], base,
+    _run([str(py), "-c", "import rd2h.adapters.mooncake, rd2h.proxy.service"], base,
          installed["log"])
     # The wheel carries the package and its entry point, not the tests or the docs.
     names = subprocess.run([sys.executable, "-m", "zipfile", "-l", str(installed["wheel"])],

@@ -1,0 +1,361 @@
+"""Decode's side of the control protocol as a sans-IO state machine (spec 4-7.2).
+
+The receive loop (``rd2h.app.decode``) decodes frames and feeds them in with
+the time; the session validates, plans and keeps the request book, and says
+what to do: ``SendAck``, ``Reply`` (exactly one READ_DONE or READ_FAILED per
+READ_READY_BATCH, also when this rank owns none of its blocks) or ``Read`` (one
+batched read of a plan; the loop performs it and reports ``read_done``). Events
+(``MetaStored``, ``LayerDone``, ``LayerFailed``, ``PeerLost``, ``Expired``,
+``Rejected``) say what happened, for logs, stats and the worker's wake-up.
+
+The engine side (admission, the per-step TP resolution) goes through the same
+object, so one lock in the caller covers every rule.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Collection, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+from rd2h.domain.decode.decode_events import (
+    Capped,
+    Expired,
+    Forget,
+    LayerDone,
+    LayerFailed,
+    MetaStored,
+    Output,
+    Peer,
+    PeerLost,
+    Read,
+    Rejected,
+    RejectKind,
+    Reply,
+    SendAck,
+    SendRefusal,
+    Skipped,
+)
+from rd2h.domain.decode.orphans import DEFAULT_ORPHANS_PER_PEER, DEFAULT_ORPHANS_TOTAL, CapHit
+from rd2h.domain.decode.request_book import DecodeRequestBook, RankReport, StepOutcome
+from rd2h.domain.errors import (
+    AuthenticationError,
+    LayoutMismatch,
+    PlanningError,
+    ProtocolError,
+    UnknownMessageType,
+)
+from rd2h.domain.planning.layout import DestinationLayout, SourceLayout
+from rd2h.domain.planning.planning import PlanMemo, plan_reads
+from rd2h.domain.wire.compat import Compat, compare
+from rd2h.domain.wire.protocol import Message, MfMeta, ReadDone, ReadFailed, ReadReadyBatch, clip
+
+DEFAULT_MAX_PEERS = 1024
+
+
+# ---------------------------------------------------------------- state
+
+
+@dataclass
+class _Peer:
+    session: str
+    layers: dict[str, SourceLayout | LayoutMismatch]
+    proven: bool = False  # a READ_READY_BATCH came since its MF_META
+    generation: int | None = None  # MF_META's (None: the peer states none)
+
+
+@dataclass
+class _PendingRead:
+    peer: Peer
+    batch: ReadReadyBatch
+    started: bool = False
+    lost: bool = False
+    skipped: tuple[str, ...] = ()
+
+
+class DecodeSession:
+    def __init__(
+        self,
+        *,
+        destinations: Mapping[str, DestinationLayout],
+        d_rank: int,
+        d_tp: int,
+        main_shared: bool = True,
+        request_timeout_s: float = 120.0,
+        max_peers: int = DEFAULT_MAX_PEERS,
+        max_orphans_per_peer: int = DEFAULT_ORPHANS_PER_PEER,
+        max_orphans: int = DEFAULT_ORPHANS_TOTAL,
+        compat: Compat | None = None,
+        generation: int | None = None,
+    ) -> None:
+        self.generation = generation  # stated in the ACK to peers that state theirs
+        if max_peers < 1:
+            raise ValueError("max_peers must be >= 1")
+        self._destinations = dict(destinations)
+        self.d_rank = d_rank
+        self.d_tp = d_tp
+        # True: one main pool shared by the Decode TP ranks, each reads its share.
+        # False: every rank has its own main cache and reads all main blocks.
+        self.main_shared = main_shared
+        self.request_timeout_s = request_timeout_s
+        self.max_peers = max_peers
+        self.compat = compat  # what this side states (None: no MF_META is ever refused)
+        self._peers: dict[Peer, _Peer] = {}
+        # Every layer of a chunk names the same blocks: plan them once per peer.
+        self._memo = PlanMemo()
+        self._peers_capped = False
+        self._book = DecodeRequestBook(max_orphans_per_peer, max_orphans)
+        self._reads: dict[int, _PendingRead] = {}
+        self._tokens = itertools.count()
+
+    # ------------------------------------------------------------ control inputs
+    def receive(self, peer: Peer, message: Message, now: float) -> list[Output]:
+        if isinstance(message, MfMeta):
+            return self._meta(peer, message, now)
+        if isinstance(message, ReadReadyBatch):
+            if (known := self._peers.get(peer)) is not None:
+                known.proven = True  # no longer evictable by a newcomer (``_meta``)
+            return self._ready(peer, message, now) + self._cap_hits()
+        return [Rejected(RejectKind.UNEXPECTED, type(message).__name__)]
+
+    def reject(self, peer: Peer, error: ProtocolError) -> list[Output]:
+        """A frame that did not decode. Refused before anything in it is used: no
+        metadata stored, no read, no request failed; a READ_FAILED when it names a layer."""
+        if isinstance(error, UnknownMessageType):
+            return [Rejected(RejectKind.UNKNOWN, clip(repr(error.tag), 80))]
+        detail = clip(error.detail)
+        if isinstance(error, AuthenticationError):
+            out: list[Output] = [Rejected(RejectKind.UNAUTHENTICATED, detail, error.layer_idx)]
+            if error.layer_idx is not None:
+                out.append(Reply(peer, ReadFailed(error.layer_idx,
+                                                  f"authentication failed: {detail}")))
+            return out
+        out = [Rejected(RejectKind.MALFORMED, detail, error.layer_idx)]
+        if error.layer_idx is not None:
+            out.append(Reply(peer, ReadFailed(error.layer_idx, f"malformed message: {detail}")))
+        return out
+
+    def begin_read(self, token: int) -> bool:
+        """About to perform ``Read(token)``: False if its peer is gone (report
+        ``read_done`` anyway: the layer fails and is answered)."""
+        pending = self._reads.get(token)
+        if pending is None or pending.lost:
+            return False
+        pending.started = True
+        return True
+
+    def read_done(self, token: int, now: float, error: str | None = None) -> list[Output]:
+        pending = self._reads.pop(token, None)
+        if pending is None:
+            return []
+        if error is not None:
+            return self._fail(pending.peer, pending.batch, f"read failed: {error}", now)
+        if pending.lost:
+            # A peer that vanished (or reset the connection after its acknowledgement
+            # deadline) may have reused the source: do not trust what was read.
+            when = "during" if pending.started else "before"
+            return self._fail(pending.peer, pending.batch,
+                              f"prefill peer disconnected {when} the read", now)
+        return self._finish(pending.peer, pending.batch, now, pending.skipped)
+
+    def peer_lost(self, peer: Peer, now: float, how: str = "disconnected") -> list[Output]:
+        """The connection closed (or, ``how``, its process restarted): forget its metadata
+        and fail the unfinished requests it was contributing to (requests that never
+        heard from it end at their deadline)."""
+        gone = self._peers.pop(peer, None)
+        self._memo.forget(peer)
+        session = gone.session if gone is not None else "?"
+        for pending in self._reads.values():
+            if pending.peer == peer:
+                pending.lost = True
+        failed = self._book.fail_peer(
+            peer, f"prefill peer {session} {how} before announcing the final layer", now
+        )
+        if len(self._peers) < self.max_peers:
+            self._peers_capped = False
+        return [PeerLost(session, tuple(failed))]
+
+    def tick(self, now: float) -> list[Output]:
+        """Fail admitted requests past the request deadline; drop stale state of requests
+        never admitted here."""
+        late = self._book.expire(now, self.request_timeout_s)
+        return [Expired(tuple(late), self.request_timeout_s)] if late else []
+
+    def next_deadline(self) -> float | None:
+        """When ``tick`` next has something to do: an admitted request reaches
+        ``request_timeout_s``, or an orphan goes stale (None: nothing is held)."""
+        return self._book.next_deadline(self.request_timeout_s)
+
+    # ------------------------------------------------------------ engine inputs
+    def admit(self, internal_id: str, main_block_ids: Iterable[int],
+              indexer_block_ids: Iterable[int], now: float,
+              group_block_ids: Sequence[Sequence[int]] = ()) -> str:
+        return self._book.admit(internal_id, list(main_block_ids), list(indexer_block_ids), now,
+                                group_block_ids)
+
+    def local_report(self) -> RankReport:
+        return self._book.local_report()
+
+    def finish_step(self, reports: Collection[RankReport], finished_by_vllm: Iterable[str],
+                    now: float) -> StepOutcome:
+        # A request a planned read names may still get bytes written into its blocks.
+        busy = {r.ext_req_id for p in self._reads.values() for r in p.batch.read_reqs}
+        return self._book.finish_step(reports, finished_by_vllm, now=now, busy=busy)
+
+    def drop(self, internal_ids: Iterable[str]) -> None:
+        self._book.drop(internal_ids)
+
+    def fail_loads(self, internal_ids: Iterable[str], reason: str) -> list[str]:
+        """Fail admitted, unfinished requests whose KV the deployment knows will not come
+        (reported at the next step); returns their external ids."""
+        return self._book.fail_admitted(internal_ids, clip(reason))
+
+    def counters(self) -> dict[str, int]:
+        out = self._book.counters()
+        out["peers"] = len(self._peers)
+        return out
+
+    @property
+    def admitted_count(self) -> int:
+        return self._book.admitted_count
+
+    @property
+    def reads_in_flight(self) -> int:
+        return len(self._reads)
+
+    # ------------------------------------------------------------ rules
+    def _cap_hits(self) -> list[Output]:
+        return [Capped("orphans", _label(hit), hit.limit)
+                for hit in self._book.orphans.take_hits()]
+
+    def _restarted(self, peer: Peer, meta: MfMeta, now: float) -> list[Output]:
+        """Other connections of the same Prefill session from another generation: that
+        process is gone (a new one took its address), so its metadata, signing state,
+        reads and the requests it was contributing to end now; a new one's announcements
+        are never read as its."""
+        out: list[Output] = []
+        for old, known in list(self._peers.items()):
+            if (old != peer and known.session == meta.p_session and known.generation
+                    is not None and known.generation != meta.generation):
+                out += [*self.peer_lost(old, now, "restarted (a new generation)"),
+                        Forget(old)]
+        return out
+
+    def _meta(self, peer: Peer, meta: MfMeta, now: float) -> list[Output]:
+        refused = None if meta.compat is None or self.compat is None else compare(
+            meta.compat, self.compat)
+        if refused is not None:  # an incompatible build: nothing of this peer is kept
+            self._peers.pop(peer, None)
+            self._memo.forget(peer)
+            why = clip(f"prefill {meta.p_session}: {refused.describe()}")
+            return [Rejected(RejectKind.INCOMPATIBLE, why), SendRefusal(peer, refused),
+                    Forget(peer)]
+        out = [] if meta.generation is None else self._restarted(peer, meta, now)
+        known = self._peers.get(peer)
+        # Full: the oldest peer that announced nothing since its MF_META (a replayed one
+        # cannot: that needs the secret) yields its slot; it holds no other state.
+        for idle in [p for p, k in self._peers.items() if not k.proven][:1] if (
+                known is None and len(self._peers) >= self.max_peers) else ():
+            del self._peers[idle]
+            out.append(Forget(idle))
+        if known is None and len(self._peers) >= self.max_peers:
+            # Not acknowledged: that Prefill's handshake deadline reports it.
+            out += [Rejected(RejectKind.CAPPED, f"MF_META from a new connection while "
+                            f"{self.max_peers} peers are known"), Forget(peer)]
+            if not self._peers_capped:
+                self._peers_capped = True
+                out.append(Capped("peers", "all peers", self.max_peers))
+            return out
+        layers: dict[str, SourceLayout | LayoutMismatch] = {}
+        for name, lm in meta.layers.items():
+            if name not in self._destinations:  # never read: not kept (bounds peer state)
+                continue
+            try:
+                layers[name] = SourceLayout.from_metadata(name, lm)
+            except LayoutMismatch as exc:
+                layers[name] = exc
+        self._peers[peer] = _Peer(meta.p_session, layers, known is not None and known.proven,
+                                  meta.generation)
+        ack = SendAck(peer, None if meta.generation is None else self.generation)
+        return [*out, ack, MetaStored(peer, meta.p_session, len(layers))]
+
+    def _ready(self, peer: Peer, batch: ReadReadyBatch, now: float) -> list[Output]:
+        known = self._peers.get(peer)
+        if known is None:
+            return self._fail(peer, batch, "READ_READY_BATCH before MF_META on this connection",
+                              now)
+        src = known.layers.get(batch.layer_name)
+        dst = self._destinations.get(batch.layer_name)
+        if src is None or dst is None:
+            side = "decode destinations" if dst is None else "prefill metadata"
+            return self._fail(peer, batch, f"layer {batch.layer_name!r} is unknown to {side}",
+                              now)
+        if isinstance(src, LayoutMismatch):
+            return self._fail(peer, batch, str(src), now)
+        book = self._book
+        dests = {
+            r.ext_req_id: d
+            for r in batch.read_reqs
+            if (d := book.destination(r.ext_req_id)) is not None
+            and not book.is_terminal(r.ext_req_id)
+        }
+        skipped: tuple[str, ...] = ()
+        if len(dests) < len(batch.read_reqs):
+            # Requests this rank no longer reads (aborted, never admitted, or already
+            # ended here, e.g. failed): not read, named in the reply; the rest of the
+            # layer is read as usual.
+            skipped = tuple(dict.fromkeys(r.ext_req_id for r in batch.read_reqs
+                                          if r.ext_req_id not in dests))
+            batch = dataclasses.replace(
+                batch, read_reqs=tuple(r for r in batch.read_reqs if r.ext_req_id in dests))
+        try:
+            plan = plan_reads(batch, src, dst, dests, d_rank=self.d_rank, d_tp=self.d_tp,
+                              main_shared=self.main_shared, memo=self._memo, owner=peer)
+        except (LayoutMismatch, PlanningError) as exc:
+            return self._fail(peer, batch, str(exc), now)
+        except Exception as exc:  # a planner bug must still answer, or Prefill waits it out
+            return self._fail(peer, batch, f"cannot plan the layer: {type(exc).__name__}: "
+                              f"{exc}", now, unexpected=True)
+        # These requests now depend on this peer until it reports their final layer.
+        self._book.note_contribution(peer, (r.ext_req_id for r in batch.read_reqs))
+        if not plan.num_descriptors:
+            return self._finish(peer, batch, now, skipped)
+        token = next(self._tokens)
+        self._reads[token] = _PendingRead(peer, batch, skipped=skipped)
+        return [Read(token, peer, known.session, plan, batch.hold_until_ms, batch.layer_idx)]
+
+    def _finish(self, peer: Peer, batch: ReadReadyBatch, now: float,
+                skipped: tuple[str, ...] = ()) -> list[Output]:
+        done_ids = batch.done_ext_ids
+        if skipped:  # no orphan state for a request this rank has already forgotten
+            gone = set(skipped)
+            done_ids = tuple(e for e in done_ids if e not in gone)
+        try:
+            completed = self._book.record_done(
+                done_ids, batch.group_member_idx, batch.tp_ratio, peer=peer, now=now
+            )
+        except ProtocolError as exc:
+            return self._fail(peer, batch, exc.detail, now)
+        out: list[Output] = [Reply(peer, ReadDone(batch.layer_idx, batch.seq, skipped)),
+                             LayerDone(batch.layer_idx, tuple(completed))]
+        if skipped:
+            out.append(Skipped(batch.layer_idx, skipped))
+        return out
+
+    def _fail(self, peer: Peer, batch: ReadReadyBatch, reason: str, now: float | None,
+              *, unexpected: bool = False) -> list[Output]:
+        reason = clip(reason)  # names and ids in it come from the peer
+        # A connection that never sent MF_META may fail admitted requests it names (a
+        # Prefill that reconnected) but leaves no state for ids unknown here.
+        self._book.record_failed(batch.named_ext_ids, reason, now, peer,
+                                 admitted_only=peer not in self._peers)
+        return [Reply(peer, ReadFailed(batch.layer_idx, reason, batch.seq)),
+                LayerFailed(batch.layer_idx, reason, unexpected)]
+
+
+def _label(hit: CapHit) -> str:
+    owner = hit.owner
+    if isinstance(owner, bytes):
+        return "peer " + owner.hex()[:16]
+    return str(owner)

@@ -1,0 +1,124 @@
+"""What read planning needs of one pair of layouts (a Prefill layer's, Decode's), once.
+
+A peer's layouts are fixed by its MF_META and Decode's by its cache, and every message
+of that layer pairs the same two objects; so the layout check, the head split's slices,
+the tensor pairs, the limits the source and destination block ids must stay under, and
+the tensors' base addresses in descriptor order are worked out once per pair (the
+``PlanMemo`` keeps them) instead of once per message. Planning compares a block plan's
+highest and lowest ids with these limits as plain integers, and only where one is
+crossed runs the exact checks that name the block and request at fault.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import numpy as np
+
+from rd2h.domain.planning.layout import (
+    DestinationLayout,
+    DestTensor,
+    MainSlice,
+    SourceLayout,
+    TensorComponent,
+    main_slices,
+    validate_layout,
+)
+
+_INT64_MAX = (1 << 63) - 1
+
+Pairs = tuple[tuple[TensorComponent, DestTensor], ...]
+
+
+class Bases(NamedTuple):
+    """Per tensor that gets descriptors, in row order: Decode's and Prefill's base address
+    (arrays, and the same as integers)."""
+
+    local: np.ndarray
+    remote: np.ndarray
+    local_ints: tuple[int, ...]
+    remote_ints: tuple[int, ...]
+
+
+def block_limit(tensor: TensorComponent) -> tuple[int, bool]:
+    """The first source block id of ``tensor`` that may not be read, and whether it is
+    the end of the region Prefill advertised (else where ``(block + 1) * size + base``
+    would leave the 64-bit range), in exact integer arithmetic."""
+    room = (_INT64_MAX - tensor.base_addr) // max(1, tensor.bytes_per_block)
+    if tensor.num_blocks is not None and tensor.num_blocks <= room:
+        return tensor.num_blocks, True
+    return room, False
+
+
+def source_limit(tensors: Sequence[TensorComponent]) -> int:
+    """``block_limit``'s smallest over ``tensors`` (``_INT64_MAX`` for none)."""
+    return min((block_limit(t)[0] for t in tensors), default=_INT64_MAX)
+
+
+@dataclass(frozen=True)
+class LayerPair:
+    """The per-pair constants of planning (see the module docstring)."""
+
+    src: SourceLayout
+    dst: DestinationLayout
+    slices: tuple[MainSlice, ...] | None
+    main_pairs: Pairs
+    index_pairs: Pairs
+    main_src_limit: int  # source block ids of main must stay below this
+    index_src_limit: int  # and of the indexer (and scale)
+    main_dst_blocks: int  # destination ids of main must stay below this
+    index_dst_blocks: int
+    shape: tuple[object, ...]  # what a descriptor template depends on besides the blocks
+    # (main has blocks, indexer has blocks) -> ``Bases``
+    _bases: dict[tuple[bool, bool], Bases] = field(
+        default_factory=dict, compare=False, repr=False)
+
+    @staticmethod
+    def of(src: SourceLayout, dst: DestinationLayout) -> LayerPair:
+        """Check the pair (``validate_layout``: raises ``LayoutMismatch``) and derive it."""
+        validate_layout(src, dst)
+        slices = main_slices(src, dst)
+        main_pairs = tuple(zip(src.main, dst.main))
+        index_pairs: Pairs = ()
+        if src.indexer is not None and dst.indexer is not None:
+            index_pairs = ((src.indexer, dst.indexer),)
+            if src.scale is not None and dst.scale is not None:
+                index_pairs += ((src.scale, dst.scale),)
+        index_src = [t for t in (src.indexer, src.scale) if t is not None]
+        shape = (tuple((s.bytes_per_block, d.bytes_per_block) for s, d in main_pairs),
+                 None if slices is None else tuple(slices),
+                 tuple((s.bytes_per_block, d.bytes_per_block) for s, d in index_pairs))
+        return LayerPair(
+            src, dst, slices, main_pairs, index_pairs,
+            source_limit(src.main), source_limit(index_src),
+            min((d.num_blocks for _, d in main_pairs), default=_INT64_MAX),
+            min((d.num_blocks for _, d in index_pairs), default=_INT64_MAX),
+            shape,
+        )
+
+    def bases(self, main: bool, index: bool) -> Bases:
+        """Base addresses (Decode's, Prefill's) of the tensors that get descriptors, in
+        the template's row order: main's tensors when ``main`` has blocks, then the
+        indexer's (and scale's) when ``index`` has; a head split adds each slice's offset."""
+        key = (main, index)
+        hit = self._bases.get(key)
+        if hit is None:
+            d_bases: list[int] = []
+            p_bases: list[int] = []
+            if main:
+                for t, (src, dst) in enumerate(self.main_pairs):
+                    cut = None if self.slices is None else self.slices[t]
+                    d_bases.append(dst.base_addr + (0 if cut is None else cut.dst_offset))
+                    p_bases.append(src.base_addr + (0 if cut is None else cut.src_offset))
+            if index:
+                for src, dst in self.index_pairs:
+                    d_bases.append(dst.base_addr)
+                    p_bases.append(src.base_addr)
+            d = np.array(d_bases, dtype=np.int64)
+            p = np.array(p_bases, dtype=np.int64)
+            d.setflags(write=False)
+            p.setflags(write=False)
+            hit = self._bases[key] = Bases(d, p, tuple(d_bases), tuple(p_bases))
+        return hit

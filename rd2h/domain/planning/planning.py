@@ -1,0 +1,350 @@
+"""Read planning on Decode for one READ_READY_BATCH (spec 5), vectorised with numpy.
+
+The planner turns a message, the two layouts and this rank's destination block
+lists into one batch of read descriptors (three int64 arrays) covering every
+request of the message, plus per-request ownership facts. Any rule violation
+fails the whole layer with ``PlanningError``: the caller answers READ_FAILED.
+
+Work per message is a short Python pass over the requests (look-ups, slices)
+and array arithmetic over blocks: ownership ranges are computed for all
+requests at once, contiguous runs are found on block ids (shared by the
+tensors of a component) and addresses are computed only for run starts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from functools import cached_property
+from itertools import chain
+from operator import attrgetter, getitem
+from typing import Any
+
+import numpy as np
+
+from rd2h.domain.decode.destination import Destination
+from rd2h.domain.errors import PlanningError
+from rd2h.domain.planning.descriptors import DescriptorTemplate, Group
+from rd2h.domain.planning.kv_groups import NO_BLOCK
+from rd2h.domain.planning.layer_pair import LayerPair, block_limit
+from rd2h.domain.planning.layout import (
+    DestinationLayout,
+    DestTensor,
+    SourceLayout,
+    TensorComponent,
+)
+from rd2h.domain.planning.plan_memo import PlanMemo
+from rd2h.domain.planning.read_plan import ReadPlan, RequestOwnership, coalesce
+from rd2h.domain.planning.topology import owned_ranges
+from rd2h.domain.wire.digests import block_checks
+from rd2h.domain.wire.protocol import ReadReadyBatch, ReadRequest
+
+__all__ = ["BlockPlan", "Destination", "PlanMemo", "ReadPlan", "RequestOwnership", "coalesce",
+           "plan_reads"]
+
+_EMPTY = np.zeros(0, dtype=np.int64)
+_EMPTY.setflags(write=False)
+
+
+@dataclass(frozen=True)
+class _Component:
+    """Owned block ids of one component (main, or indexer+scale) across requests, and
+    what every layer's plan derives from them (computed once per component)."""
+
+    src: np.ndarray
+    dst: np.ndarray
+    counts: np.ndarray  # owned blocks per request
+
+    @cached_property
+    def src_hi(self) -> int:
+        return int(self.src.max())
+
+    @cached_property
+    def dst_hi(self) -> int:
+        return int(self.dst.max())
+
+    @cached_property
+    def dst_lo(self) -> int:
+        return int(self.dst.min())
+
+    @cached_property
+    def runs(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Starts (src, dst) and lengths, in blocks, of runs consecutive on both sides."""
+        src, dst = self.src, self.dst
+        n = src.shape[0]
+        brk = np.empty(n, dtype=bool)
+        brk[0] = True
+        step = brk[1:]
+        np.not_equal(src[1:] - src[:-1], 1, out=step)
+        step |= (dst[1:] - dst[:-1]) != 1
+        if brk.all():  # nothing to merge (typical for a fragmented pool)
+            return src, dst, np.ones(n, dtype=np.int64)
+        first = np.flatnonzero(brk)
+        length = np.diff(first, append=n)
+        return src[first], dst[first], length
+
+
+def _own(
+    layer: str,
+    what: str,
+    reqs: Sequence[ReadRequest],
+    src_lists: Sequence[Sequence[int]],
+    lens: np.ndarray,
+    dst_lists: Sequence[np.ndarray],
+    starts: np.ndarray,
+    k: int,
+    r: int,
+) -> _Component:
+    """Owned blocks of every request, as flat source and destination id arrays."""
+    n = len(reqs)
+    room = np.fromiter(map(len, dst_lists), dtype=np.int64, count=n)
+    # ``lens > room - starts``, not ``starts + lens > room``: a hostile start near
+    # 2**63 must not wrap around and pass. (One reduction first: the exact search,
+    # which also excuses empty lists, runs only when something may not fit.)
+    over = lens > room - starts
+    bad = np.flatnonzero(over & (lens > 0)) if over.any() else _EMPTY
+    if bad.size:
+        i = int(bad[0])
+        raise PlanningError(
+            layer,
+            f"{what} blocks [{int(starts[i])}, {int(starts[i]) + int(lens[i])}) do not fit "
+            f"the {int(room[i])} destination blocks",
+            reqs[i].ext_req_id,
+        )
+    if k > 1:
+        lo, hi = owned_ranges(lens, k, r, starts)
+    else:
+        lo, hi = np.zeros(n, dtype=np.int64), lens
+    counts = hi - lo
+    total = int(counts.sum())
+    if total == 0:
+        return _Component(_EMPTY, _EMPTY, counts)
+    src = np.fromiter(
+        chain.from_iterable(map(getitem, src_lists, map(slice, lo.tolist(), hi.tolist()))),
+        dtype=np.int64, count=total,
+    )
+    dst = np.concatenate(
+        list(map(getitem, dst_lists, map(slice, (starts + lo).tolist(), (starts + hi).tolist())))
+    )
+    held = dst != NO_BLOCK
+    if not held.all():
+        # Positions Decode holds no block for (vLLM's null block outside a sliding
+        # window): nothing is read there, never into the shared null block.
+        owner = np.repeat(np.arange(n, dtype=np.int64), counts)
+        counts = np.bincount(owner[held], minlength=n).astype(np.int64)
+        src, dst = src[held], dst[held]
+        if not src.size:
+            return _Component(_EMPTY, _EMPTY, counts)
+    return _Component(src, dst, counts)
+
+
+def _check_source(
+    layer: str,
+    what: str,
+    comp: _Component,
+    tensors: Sequence[TensorComponent],
+    reqs: Sequence[ReadRequest],
+) -> None:
+    """Refuse reads outside Prefill's advertised regions (when it advertised their size)
+    and source addresses beyond the 64-bit range, naming the first request at fault."""
+    if comp.src.size == 0:
+        return
+    highest = comp.src_hi
+    for tensor in tensors:
+        limit, advertised = block_limit(tensor)
+        if highest < limit:
+            continue
+        where = (f"the {tensor.num_blocks} blocks prefill advertised for its {what} tensor"
+                 if advertised else "the 64-bit address space")
+        at = int(np.argmax(comp.src >= limit))
+        owner = int(np.searchsorted(np.cumsum(comp.counts), at, side="right"))
+        raise PlanningError(
+            layer,
+            f"{what} source block {int(comp.src[at])} is beyond {where}",
+            reqs[owner].ext_req_id,
+        )
+
+
+def _check_range(hi: int, lo: int, dst: DestTensor, layer: str, what: str) -> None:
+    """``hi`` / ``lo``: the highest and lowest destination block of a component."""
+    if hi >= dst.num_blocks:
+        raise PlanningError(
+            layer,
+            f"{what} destination block {hi} is beyond the "
+            f"{dst.num_blocks} blocks of the destination",
+        )
+    if lo < 0:
+        raise PlanningError(layer, f"{what} destination block {lo} is negative")
+
+
+@dataclass(frozen=True)
+class BlockPlan:
+    """The layer-independent part of a plan: the blocks this rank owns of each request
+    of a message. Every layer of a chunk names the same requests and blocks, so a
+    ``PlanMemo`` lets the next layer reuse it; only addresses differ per layer."""
+
+    ext_ids: tuple[str, ...]
+    main: _Component
+    index: _Component
+    # Descriptor templates by layer shape (tensor block sizes, head slices): see
+    # ``rd2h.domain.planning.descriptors``; filled as layers of each shape are planned.
+    templates: dict[object, Any] = field(default_factory=dict, compare=False)
+
+    def built(self, main_tensors: int, idx_tensors: int) -> tuple[np.ndarray, int | None]:
+        """Descriptors built per request before coalescing, and the first request that
+        owns blocks yet gets none (None: no such request)."""
+        key = ("built", main_tensors, idx_tensors)
+        hit = self.templates.get(key)
+        if hit is None:
+            built = self.main.counts * main_tensors + self.index.counts * idx_tensors
+            built.setflags(write=False)
+            empty = np.flatnonzero((self.main.counts + self.index.counts > 0) & (built == 0))
+            hit = self.templates[key] = (built, int(empty[0]) if empty.size else None)
+        return hit  # type: ignore[return-value]
+
+    def descriptors(self, pair: LayerPair,
+                    layer: str) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+        """This layer's descriptors (runs of consecutive blocks become one descriptor) and
+        the bytes they read. Destination ids are checked against the pair's limits as
+        integers; the exact check, naming the tensor, runs only when one is crossed."""
+        main, index = self.main, self.index
+        has_main = bool(main.src.size) and bool(pair.main_pairs)
+        has_index = bool(index.src.size) and bool(pair.index_pairs)
+        for comp, pairs, what, room, used in (
+                (main, pair.main_pairs, "main", pair.main_dst_blocks, has_main),
+                (index, pair.index_pairs, "indexer", pair.index_dst_blocks, has_index)):
+            if used and (comp.dst_hi >= room or comp.dst_lo < 0):
+                for _, dst in pairs:
+                    _check_range(comp.dst_hi, comp.dst_lo, dst, layer, what)
+        template = self.templates.get(pair.shape)
+        if template is None:
+            groups: list[Group] = [(main, pair.main_pairs, "main", pair.slices),
+                                   (index, pair.index_pairs, "indexer", None)]
+            template = self.templates[pair.shape] = DescriptorTemplate.build(groups)
+        bases = pair.bases(has_main, has_index)
+        local, remote, lengths = template.layer(*bases)
+        return local, remote, lengths, template.total_bytes
+
+
+def _block_plan(
+    batch: ReadReadyBatch,
+    dests: Sequence[Destination | None],
+    *,
+    has_main: bool,
+    has_indexer: bool,
+    d_rank: int,
+    d_tp: int,
+    main_shared: bool,
+    head_split: bool = False,
+    group: int | None = None,
+) -> BlockPlan:
+    layer = batch.layer_name
+    member, ratio = batch.group_member_idx, max(1, batch.tp_ratio)
+    reqs = batch.read_reqs
+    n = len(reqs)
+    ext_ids = tuple(map(attrgetter("ext_req_id"), reqs))
+    main_lists = list(map(attrgetter("p_main_block_ids"), reqs))
+    idx_lists = list(map(attrgetter("p_indexer_block_ids"), reqs))
+    main_lens = np.fromiter(map(len, main_lists), dtype=np.int64, count=n)
+    idx_lens = np.fromiter(map(len, idx_lists), dtype=np.int64, count=n)
+    # The first request (in message order) that breaks a rule fails the layer.
+    missing = dests.index(None) if None in dests else n
+    blank = np.flatnonzero((main_lens == 0) & (idx_lens == 0))
+    if missing < n or blank.size:
+        if missing <= (int(blank[0]) if blank.size else n):
+            raise PlanningError(layer, "no destination blocks are known for it", ext_ids[missing])
+        raise PlanningError(layer, "the read request names no blocks", ext_ids[int(blank[0])])
+
+    zeros = np.zeros(n, dtype=np.int64)
+    main = _Component(_EMPTY, _EMPTY, zeros)
+    index = _Component(_EMPTY, _EMPTY, zeros)
+    # Main is read from member 0 alone when every member holds all of it (replicated,
+    # e.g. MLA's latent); with a head split each member holds its own heads of it.
+    if (member == 0 or head_split) and has_main and n:
+        main = _own(
+            layer, "main", reqs, main_lists, main_lens,
+            [d.main_for(group) for d in dests],
+            np.fromiter(map(attrgetter("main_start_block"), reqs), dtype=np.int64, count=n),
+            # A shared main pool is split over the Decode ranks; a rank-local main
+            # cache (vanilla vLLM) needs every main block on every rank.
+            d_tp if main_shared else 1, d_rank if main_shared else 0,
+        )
+    if has_indexer and n:
+        index = _own(
+            layer, "indexer", reqs, idx_lists, idx_lens,
+            list(map(attrgetter("indexer_block_ids"), dests)),
+            np.fromiter(map(attrgetter("indexer_start_block"), reqs), dtype=np.int64, count=n),
+            ratio, member,
+        )
+    return BlockPlan(ext_ids, main, index)
+
+
+def plan_reads(
+    batch: ReadReadyBatch,
+    src: SourceLayout,
+    dst: DestinationLayout,
+    destinations: Mapping[str, Destination],
+    *,
+    d_rank: int,
+    d_tp: int,
+    main_shared: bool = True,
+    memo: PlanMemo | None = None,
+    owner: object = None,
+) -> ReadPlan:
+    """Plan this Decode rank's share of a READ_READY_BATCH.
+
+    Main K/V is read only by contributor member 0 (every member of a group holds all
+    of it), or, with a head split (``main_slices``), by every member into its heads'
+    slice of each Decode block, and split over the Decode TP
+    ranks (rotated by the chunk's start); the indexer and LIC8 scale are split
+    over the contributor members so every Decode rank ends with a full copy.
+    With ``main_shared=False`` (each Decode rank has its own main cache) this rank
+    reads every main block instead of its share.
+    With a ``memo``, the block ownership of the last message from ``owner`` is
+    reused when this message names the same requests, blocks and destinations
+    (every layer of a chunk does); the per-layer checks and addresses always run.
+    Raises ``LayoutMismatch`` or ``PlanningError``; either fails the whole layer.
+    """
+    pair = memo.pair(src, dst) if memo is not None else LayerPair.of(src, dst)
+    slices = pair.slices
+    layer = batch.layer_name
+    reqs = batch.read_reqs
+    dests = tuple(map(destinations.get, map(attrgetter("ext_req_id"), reqs)))
+    has_main, has_indexer = bool(src.main), src.indexer is not None
+    key = (reqs, batch.group_member_idx, batch.tp_ratio, has_main, has_indexer, d_rank, d_tp,
+           main_shared, slices is not None, dst.group)
+    blocks = memo.get(owner, key, dests) if memo is not None else None
+    if blocks is None:
+        blocks = _block_plan(batch, dests, has_main=has_main, has_indexer=has_indexer,
+                             d_rank=d_rank, d_tp=d_tp, main_shared=main_shared,
+                             head_split=slices is not None, group=dst.group)
+        if memo is not None:
+            memo.put(owner, key, dests, blocks)
+    main, index = blocks.main, blocks.index
+
+    # The pair's limits first, as integers; the exact check names the block at fault.
+    if main.src.size and main.src_hi >= pair.main_src_limit:
+        _check_source(layer, "main", main, src.main, reqs)
+    if index.src.size and index.src_hi >= pair.index_src_limit:
+        _check_source(
+            layer, "indexer", index, [t for t in (src.indexer, src.scale) if t is not None],
+            reqs)
+
+    built, empty = blocks.built(len(src.main), 1 + (src.scale is not None))
+    if empty is not None:
+        raise PlanningError(layer, "this rank owns blocks but built no descriptor",
+                            reqs[empty].ext_req_id)
+
+    local, remote, lengths, nbytes = blocks.descriptors(pair, layer)
+    checks = None
+    if slices is None and any(r.digests is not None for r in reqs):  # head split: unchecked
+        cut_m, cut_i = np.cumsum(main.counts)[:-1], np.cumsum(index.counts)[:-1]
+        owned = [(m, i) for m, i in zip(zip(np.split(main.src, cut_m), np.split(main.dst, cut_m)),
+                                        zip(np.split(index.src, cut_i),
+                                            np.split(index.dst, cut_i)))]
+        checks = block_checks(layer, reqs, src, owned, dst.main,
+                              [t for t in (dst.indexer, dst.scale) if t is not None])
+    return ReadPlan(
+        local, remote, lengths, blocks.ext_ids, main.counts, index.counts, built,
+        int(main.src.size + index.src.size), checks, nbytes,
+    )

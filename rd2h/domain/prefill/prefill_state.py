@@ -1,0 +1,190 @@
+"""The state a ``PrefillSession`` keeps: its timeouts, entries, announcements, links."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+from rd2h.domain.wire.protocol import ReadReadyBatch
+
+# How late the sender's loop may notice a deadline (it ticks between polls and sends).
+GATE_SLACK_S = 5.0
+
+
+@dataclass(frozen=True)
+class PrefillTimeouts:
+    meta_ack_s: float = 10.0
+    layer_ack_s: float = 30.0
+    device_event_s: float = 30.0
+    # After a failed handshake, sends to that endpoint fail at once for this long.
+    reconnect_after_s: float = 5.0
+    # A connection with nothing in flight for this long is closed and forgotten.
+    idle_link_s: float = 300.0
+
+    @property
+    def longest_entry_s(self) -> float:
+        """The longest one announcement to one endpoint can stay open under these
+        deadlines: its device event, then a handshake, then a frame that waits in the
+        outbox up to its reply deadline and, once it goes, a full reply deadline."""
+        return self.device_event_s + self.meta_ack_s + 2 * self.layer_ack_s
+
+    @property
+    def gate_budget_s(self) -> float:
+        """The one bound on how long a layer's storage may stay in use after it was
+        announced: every entry ends within ``longest_entry_s``, and the driver fails
+        one within ``GATE_SLACK_S`` of its deadline. The buffer-reuse wait, the
+        preemption settle and the demo's gates all wait this long, never less."""
+        return self.longest_entry_s + GATE_SLACK_S
+
+
+class Phase(StrEnum):
+    """Where an announcement entry waits (each under exactly one deadline)."""
+
+    EVENT = "event"  # the layer's device event (device_event_s)
+    HANDSHAKE = "handshake"  # the endpoint's MF_META ACK (meta_ack_s)
+    SENT = "sent"  # the READ_READY_BATCH's reply (layer_ack_s)
+    # Failed before its reply deadline (the connection reset) after it went out: Decode
+    # may still read its blocks until that deadline (the hold the frame stated), so its
+    # storage stays in use until then; the failure was reported already.
+    HELD = "held"
+
+
+class LinkState(StrEnum):
+    """A Decode endpoint's connection, as ``Link`` documents."""
+
+    DOWN = "down"
+    HANDSHAKING = "handshaking"
+    READY = "ready"
+    BACKOFF = "backoff"
+
+
+class LinkEvent(StrEnum):
+    """What moves a ``Link`` from one ``LinkState`` to another (``TRANSITIONS``)."""
+
+    HANDSHAKE = "handshake"  # MF_META goes out on a link with none acknowledged
+    ACK = "ack"  # Decode acknowledged it
+    HANDSHAKE_FAILED = "handshake_failed"  # refused, unsent, disconnected or timed out
+    BACKOFF_OVER = "backoff_over"  # ``reconnect_after_s`` passed since
+    READ_FAILED = "read_failed"  # READ_FAILED: Decode may have restarted; handshake again
+    RESET = "reset"  # no reply will come on the connection (lost, or a reply was late)
+    STOP = "stop"  # the session stopped
+
+
+_S, _E = LinkState, LinkEvent
+# Every allowed (state, event) -> new state; ``Link.move`` refuses any other pair. A
+# reset leaves a backoff as it is (its handshake failed already; it ends at its deadline).
+TRANSITIONS: Mapping[tuple[LinkState, LinkEvent], LinkState] = {
+    (_S.DOWN, _E.HANDSHAKE): _S.HANDSHAKING,
+    (_S.HANDSHAKING, _E.ACK): _S.READY,
+    (_S.HANDSHAKING, _E.HANDSHAKE_FAILED): _S.BACKOFF,
+    (_S.BACKOFF, _E.BACKOFF_OVER): _S.DOWN,
+    (_S.READY, _E.READ_FAILED): _S.DOWN,
+    (_S.DOWN, _E.RESET): _S.DOWN,
+    (_S.HANDSHAKING, _E.RESET): _S.DOWN,
+    (_S.READY, _E.RESET): _S.DOWN,
+    (_S.BACKOFF, _E.RESET): _S.BACKOFF,
+    **{(state, _E.STOP): _S.DOWN for state in LinkState},
+}
+
+
+class LinkTransitionError(ValueError):
+    """A ``Link.move`` that ``TRANSITIONS`` does not allow (a bug in the session)."""
+
+
+@dataclass(eq=False)
+class Entry:
+    aid: int
+    layer_idx: int
+    endpoint: str
+    batch: ReadReadyBatch
+    phase: Phase
+    deadline: float
+    sent_at: float = 0.0
+    on_wire: bool = False  # the frame went out (``PrefillSession.sent``)
+    held_error: str = ""  # HELD: the failure its storage release will report
+
+
+@dataclass(eq=False)
+class Announcement:
+    layer_idx: int
+    named: bool  # it names requests: the book holds them until each entry ended
+    entries: dict[str, Entry] = field(default_factory=dict)
+    error: str | None = None
+
+
+@dataclass(eq=False)
+class Link:
+    """One Decode endpoint: ``down`` (no MF_META acknowledged on this connection),
+    ``handshaking`` (until ``deadline``), ``ready``, or ``backoff`` (a handshake failed
+    for ``reason``; sends fail at once until ``deadline``).
+
+    ``gone``: the transport reported the connection lost and not re-established since;
+    a handshake would only wait for ``meta_ack_s``, so sends fail at once with it.
+    ``notify``: Decode refused our MF_META (incompatible builds); announcements still go
+    out, unread there, so that Decode fails the requests they name at once."""
+
+    state: LinkState = LinkState.DOWN
+    deadline: float = 0.0
+    reason: str = ""
+    waiting: list[Entry] = field(default_factory=list)
+    inflight: list[Entry] = field(default_factory=list)
+    last_used: float = 0.0
+    gone: str = ""
+    notify: bool = False
+    generation: int | None = None  # the Decode process's, from its ACK (None: unknown)
+
+    def move(self, event: LinkEvent) -> LinkState:
+        """The one way ``state`` changes: by ``TRANSITIONS``; any other pair raises
+        ``LinkTransitionError``. Returns the new state."""
+        new = TRANSITIONS.get((self.state, event))
+        if new is None:
+            raise LinkTransitionError(f"link {self.state.value}: no transition on "
+                                      f"{event.value}")
+        self.state = new
+        return new
+
+
+class Links(dict[str, Link]):
+    """The session's links by endpoint."""
+
+    def at(self, endpoint: str, now: float) -> Link:
+        """The endpoint's link (new: ``down``); a backoff that ran out is ``down`` again."""
+        link = self.get(endpoint)
+        if link is None:
+            link = self[endpoint] = Link(last_used=now)
+        if link.state == LinkState.BACKOFF and now >= link.deadline:
+            link.move(LinkEvent.BACKOFF_OVER)
+            link.reason, link.notify = "", False
+        return link
+
+    def deadlines(self, idle_s: float) -> list[float]:
+        """When each link changes on its own: a handshake's deadline, or when
+        ``close_idle`` forgets a link with nothing waiting (a backoff ends first)."""
+        out = []
+        for link in self.values():
+            if link.state == LinkState.HANDSHAKING:
+                out.append(link.deadline)
+            elif not (link.waiting or link.inflight):
+                idle_at = link.last_used + idle_s
+                backoff = link.state == LinkState.BACKOFF
+                out.append(max(idle_at, link.deadline) if backoff else idle_at)
+        return out
+
+    def stop(self) -> list[str]:
+        """Every link down; returns the endpoints whose handshake was under way."""
+        handshaking = [ep for ep, link in self.items() if link.state == LinkState.HANDSHAKING]
+        for link in self.values():
+            link.move(LinkEvent.STOP)
+        return handshaking
+
+    def close_idle(self, now: float, idle_s: float) -> list[str]:
+        """Forget links with nothing in flight for ``idle_s`` (Decode instances come and
+        go; their connections must not pile up); returns their endpoints."""
+        idle = [ep for ep, link in self.items()
+                if (link.state in (LinkState.READY, LinkState.DOWN) or now >= link.deadline)
+                and not (link.waiting or link.inflight or link.state == LinkState.HANDSHAKING)
+                and link.last_used + idle_s <= now]  # the time ``deadlines`` names
+        for ep in idle:
+            del self[ep]
+        return idle
