@@ -249,11 +249,7 @@ class DecodeReceiver(LoopThread):
         a busy rank handles what piled up in one wake, with one loss check and one
         deadline look for all of it (each read still checks for losses after it)."""
         assert self._server is not None
-        many = getattr(self._server, "recv_many", None)
-        if many is not None:
-            return list(many(timeout, _BATCH))
-        item = self._server.recv(timeout)
-        return [] if item is None else [item]
+        return self._server.recv_many(timeout, _BATCH)
 
     def _wait_s(self) -> float:
         """Expire what is due, then wait until the session's next deadline (none:

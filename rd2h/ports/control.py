@@ -18,11 +18,13 @@ class ControlServer(Protocol):
     def endpoint(self) -> str: ...
 
     def recv(self, timeout: float) -> tuple[bytes, bytes] | None:
-        """Next message (empty delimiter frames removed), or None after ``timeout``.
+        """Next message (empty delimiter frames removed), or None after ``timeout``."""
+        ...
 
-        A server may also offer ``recv_many(timeout, limit) -> list[(identity,
-        payload)]``: every message already queued (up to ``limit``), else ``recv``'s
-        one; the Decode loop then handles a backlog in one wake."""
+    def recv_many(self, timeout: float, limit: int) -> list[tuple[bytes, bytes]]:
+        """Every message already queued (up to ``limit``), else wait ``timeout`` for one
+        (an empty list: none came, a connection was lost or ``wake`` was called). The
+        Decode loop handles a backlog in one wake this way."""
         ...
 
     def send(self, identity: bytes, payload: bytes) -> bool:

@@ -32,6 +32,3 @@ def traceparent_for(header: str | None) -> str:
         return header.strip().lower()
     return new_traceparent()
 
-
-def trace_id(traceparent: str) -> str:
-    return traceparent.split("-")[1]

@@ -121,6 +121,16 @@ class MemoryServer:
             if time.monotonic() >= deadline:
                 return None
 
+    def recv_many(self, timeout: float, limit: int) -> list[tuple[bytes, bytes]]:
+        """What is queued (up to ``limit``), else ``recv``'s one, as the ZeroMQ server."""
+        first = self.recv(timeout)
+        if first is None:
+            return []
+        out = [first]
+        while len(out) < limit and (item := self.recv(0.0)) is not None:
+            out.append(item)
+        return out
+
     def send(self, identity: bytes, payload: bytes) -> bool:
         with self._net._lock:
             conn = self._conns.get(identity)

@@ -129,6 +129,10 @@ class SteppedServer:
     def recv(self, timeout: float) -> tuple[bytes, bytes] | None:
         return next((i for i in self.stepper.take(timeout) if i is not None), None)
 
+    def recv_many(self, timeout: float, limit: int) -> list[tuple[bytes, bytes]]:
+        item = self.recv(timeout)
+        return [] if item is None else [item]
+
     def send(self, identity: bytes, payload: bytes) -> bool:
         return True
 

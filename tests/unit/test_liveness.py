@@ -352,6 +352,10 @@ class FakeServer:
         except queue.Empty:
             return None
 
+    def recv_many(self, timeout: float, limit: int) -> list[tuple[bytes, bytes]]:
+        item = self.recv(timeout)
+        return [] if item is None else [item]
+
     def send(self, identity: bytes, payload: bytes) -> bool:
         self.sent.append((identity, "ACK" if payload == ACK else CODEC.decode(payload)))
         return True

@@ -124,10 +124,6 @@ class StorageSlotGates:
         )
         return GateState(open=not blockers, error=error, waiting_on=waiting)
 
-    def is_pending(self, layer_idx: int, endpoint: Hashable) -> bool:
-        pending = self._pending.get(layer_idx)
-        return bool(pending) and pending[endpoint] > 0
-
     @property
     def pending_layers(self) -> tuple[int, ...]:
         return tuple(sorted(self._pending))

@@ -47,6 +47,7 @@ from rd2h.domain.prefill.prefill_events import (
 from rd2h.domain.prefill.prefill_state import (
     Announcement,
     Entry,
+    EntryEvent,
     Link,
     LinkEvent,
     Links,
@@ -390,8 +391,7 @@ class PrefillSession:
             return self._end(entry, link.gone)
         if link.state == LinkState.READY:
             return self._send(entry, link, now)
-        entry.phase = Phase.HANDSHAKE
-        entry.deadline = now + self.timeouts.meta_ack_s
+        entry.move(EntryEvent.AWAIT_HANDSHAKE, now + self.timeouts.meta_ack_s)
         link.waiting.append(entry)
         down = link.state == LinkState.DOWN
         return self._start_handshake(entry.endpoint, link, now) if down else []
@@ -402,9 +402,8 @@ class PrefillSession:
         return [Connect(endpoint), SendMeta(endpoint)]
 
     def _send(self, entry: Entry, link: Link, now: float) -> list[Output]:
-        entry.phase = Phase.SENT
+        entry.move(EntryEvent.SEND, now + self.timeouts.layer_ack_s)
         entry.sent_at = link.last_used = now
-        entry.deadline = now + self.timeouts.layer_ack_s
         link.inflight.append(entry)
         return [SendBatch(entry.endpoint, entry.batch, entry.aid)]
 
@@ -465,10 +464,13 @@ class PrefillSession:
         if error is not None and ann.error is None:
             ann.error = error
         if held:
-            entry.phase, entry.held_error = Phase.HELD, error or ""
+            entry.move(EntryEvent.HOLD)
+            entry.held_error = error or ""
             return [LayerAnswered(entry.layer_idx, entry.endpoint, error, None)]
         if entry.phase == Phase.HELD:  # reported when it was held
+            entry.move(EntryEvent.END)
             return self._resolve(entry, ann, entry.held_error)
+        entry.move(EntryEvent.END)
         self._resolve(entry, ann, error)
         return [LayerAnswered(entry.layer_idx, entry.endpoint, error,
                               latency if error is None else None)]

@@ -48,6 +48,28 @@ class Phase(StrEnum):
     # may still read its blocks until that deadline (the hold the frame stated), so its
     # storage stays in use until then; the failure was reported already.
     HELD = "held"
+    ENDED = "ended"  # answered or failed, its gate and ticket resolved: it is forgotten
+
+
+class EntryEvent(StrEnum):
+    """What moves an ``Entry`` from one ``Phase`` to another (``ENTRY_TRANSITIONS``)."""
+
+    AWAIT_HANDSHAKE = "await_handshake"  # its link has no MF_META acknowledged yet
+    SEND = "send"  # its READ_READY_BATCH goes out
+    HOLD = "hold"  # failed after it went out, with its hold still ahead
+    END = "end"  # answered or failed (a held one: its hold is over)
+
+
+_P, _EE = Phase, EntryEvent
+# Every allowed (phase, event) -> new phase; ``Entry.move`` refuses any other pair. Each
+# phase but ENDED runs under one deadline, which the move sets.
+ENTRY_TRANSITIONS: Mapping[tuple[Phase, EntryEvent], Phase] = {
+    (_P.EVENT, _EE.AWAIT_HANDSHAKE): _P.HANDSHAKE,
+    (_P.EVENT, _EE.SEND): _P.SENT,
+    (_P.HANDSHAKE, _EE.SEND): _P.SENT,
+    (_P.SENT, _EE.HOLD): _P.HELD,
+    **{(phase, _EE.END): _P.ENDED for phase in (_P.EVENT, _P.HANDSHAKE, _P.SENT, _P.HELD)},
+}
 
 
 class LinkState(StrEnum):
@@ -92,6 +114,10 @@ class LinkTransitionError(ValueError):
     """A ``Link.move`` that ``TRANSITIONS`` does not allow (a bug in the session)."""
 
 
+class EntryTransitionError(ValueError):
+    """An ``Entry.move`` that ``ENTRY_TRANSITIONS`` does not allow (a bug in the session)."""
+
+
 @dataclass(eq=False)
 class Entry:
     aid: int
@@ -103,6 +129,18 @@ class Entry:
     sent_at: float = 0.0
     on_wire: bool = False  # the frame went out (``PrefillSession.sent``)
     held_error: str = ""  # HELD: the failure its storage release will report
+
+    def move(self, event: EntryEvent, deadline: float | None = None) -> Phase:
+        """The one way ``phase`` changes: by ``ENTRY_TRANSITIONS`` (any other pair raises
+        ``EntryTransitionError``), with the new phase's ``deadline`` when it has one."""
+        new = ENTRY_TRANSITIONS.get((self.phase, event))
+        if new is None:
+            raise EntryTransitionError(f"entry {self.phase.value}: no transition on "
+                                       f"{event.value}")
+        self.phase = new
+        if deadline is not None:
+            self.deadline = deadline
+        return new
 
 
 @dataclass(eq=False)
