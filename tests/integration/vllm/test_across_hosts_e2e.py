@@ -25,6 +25,7 @@ from typing import Any
 import hosts as net
 import httpx
 import pytest
+from fakes.net import free_port
 from prometheus_client.parser import text_string_to_metric_families
 from servers import Server, bytes_pulled, proxy_server, rd2h_kv, running, vllm_server
 
@@ -36,7 +37,6 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(1800)]
 MAX_TOKENS = 8
 KV_PORT = 20000
 ENGINE_PORT = 8000
-PROXY_PORT = 8900
 DECODE_TIMEOUT_S = 20.0
 DEADLINES = {"layer_ack_s": 10.0, "meta_ack_s": 5.0, "device_event_s": 10.0,
              "request_s": 30.0}
@@ -99,10 +99,11 @@ def cluster(tmp_path_factory, llama_model, llama_reference) -> Iterator[dict[str
                          kv=kv("kv_consumer", d_host, KV_PORT), log_stats=True,
                          host=d_host.addr, prefix=d_host.exec_prefix()),
     }
-    s["one"] = proxy_server(PROXY_PORT, [s["p0"].url], [s["d"].url], root / "proxy_one.log",
-                            args=PROXY_ARGS, host=made.router_addr)
-    s["two"] = proxy_server(PROXY_PORT + 1, [s["p0"].url, s["p1"].url], [s["d"].url],
-                            root / "proxy_two.log", args=PROXY_ARGS, host=made.router_addr)
+    router = made.router_addr
+    s["one"] = proxy_server(free_port(router), [s["p0"].url], [s["d"].url],
+                            root / "proxy_one.log", args=PROXY_ARGS, host=router)
+    s["two"] = proxy_server(free_port(router), [s["p0"].url, s["p1"].url], [s["d"].url],
+                            root / "proxy_two.log", args=PROXY_ARGS, host=router)
     try:
         with running(*s.values()):
             yield {"model": str(llama_model), "base": llama_reference, "hosts": made, **s}
