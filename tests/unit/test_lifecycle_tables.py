@@ -1,6 +1,7 @@
 """Every lifecycle in one table, every change through it: a Prefill entry's phases
-(``ENTRY_TRANSITIONS``, ``Entry.move``) and a Decode endpoint link's states
-(``TRANSITIONS``, ``Link.move``). Each allowed pair moves to its state; each other pair
+(``ENTRY_TRANSITIONS``, ``Entry.move``), a Decode endpoint link's states
+(``TRANSITIONS``, ``Link.move``) and its connection as the transport reports it
+(``CONNECTIONS``, ``Link.report``). Each allowed pair moves to its state; each other pair
 raises; and no code outside the tables assigns a phase or a state."""
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from rd2h.domain.prefill.prefill_state import (
+    CONNECTIONS,
     ENTRY_TRANSITIONS,
     TRANSITIONS,
     Entry,
@@ -22,6 +24,8 @@ from rd2h.domain.prefill.prefill_state import (
     LinkState,
     LinkTransitionError,
     Phase,
+    Transport,
+    TransportEvent,
 )
 from rd2h.domain.wire.protocol import ReadReadyBatch
 
@@ -68,7 +72,28 @@ def test_every_link_pair_moves_by_the_table_or_is_refused(state: LinkState,
         assert link.move(event) == want == link.state
 
 
-@pytest.mark.parametrize(("attr", "allowed"), [("phase", "def move"), ("state", "def move")])
+@pytest.mark.parametrize(("state", "event"), list(itertools.product(Transport,
+                                                                     TransportEvent)))
+def test_every_connection_report_moves_by_its_table(state: Transport,
+                                                    event: TransportEvent) -> None:
+    link = Link(transport=state)
+    assert link.report(event, "lost: why") == CONNECTIONS[(state, event)] == link.transport
+    assert link.gone == ("lost: why" if link.transport == Transport.LOST else "")
+
+
+def test_refused_and_lost_are_what_notify_and_gone_read() -> None:
+    from rd2h.domain.prefill.prefill_state import LinkState
+
+    assert Link(state=LinkState.REFUSED).notify and not Link(state=LinkState.BACKOFF).notify
+    link = Link()
+    link.report(TransportEvent.LOSS, "gone")
+    assert link.gone == "gone"
+    link.report(TransportEvent.RESTORED)
+    assert link.gone == "" and link.transport == Transport.CONNECTED
+
+
+@pytest.mark.parametrize(("attr", "allowed"), [("phase", "def move"), ("state", "def move"),
+                                               ("transport", "def report")])
 def test_nothing_outside_the_tables_assigns_a_phase_or_a_state(attr: str, allowed: str) -> None:
     """``x.phase = ...`` / ``x.state = ...`` appear only in the ``move`` methods."""
     pattern = re.compile(rf"\.{attr}\s*=[^=]|\.{attr},.*=(?!=)")

@@ -45,6 +45,7 @@ from rd2h.domain.prefill.prefill_events import (
     SendMeta,
 )
 from rd2h.domain.prefill.prefill_state import (
+    BACKING_OFF,
     Announcement,
     Entry,
     EntryEvent,
@@ -54,6 +55,7 @@ from rd2h.domain.prefill.prefill_state import (
     LinkState,
     Phase,
     PrefillTimeouts,
+    TransportEvent,
 )
 from rd2h.domain.wire.protocol import ReadDone, ReadFailed, ReadReadyBatch
 
@@ -144,7 +146,7 @@ class PrefillSession:
             link = self._links.at(ep, now)
             if link.state == LinkState.READY:
                 out.append(HandshakeDone(ep, None))
-            elif link.state == LinkState.BACKOFF or link.gone:
+            elif link.state in BACKING_OFF or link.gone:
                 out.append(HandshakeDone(ep, link.reason or link.gone))
             elif link.state == LinkState.DOWN:
                 out += self._start_handshake(ep, link, now)
@@ -174,7 +176,7 @@ class PrefillSession:
     def ack_refused(self, endpoint: str, detail: str, now: float,
                     notify: bool = False) -> list[Output]:
         """An ACK that failed authentication, or Decode refused MF_META: fail at once.
-        ``notify`` (an incompatible build): see ``Link.notify``."""
+        ``notify`` (an incompatible build): the link is ``refused`` (see ``Link``)."""
         link = self._links.get(endpoint)
         if link is None or link.state != LinkState.HANDSHAKING:
             return []
@@ -233,8 +235,9 @@ class PrefillSession:
         Until ``connection_restored``, sends fail at once (no ``meta_ack_s`` wait)."""
         link = self._links.get(endpoint)
         if link is not None:
-            link.gone = (f"decode endpoint {endpoint} disconnected and has not reconnected "
-                         f"(process gone, connection reset or heartbeat timeout)")
+            link.report(TransportEvent.LOSS,
+                        f"decode endpoint {endpoint} disconnected and has not reconnected "
+                        f"(process gone, connection reset or heartbeat timeout)")
         if link is not None and link.state == LinkState.HANDSHAKING:
             return self._handshake_failed(
                 endpoint, link,
@@ -248,7 +251,7 @@ class PrefillSession:
         """The transport connected to ``endpoint`` again: handshakes may go ahead."""
         link = self._links.get(endpoint)
         if link is not None:
-            link.gone = ""
+            link.report(TransportEvent.RESTORED)
 
     def tick(self, now: float) -> list[Output]:
         """Fail whatever passed its deadline."""
@@ -384,7 +387,7 @@ class PrefillSession:
     # ------------------------------------------------------------ rules
     def _dispatch(self, entry: Entry, now: float) -> list[Output]:
         link = self._links.at(entry.endpoint, now)
-        if link.state == LinkState.BACKOFF:
+        if link.state in BACKING_OFF:
             notice = [SendBatch(entry.endpoint, entry.batch, entry.aid)] if link.notify else []
             return notice + self._end(entry, link.reason)
         if link.gone and link.state != LinkState.READY:
@@ -411,8 +414,8 @@ class PrefillSession:
                           now: float, *, notify: bool = False) -> list[Output]:
         """Drop the connection (with ``notify``: keep it, see ``ack_refused``); sends to
         it fail at once for ``reconnect_after_s``."""
-        link.move(LinkEvent.HANDSHAKE_FAILED)
-        link.reason, link.notify = reason, notify
+        link.move(LinkEvent.INCOMPATIBLE if notify else LinkEvent.HANDSHAKE_FAILED)
+        link.reason = reason
         link.deadline = now + self.timeouts.reconnect_after_s
         out: list[Output] = [HandshakeDone(endpoint, reason)]
         if not notify:

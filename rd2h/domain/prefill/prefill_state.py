@@ -79,6 +79,9 @@ class LinkState(StrEnum):
     HANDSHAKING = "handshaking"
     READY = "ready"
     BACKOFF = "backoff"
+    # Decode refused our MF_META (an incompatible build): a backoff in which announcements
+    # still go out, unread there, so that Decode fails the requests they name at once.
+    REFUSED = "refused"
 
 
 class LinkEvent(StrEnum):
@@ -86,7 +89,8 @@ class LinkEvent(StrEnum):
 
     HANDSHAKE = "handshake"  # MF_META goes out on a link with none acknowledged
     ACK = "ack"  # Decode acknowledged it
-    HANDSHAKE_FAILED = "handshake_failed"  # refused, unsent, disconnected or timed out
+    HANDSHAKE_FAILED = "handshake_failed"  # unsent, unauthenticated, lost or timed out
+    INCOMPATIBLE = "incompatible"  # Decode answered MF_META with its refusal
     BACKOFF_OVER = "backoff_over"  # ``reconnect_after_s`` passed since
     READ_FAILED = "read_failed"  # READ_FAILED: Decode may have restarted; handshake again
     RESET = "reset"  # no reply will come on the connection (lost, or a reply was late)
@@ -100,13 +104,41 @@ TRANSITIONS: Mapping[tuple[LinkState, LinkEvent], LinkState] = {
     (_S.DOWN, _E.HANDSHAKE): _S.HANDSHAKING,
     (_S.HANDSHAKING, _E.ACK): _S.READY,
     (_S.HANDSHAKING, _E.HANDSHAKE_FAILED): _S.BACKOFF,
+    (_S.HANDSHAKING, _E.INCOMPATIBLE): _S.REFUSED,
     (_S.BACKOFF, _E.BACKOFF_OVER): _S.DOWN,
+    (_S.REFUSED, _E.BACKOFF_OVER): _S.DOWN,
     (_S.READY, _E.READ_FAILED): _S.DOWN,
     (_S.DOWN, _E.RESET): _S.DOWN,
     (_S.HANDSHAKING, _E.RESET): _S.DOWN,
     (_S.READY, _E.RESET): _S.DOWN,
     (_S.BACKOFF, _E.RESET): _S.BACKOFF,
+    (_S.REFUSED, _E.RESET): _S.REFUSED,
     **{(state, _E.STOP): _S.DOWN for state in LinkState},
+}
+BACKING_OFF = frozenset({LinkState.BACKOFF, LinkState.REFUSED})
+"""States in which sends fail at once until the link's ``deadline``."""
+
+
+class Transport(StrEnum):
+    """What the transport last reported of the endpoint's connection (``CONNECTIONS``)."""
+
+    CONNECTED = "connected"  # connected, or never reported lost
+    LOST = "lost"  # reported lost and not re-established: sends fail at once
+
+
+class TransportEvent(StrEnum):
+    LOSS = "loss"  # the transport saw the connection close
+    RESTORED = "restored"  # the transport connected to the endpoint again
+
+
+_T, _TE = Transport, TransportEvent
+# A link's connection, beside its handshake state (``TRANSITIONS``): every report of the
+# transport moves it here, and nothing else does.
+CONNECTIONS: Mapping[tuple[Transport, TransportEvent], Transport] = {
+    (_T.CONNECTED, _TE.LOSS): _T.LOST,
+    (_T.LOST, _TE.LOSS): _T.LOST,
+    (_T.LOST, _TE.RESTORED): _T.CONNECTED,
+    (_T.CONNECTED, _TE.RESTORED): _T.CONNECTED,
 }
 
 
@@ -154,13 +186,14 @@ class Announcement:
 @dataclass(eq=False)
 class Link:
     """One Decode endpoint: ``down`` (no MF_META acknowledged on this connection),
-    ``handshaking`` (until ``deadline``), ``ready``, or ``backoff`` (a handshake failed
-    for ``reason``; sends fail at once until ``deadline``).
+    ``handshaking`` (until ``deadline``), ``ready``, ``backoff`` (a handshake failed for
+    ``reason``; sends fail at once until ``deadline``) or ``refused`` (Decode refused our
+    MF_META: a backoff in which announcements still go out, unread there, so that
+    Decode fails the requests they name at once).
 
-    ``gone``: the transport reported the connection lost and not re-established since;
-    a handshake would only wait for ``meta_ack_s``, so sends fail at once with it.
-    ``notify``: Decode refused our MF_META (incompatible builds); announcements still go
-    out, unread there, so that Decode fails the requests they name at once."""
+    ``transport``, beside it: ``lost`` once the transport reported the connection closed
+    and until it connected again (``lost_reason`` says so); a handshake would only wait
+    for ``meta_ack_s``, so sends fail at once meanwhile."""
 
     state: LinkState = LinkState.DOWN
     deadline: float = 0.0
@@ -168,9 +201,19 @@ class Link:
     waiting: list[Entry] = field(default_factory=list)
     inflight: list[Entry] = field(default_factory=list)
     last_used: float = 0.0
-    gone: str = ""
-    notify: bool = False
+    transport: Transport = Transport.CONNECTED
+    lost_reason: str = ""
     generation: int | None = None  # the Decode process's, from its ACK (None: unknown)
+
+    @property
+    def notify(self) -> bool:
+        """Announcements still go out to a refusing Decode (``refused``)."""
+        return self.state == LinkState.REFUSED
+
+    @property
+    def gone(self) -> str:
+        """Why sends fail at once while the connection is lost ("" when it is not)."""
+        return self.lost_reason if self.transport == Transport.LOST else ""
 
     def move(self, event: LinkEvent) -> LinkState:
         """The one way ``state`` changes: by ``TRANSITIONS``; any other pair raises
@@ -182,6 +225,13 @@ class Link:
         self.state = new
         return new
 
+    def report(self, event: TransportEvent, reason: str = "") -> Transport:
+        """The one way ``transport`` changes: by ``CONNECTIONS`` (every pair is allowed:
+        the transport may repeat itself). A loss records ``reason``."""
+        self.transport = CONNECTIONS[(self.transport, event)]
+        self.lost_reason = reason if event == TransportEvent.LOSS else ""
+        return self.transport
+
 
 class Links(dict[str, Link]):
     """The session's links by endpoint."""
@@ -191,9 +241,9 @@ class Links(dict[str, Link]):
         link = self.get(endpoint)
         if link is None:
             link = self[endpoint] = Link(last_used=now)
-        if link.state == LinkState.BACKOFF and now >= link.deadline:
+        if link.state in BACKING_OFF and now >= link.deadline:
             link.move(LinkEvent.BACKOFF_OVER)
-            link.reason, link.notify = "", False
+            link.reason = ""
         return link
 
     def deadlines(self, idle_s: float) -> list[float]:
@@ -205,7 +255,7 @@ class Links(dict[str, Link]):
                 out.append(link.deadline)
             elif not (link.waiting or link.inflight):
                 idle_at = link.last_used + idle_s
-                backoff = link.state == LinkState.BACKOFF
+                backoff = link.state in BACKING_OFF
                 out.append(max(idle_at, link.deadline) if backoff else idle_at)
         return out
 
