@@ -13,7 +13,8 @@ overrides (``bootstrap(settings, transport=fake)``).
 from __future__ import annotations
 
 import importlib.util
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from dependency_injector import containers, providers
@@ -245,17 +246,32 @@ def build_container(settings: Rd2hSettings) -> Container:
     return container
 
 
+@dataclass(frozen=True)
+class InPlaceOf:
+    """An override built in the provider's place from the provider's own arguments:
+    ``bootstrap(s, metaserver=InPlaceOf(RecordingMetaserver))`` calls
+    ``RecordingMetaserver(timeout_s=..., retries=..., ...)`` as the real client would be
+    called, so a fake sees what the settings made of the real thing."""
+
+    build: Callable[..., Any]
+
+
 def bootstrap(settings: Rd2hSettings, **overrides: Any) -> Container:
     """The container for ``settings`` with providers replaced by objects (cosmicpython's
     bootstrap): ``bootstrap(s, clock=ManualClock(), transport=engine, control_clients=
     net.clients)``; a callable given for a ``*_factory`` style provider (``control_server``,
-    ``control_clients``) is called for each instance. Unknown names raise ``ValueError``."""
+    ``control_clients``) is called for each instance; an ``InPlaceOf`` is built from the
+    provider's own arguments. Unknown names raise ``ValueError``."""
     container = build_container(settings)
     for name, value in overrides.items():
         provider = getattr(container, name, None)
         if not isinstance(provider, providers.Provider):
             raise ValueError(f"the container has no provider {name!r}")
-        if name in _MADE_PER_USE and callable(value):
+        if isinstance(value, InPlaceOf):
+            if not isinstance(provider, (providers.Factory, providers.Singleton)):
+                raise ValueError(f"{name!r} is not built from arguments: give an object")
+            provider.override(type(provider)(value.build, *provider.args, **provider.kwargs))
+        elif name in _MADE_PER_USE and callable(value):
             provider.override(providers.Callable(value))
         else:
             provider.override(providers.Object(value))
@@ -264,4 +280,3 @@ def bootstrap(settings: Rd2hSettings, **overrides: Any) -> Container:
 
 # Providers whose override is a factory (a new object each time it is used).
 _MADE_PER_USE = frozenset({"control_server", "control_clients"})
-

@@ -5,56 +5,37 @@ control socket and start receiving). Adapters come only through the container.""
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from rd2h.app.connector.decode_worker import DecodeWorker
 from rd2h.app.connector.facts import EngineFacts
 from rd2h.app.connector.prefill_worker import PrefillWorker
 from rd2h.app.connector.roles import ConnectorRole
-from rd2h.app.settings import Rd2hOptions, Rd2hSettings
-from rd2h.bootstrap.container import Container, build_container
+from rd2h.app.settings import Rd2hOptions
+from rd2h.bootstrap.container import Container, bootstrap
 from rd2h.domain.errors import Rd2hError
 from rd2h.domain.planning.chunks import discover_cache_groups, wire_layer_ids
 from rd2h.domain.planning.layout import SourceLayout
 from rd2h.ports.destinations import DecodeDestinations
 from rd2h.ports.runtime import TpGroupExchange
 
-Customize = Callable[[Container, Rd2hSettings], None]
-_CUSTOMIZE: list[Customize] = []
+
+def _container(options: Rd2hOptions, facts: EngineFacts,
+               overrides: Mapping[str, Any] | None) -> Container:
+    """The container for this engine's settings (validated up front, ports included),
+    with the caller's overrides (``bootstrap``'s keywords; tests hand fakes this way)."""
+    return bootstrap(facts.settings(options), **dict(overrides or {}))
 
 
-@contextlib.contextmanager
-def customizing(fn: Customize) -> Iterator[None]:
-    """Within the block, ``fn(container, settings)`` adjusts every container the roles
-    build (vLLM constructs the connector, so tests cannot hand it one): e.g. override the
-    control sockets with an in-memory network."""
-    _CUSTOMIZE.append(fn)
-    try:
-        yield
-    finally:
-        _CUSTOMIZE.remove(fn)
-
-
-def _container(options: Rd2hOptions, facts: EngineFacts, memfabric_library: Any = None
-               ) -> Container:
-    settings = facts.settings(options)  # validates ports up front
-    container = build_container(settings)
-    if memfabric_library is not None:
-        container.memfabric_library.override(memfabric_library)
-    for fn in _CUSTOMIZE:
-        fn(container, settings)
-    return container
-
-
-def build_scheduler_role(options: Rd2hOptions, facts: EngineFacts) -> ConnectorRole:
+def build_scheduler_role(options: Rd2hOptions, facts: EngineFacts,
+                         overrides: Mapping[str, Any] | None = None) -> ConnectorRole:
     settings = facts.settings(options)
     # Main KV is an attention group's: a state group's one block per request is no main.
     groups = discover_cache_groups(tuple(
         () if i in facts.state_groups else names
         for i, names in enumerate(facts.group_layer_names)))
-    container = _container(options, facts)
+    container = _container(options, facts, overrides)
     container.logger(role=f"{facts.side}-scheduler").info(
         "rd2h moves KV cache groups", groups=facts.groups_text or "one group (no config)",
         compat=dict(facts.compat.values) if facts.compat is not None else None)
@@ -86,18 +67,19 @@ def build_prefill_worker(
     layouts: Mapping[str, SourceLayout],
     regions: Sequence[tuple[int, int]],
     *,
-    memfabric_library: Any = None,
     host_memory: bool = True,
+    overrides: Mapping[str, Any] | None = None,
 ) -> PrefillWorker:
     """Register the source caches with the transport and start the sender.
     ``host_memory``: the caches are in this process's host memory (``verify_kv`` hashes
-    them in place; refused otherwise)."""
+    them in place; refused otherwise). ``overrides``: ``bootstrap``'s keywords (a fake
+    ``memfabric_library``, in-memory control sockets)."""
     if not layouts:
         raise Rd2hError("no KV cache layers to expose")
     if options.verify_kv and not host_memory:
         raise Rd2hError("verify_kv hashes the KV cache where it lies, which needs it in host "
                         "memory: this engine's cache is on a device (not supported yet)")
-    container = _container(options, facts, memfabric_library)
+    container = _container(options, facts, overrides)
     transport = container.transport()
     for addr, size in regions:
         transport.register_memory(addr, size)
@@ -128,8 +110,8 @@ def build_decode_worker(
     *,
     tp_group: Any = None,
     exchange: TpGroupExchange | None = None,
-    memfabric_library: Any = None,
     host_memory: bool = True,
+    overrides: Mapping[str, Any] | None = None,
 ) -> DecodeWorker:
     """Register destinations, bind this rank's control socket and start receiving.
 
@@ -143,7 +125,7 @@ def build_decode_worker(
             f"destinations hold main KV as {destinations.main_sharing!r} but the "
             f"connector is configured for {wanted!r}"
         )
-    container = _container(options, facts, memfabric_library)
+    container = _container(options, facts, overrides)
     transport = container.transport()
     for addr, size in destinations.regions():
         transport.register_memory(addr, size)

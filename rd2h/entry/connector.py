@@ -10,6 +10,7 @@ composition root (``rd2h.bootstrap.container``).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -81,13 +82,19 @@ class SfaRemoteD2HConnector(KVConnectorBase_V1, SupportsHMA):
         vllm_config: VllmConfig,
         role: KVConnectorRole,
         kv_cache_config: KVCacheConfig | None = None,
+        *,
+        overrides: Mapping[str, Any] | None = None,
     ) -> None:
+        """vLLM calls this with its three arguments. ``overrides`` (tests only): keywords
+        for the composition root's ``bootstrap`` that every container this connector
+        builds gets (in-memory control sockets, a recording metaserver)."""
         super().__init__(vllm_config, role, kv_cache_config)
+        self._overrides = dict(overrides or {})
         self.options, self._facts = translate.engine(vllm_config, kv_cache_config)
         self.side = self._facts.side
         self._stats_before: dict[str, Any] = {}
         self._role: ConnectorRole = (
-            build_scheduler_role(self.options, self._facts)
+            build_scheduler_role(self.options, self._facts, self._overrides)
             if role == KVConnectorRole.SCHEDULER else ConnectorRole()
         )
 
@@ -177,7 +184,8 @@ class SfaRemoteD2HConnector(KVConnectorBase_V1, SupportsHMA):
             layouts, regions = source_layouts(kv_caches, self._facts.num_blocks,
                                               self._facts.kv_heads(), self._facts.layer_groups())
             self._role = build_prefill_worker(self.options, self._facts, layouts, regions,
-                                              host_memory=_on_host(kv_caches))
+                                              host_memory=_on_host(kv_caches),
+                                              overrides=self._overrides)
             return
         if self.options.destinations != "vllm":
             raise ConnectorConfigError(
@@ -188,7 +196,7 @@ class SfaRemoteD2HConnector(KVConnectorBase_V1, SupportsHMA):
             self.options, self._facts,
             VllmCacheDestinations(kv_caches, self._facts.num_blocks, self._facts.kv_heads(),
                                   self._facts.layer_groups()),
-            tp_group=tp_group, host_memory=_on_host(kv_caches),
+            tp_group=tp_group, host_memory=_on_host(kv_caches), overrides=self._overrides,
         )
 
     def register_sparse_kv_pool(self, manager: Any, indexer_caches: Any = None,
@@ -200,7 +208,8 @@ class SfaRemoteD2HConnector(KVConnectorBase_V1, SupportsHMA):
         destinations = SparseKvPoolDestinations(manager, indexer_caches=indexer_caches,
                                                 scale_caches=scale_caches)
         self._role = build_decode_worker(self.options, self._facts, destinations,
-                                         tp_group=tp_group, host_memory=False)
+                                         tp_group=tp_group, host_memory=False,
+                                         overrides=self._overrides)
 
     def _on_worker(self) -> Any:
         """This worker's place in vLLM's groups; returns the TP group's CPU group."""

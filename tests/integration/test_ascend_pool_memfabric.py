@@ -159,7 +159,7 @@ def test_two_decode_ranks_pull_into_the_shared_pool_over_memfabric(rig: dict[str
         lib = net.process()
         w = build_decode_worker(options(store=rig["store"], destinations="sparse_kv_pool"),
                                 facts("decode", d, kv_port), dest, exchange=group.member(d),
-                                memfabric_library=lib)
+                                overrides={"memfabric_library": lib})
         rig["workers"].append(w)
         libs.append(lib)
         decoders.append(w)
@@ -182,7 +182,8 @@ def test_two_decode_ranks_pull_into_the_shared_pool_over_memfabric(rig: dict[str
     prefills = []
     for p in range(2):
         w = build_prefill_worker(options(store=rig["store"]), facts("prefill", p, kv_port),
-                                 layouts, regions, memfabric_library=net.process())
+                                 layouts, regions,
+                                 overrides={"memfabric_library": net.process()})
         rig["workers"].append(w)
         prefills.append(w)
         w.bind_connector_metadata(StepPlan(sends=(PrefillSend(

@@ -17,7 +17,7 @@ from rd2h.adapters.msgpack import MsgpackCodec
 from rd2h.adapters.torch.exchange import InMemoryExchangeGroup
 from rd2h.app.prefill import LayerTarget, group_batches
 from rd2h.app.settings import Deadlines, Rd2hSettings
-from rd2h.bootstrap.container import bootstrap
+from rd2h.bootstrap.container import InPlaceOf, bootstrap
 from rd2h.domain.errors import LayerSendError
 from rd2h.domain.planning.layout import DestinationLayout, DestTensor, SourceLayout, TensorComponent
 from rd2h.domain.wire.protocol import MfMeta, ReadFailed, ReadReadyBatch, ReadRequest
@@ -60,6 +60,22 @@ def test_bootstrap_replaces_a_provider_with_a_fake_and_refuses_unknown_names() -
     with pytest.raises(ValueError, match="no provider 'transfer'"):
         bootstrap(Rd2hSettings(role="decode"), transfer=fake)
     fake.close()
+
+
+def test_in_place_of_builds_the_fake_from_the_providers_own_arguments() -> None:
+    made: list[dict] = []
+
+    def server(**kwargs):
+        made.append(kwargs)
+        return object()
+
+    c = bootstrap(Rd2hSettings(role="decode", kv_port=30000, tp_size=2, tp_rank=1,
+                               host="10.0.0.7"), control_server=InPlaceOf(server))
+    first, second = c.control_server(), c.control_server()
+    assert first is not second  # still made per use, as the real provider is
+    assert (made[0]["host"], made[0]["port"]) == ("10.0.0.7", 30001)
+    with pytest.raises(ValueError, match="'transport' is not built from arguments"):
+        bootstrap(Rd2hSettings(role="decode"), transport=InPlaceOf(server))
 
 
 def test_group_batches_one_message_per_endpoint() -> None:

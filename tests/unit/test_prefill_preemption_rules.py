@@ -106,7 +106,6 @@ def test_preempted_after_its_final_chunk_is_not_announced_again() -> None:
 vllm = pytest.importorskip("vllm")
 
 import torch  # noqa: E402
-from dependency_injector import providers  # noqa: E402
 from vllm.config import KVTransferConfig, VllmConfig  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
 from vllm.sampling_params import SamplingParams  # noqa: E402
@@ -124,7 +123,7 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
 )
 from vllm.v1.request import Request  # noqa: E402
 
-from rd2h.bootstrap import roles as assembly  # noqa: E402
+from rd2h.bootstrap.container import InPlaceOf  # noqa: E402
 from rd2h.entry.connector import SfaRemoteD2HConnector  # noqa: E402
 
 
@@ -149,21 +148,15 @@ def _output(new: list[Any], counts: dict[str, int], preempted: set[str]) -> Sche
         finished_req_ids=set(), free_encoder_mm_hashes=[], preempted_req_ids=preempted)
 
 
-@pytest.fixture
-def no_metaserver():
-    """The scheduler roles' containers post through a recording metaserver (no HTTP)."""
-    def recording(container, settings) -> None:
-        container.metaserver.override(providers.Callable(RecordingMetaserver))
-
-    with assembly.customizing(recording):
-        yield
+# The scheduler roles' containers post through a recording metaserver (no HTTP).
+NO_METASERVER = {"metaserver": InPlaceOf(RecordingMetaserver)}
 
 
 @pytest.mark.parametrize(("kv_role", "delivers"), [("kv_producer", True),
                                                    ("kv_consumer", False)])
 @pytest.mark.parametrize("role", [KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER])
-def test_only_prefill_requires_kv_delivery(no_metaserver, kv_role, delivers, role) -> None:
-    conn = SfaRemoteD2HConnector(_config(kv_role), role, _caches())
+def test_only_prefill_requires_kv_delivery(kv_role, delivers, role) -> None:
+    conn = SfaRemoteD2HConnector(_config(kv_role), role, _caches(), overrides=NO_METASERVER)
     assert conn.requires_kv_delivery is delivers
     conn.shutdown()
 

@@ -19,7 +19,6 @@ from fakes.metaserver import RecordingMetaserver
 pytest.importorskip("vllm")
 
 import torch
-from dependency_injector import providers
 from vllm.config import (
     KVTransferConfig,
     ParallelConfig,
@@ -48,7 +47,7 @@ from vllm.v1.request import Request
 from rd2h.adapters.vllm.stats import Rd2hConnectorStats, delta
 from rd2h.app.connector.plans import DecodeEndpoint, DecodeLoad, PrefillSend
 from rd2h.app.settings import ConnectorConfigError
-from rd2h.bootstrap import roles as assembly
+from rd2h.bootstrap.container import InPlaceOf
 from rd2h.domain.errors import LayerSendError
 from rd2h.entry.connector import (
     Rd2hConnectorMetadata,
@@ -124,19 +123,21 @@ def cached_reqs(entries: list[tuple[str, tuple[list[int], ...] | None, int]],
 
 
 
+def connector(*args: Any, **overrides: Any) -> SfaRemoteD2HConnector:
+    """The connector as vLLM builds it, its containers posting through a
+    ``RecordingMetaserver`` (no HTTP) built from the real client's arguments, with any
+    further ``bootstrap`` overrides."""
+    return SfaRemoteD2HConnector(*args, overrides={
+        "metaserver": InPlaceOf(RecordingMetaserver), **overrides})
+
+
 @pytest.fixture
 def metaserver():
     """Every scheduler role's container posts through a ``RecordingMetaserver`` (no HTTP),
     made when the role asks for its poster and given the endpoint's settings; the list of
     those made."""
     RecordingMetaserver.made = []
-
-    def recording(container, settings) -> None:
-        container.metaserver.override(providers.Callable(RecordingMetaserver,
-                                                         settings=settings))
-
-    with assembly.customizing(recording):
-        yield RecordingMetaserver.made
+    yield RecordingMetaserver.made
 
 
 # ================================================================ configuration
@@ -151,25 +152,25 @@ def metaserver():
 @pytest.mark.parametrize("role", [KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER])
 def test_bad_extra_config_is_refused_naming_the_key(extra, named, role) -> None:
     with pytest.raises(ConnectorConfigError, match="kv_connector_extra_config") as info:
-        SfaRemoteD2HConnector(vllm_config("kv_consumer", extra), role, kv_cache_config())
+        connector(vllm_config("kv_consumer", extra), role, kv_cache_config())
     assert named in str(info.value)
 
 
 def test_kv_both_is_refused_clearly() -> None:
     with pytest.raises(ConnectorConfigError,
                        match=r"kv_role 'kv_producer' .* or 'kv_consumer' .*got 'kv_both'"):
-        SfaRemoteD2HConnector(vllm_config("kv_both"), KVConnectorRole.SCHEDULER,
+        connector(vllm_config("kv_both"), KVConnectorRole.SCHEDULER,
                               kv_cache_config())
 
 
 def test_pipeline_parallel_is_refused() -> None:
     with pytest.raises(ConnectorConfigError, match="pipeline_parallel_size 1"):
-        SfaRemoteD2HConnector(vllm_config("kv_producer", pp=2), KVConnectorRole.SCHEDULER,
+        connector(vllm_config("kv_producer", pp=2), KVConnectorRole.SCHEDULER,
                               kv_cache_config())
 
 
 def test_connector_class_facts() -> None:
-    conn = SfaRemoteD2HConnector(vllm_config("kv_producer"), KVConnectorRole.SCHEDULER,
+    conn = connector(vllm_config("kv_producer"), KVConnectorRole.SCHEDULER,
                                  kv_cache_config())
     assert conn.side == "prefill" and conn.options.transport == "cma"
     assert SfaRemoteD2HConnector.requires_piecewise_for_cudagraph({}) is True
@@ -182,14 +183,13 @@ def test_connector_class_facts() -> None:
 
 
 def test_decode_scheduler_posts_after_every_rank_admitted(metaserver) -> None:
-    conn = SfaRemoteD2HConnector(
+    conn = connector(
         vllm_config("kv_consumer", {"host": "10.9.8.7", "metaserver_retries": 5}, tp=2),
         KVConnectorRole.SCHEDULER, kv_cache_config())
     (ms,) = metaserver
     # the connector's options reach the poster's settings (the client is built from them:
     # test_connector_options)
-    settings = ms.kwargs["settings"]
-    assert (settings.metaserver_retries, settings.metaserver_timeout_s) == (5, 5.0)
+    assert (ms.kwargs["retries"], ms.kwargs["timeout_s"]) == (5, 5.0)
     rid = "cmpl-7-0" + SUFFIX_D
     req = request(rid, 70, {"do_remote_prefill": True, "metaserver": URL})
     # 32 tokens hit D's local prefix cache: the rest is loaded asynchronously
@@ -223,7 +223,7 @@ def test_decode_scheduler_posts_after_every_rank_admitted(metaserver) -> None:
 
 
 def test_decode_scheduler_ignores_local_requests_and_honours_do_virtual(metaserver) -> None:
-    conn = SfaRemoteD2HConnector(vllm_config("kv_consumer"), KVConnectorRole.SCHEDULER,
+    conn = connector(vllm_config("kv_consumer"), KVConnectorRole.SCHEDULER,
                                  kv_cache_config())
     (ms,) = metaserver
     local = request("local" + SUFFIX_D, 20, None)
@@ -252,7 +252,7 @@ def _p_params(**extra: Any) -> dict[str, Any]:
 
 
 def test_prefill_scheduler_over_chunked_steps() -> None:
-    conn = SfaRemoteD2HConnector(vllm_config("kv_producer"), KVConnectorRole.SCHEDULER,
+    conn = connector(vllm_config("kv_producer"), KVConnectorRole.SCHEDULER,
                                  kv_cache_config())
     a, b, local = "req-a" + SUFFIX_P, "req-b" + SUFFIX_P, "local" + SUFFIX_P
     ra = request(a, 14, _p_params())
@@ -290,7 +290,7 @@ def test_prefill_scheduler_over_chunked_steps() -> None:
 
 
 def test_prefill_scheduler_resumed_request_replaces_its_blocks() -> None:
-    conn = SfaRemoteD2HConnector(vllm_config("kv_producer"), KVConnectorRole.SCHEDULER,
+    conn = connector(vllm_config("kv_producer"), KVConnectorRole.SCHEDULER,
                                  kv_cache_config())
     a = "req-a" + SUFFIX_P
     ra = request(a, 12, _p_params())
@@ -305,7 +305,7 @@ def test_prefill_scheduler_resumed_request_replaces_its_blocks() -> None:
 
 
 def test_prefill_scheduler_resolves_batch_params_by_external_id() -> None:
-    conn = SfaRemoteD2HConnector(vllm_config("kv_producer"), KVConnectorRole.SCHEDULER,
+    conn = connector(vllm_config("kv_producer"), KVConnectorRole.SCHEDULER,
                                  kv_cache_config())
     batch = {"do_remote_decode": True, "batch_kv_transfer_params": {
         "list-0": _p_params(remote_port=42000), "list-1": _p_params(remote_port=42100)}}
@@ -351,16 +351,13 @@ def tp_group(tmp_path_factory):
 
 @pytest.fixture
 def memory_control():
-    """The roles are built with everything real except the control sockets."""
+    """The roles are built with everything real except the control sockets: a server on
+    the endpoint the settings give (host and rank port), clients of the same network."""
     net = MemoryNetwork()
-
-    def memory_sockets(container, settings) -> None:
-        endpoint = f"tcp://{settings.host}:{settings.rank_port}"
-        container.control_server.override(providers.Callable(net.server, endpoint))
-        container.control_clients.override(providers.Callable(net.clients))
-
-    with assembly.customizing(memory_sockets):
-        yield net
+    return net, {
+        "control_server": InPlaceOf(lambda host, port, **_: net.server(f"tcp://{host}:{port}")),
+        "control_clients": net.clients,
+    }
 
 
 def _caches(fill: bool) -> dict[str, torch.Tensor]:
@@ -372,19 +369,20 @@ def _caches(fill: bool) -> dict[str, torch.Tensor]:
 @pytest.fixture
 def engines(tp_group, memory_control, metaserver):
     """Decode and Prefill connectors, scheduler and worker roles, on one KV port."""
+    net, sockets = memory_control
     extra = {"transport": "inproc", "deadlines": {"layer_ack_s": WAIT, "meta_ack_s": WAIT}}
     d_cfg, p_cfg = vllm_config("kv_consumer", extra), vllm_config("kv_producer", extra)
-    d_sched = SfaRemoteD2HConnector(d_cfg, KVConnectorRole.SCHEDULER, kv_cache_config())
-    p_sched = SfaRemoteD2HConnector(p_cfg, KVConnectorRole.SCHEDULER, kv_cache_config())
-    d_work = SfaRemoteD2HConnector(d_cfg, KVConnectorRole.WORKER, kv_cache_config())
-    p_work = SfaRemoteD2HConnector(p_cfg, KVConnectorRole.WORKER, kv_cache_config())
+    d_sched = connector(d_cfg, KVConnectorRole.SCHEDULER, kv_cache_config(), **sockets)
+    p_sched = connector(p_cfg, KVConnectorRole.SCHEDULER, kv_cache_config(), **sockets)
+    d_work = connector(d_cfg, KVConnectorRole.WORKER, kv_cache_config(), **sockets)
+    p_work = connector(p_cfg, KVConnectorRole.WORKER, kv_cache_config(), **sockets)
     d_caches, p_caches = _caches(False), _caches(True)
     d_work.register_kv_caches(d_caches)
     p_work.register_kv_caches(p_caches)
     # Nothing but the workers keeps the engines alive from here (the composition root's
     # container is gone): collect now, as Python may at any time.
     gc.collect()
-    assert memory_control.endpoints == {f"tcp://127.0.0.1:{KV_PORT}"}
+    assert net.endpoints == {f"tcp://127.0.0.1:{KV_PORT}"}
     yield d_sched, p_sched, d_work, p_work, d_caches, p_caches, metaserver[0]
     for conn in (p_work, d_work, d_sched, p_sched):
         conn.shutdown()
@@ -475,7 +473,7 @@ def test_a_read_that_cannot_land_is_a_load_error(engines) -> None:
 
 
 def test_sparse_pool_destinations_need_the_ascend_registration(tp_group) -> None:
-    conn = SfaRemoteD2HConnector(
+    conn = connector(
         vllm_config("kv_consumer", {"destinations": "sparse_kv_pool", "transport": "inproc"}),
         KVConnectorRole.WORKER, kv_cache_config())
     with pytest.raises(ConnectorConfigError, match="register_sparse_kv_pool"):
