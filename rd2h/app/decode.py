@@ -39,7 +39,7 @@ from rd2h.domain.errors import ProtocolError, TransferError
 from rd2h.domain.planning.layout import DestinationLayout
 from rd2h.domain.planning.planning import ReadPlan
 from rd2h.domain.wire.compat import Compat
-from rd2h.domain.wire.protocol import ReadReadyBatch
+from rd2h.domain.wire.protocol import MetaAck, ReadReadyBatch
 from rd2h.ports import runtime as rt
 from rd2h.ports.codec import WireCodec
 from rd2h.ports.control import ControlServer
@@ -309,10 +309,10 @@ class DecodeReceiver(LoopThread):
         self._report(outs)
         for out in outs:
             if isinstance(out, SendAck):
-                frame = self._codec.encode_ack(out.peer, out.generation)
+                frame = self._codec.encode(MetaAck(out.generation), out.peer)
                 self._server.send(out.peer, frame)  # type: ignore[arg-type]
             elif isinstance(out, SendRefusal):
-                frame = self._codec.encode_refusal(out.refusal, out.peer)
+                frame = self._codec.encode(out.refusal, out.peer)
                 self._server.send(out.peer, frame)  # type: ignore[arg-type]
             elif isinstance(out, Reply):
                 frame = self._codec.encode(out.message, out.peer)

@@ -35,8 +35,8 @@ from rd2h.domain.planning.layout import SourceLayout
 from rd2h.domain.prefill.announce import LayerTarget, group_batches
 from rd2h.domain.prefill.prefill_events import Connect, Disconnect, Output, SendBatch, SendMeta
 from rd2h.domain.prefill.prefill_session import Named, PrefillSession, PrefillTimeouts
-from rd2h.domain.wire.compat import Compat, compat_of
-from rd2h.domain.wire.protocol import MfMeta, ReadDone, ReadFailed, ReadReadyBatch
+from rd2h.domain.wire.compat import Compat, MetaRefused, compat_of
+from rd2h.domain.wire.protocol import MetaAck, MfMeta, ReadDone, ReadFailed, ReadReadyBatch
 from rd2h.ports.codec import WireCodec
 from rd2h.ports.control import ControlClients
 from rd2h.ports.runtime import Clock, DeviceEvent, Logger
@@ -267,23 +267,21 @@ class PrefillSender(LoopThread):
 
     def _receive(self, endpoint: str, payload: bytes, now: float) -> list[Output]:
         try:
-            if self._codec.is_ack(payload, endpoint):
-                return self._session.ack_received(
-                    endpoint, now, self._codec.ack_generation(payload, endpoint))
-            refused = self._codec.refusal(payload, endpoint)
-        except ProtocolError as exc:  # an ACK (or a refusal) without valid authentication
-            self._log.error("refusing acknowledgement", endpoint=endpoint, error=exc.detail)
-            return self._session.ack_refused(endpoint, exc.detail, now)
-        if refused is not None:  # Decode refused our MF_META: what waits on it fails now
-            self._log.error("decode refused the handshake", endpoint=endpoint,
-                            reason=refused.describe())
-            self.stats.handshakes_refused += 1
-            return self._session.ack_refused(endpoint, refused.describe(), now, notify=True)
-        try:
             msg = self._codec.decode(payload, endpoint)
         except ProtocolError as exc:
+            if exc.handshake:  # an ACK (or a refusal) without valid authentication
+                self._log.error("refusing acknowledgement", endpoint=endpoint,
+                                error=exc.detail)
+                return self._session.ack_refused(endpoint, exc.detail, now)
             self._log.warning("malformed reply", endpoint=endpoint, error=exc.detail)
             return []
+        if isinstance(msg, MetaAck):
+            return self._session.ack_received(endpoint, now, msg.generation)
+        if isinstance(msg, MetaRefused):  # Decode refused our MF_META: what waits on it fails
+            self._log.error("decode refused the handshake", endpoint=endpoint,
+                            reason=msg.describe())
+            self.stats.handshakes_refused += 1
+            return self._session.ack_refused(endpoint, msg.describe(), now, notify=True)
         if not isinstance(msg, ReadDone | ReadFailed):
             self._log.warning("unexpected message from decode", endpoint=endpoint)
             return []

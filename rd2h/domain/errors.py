@@ -43,12 +43,17 @@ class ProtocolError(Rd2hError):
     """A control message that does not follow the wire contract (spec 4).
 
     ``layer_idx`` is set when the message got far enough to name its layer, so
-    the receiver can still answer READ_FAILED for exactly that layer.
+    the receiver can still answer READ_FAILED for exactly that layer. ``handshake``:
+    the frame is an MF_META acknowledgement or refusal that cannot be taken (unsigned
+    where a secret is configured, wrongly signed, malformed), so the handshake it
+    answers fails.
     """
 
-    def __init__(self, detail: str, layer_idx: int | None = None) -> None:
+    def __init__(self, detail: str, layer_idx: int | None = None, *,
+                 handshake: bool = False) -> None:
         self.detail = detail
         self.layer_idx = layer_idx
+        self.handshake = handshake
         super().__init__(detail)
 
 

@@ -33,7 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from rd2h.domain.wire.protocol import MfMeta, ReadDone, ReadFailed, ReadReadyBatch
+from rd2h.domain.wire.protocol import MetaAck, MfMeta, ReadDone, ReadFailed, ReadReadyBatch
 from rd2h.ports.codec import WireCodec
 
 _WAKE = ("", b"")
@@ -316,7 +316,7 @@ class ScriptedDecode:
         with self._cond:
             if isinstance(msg, MfMeta):
                 self.metas.append(ep)
-                server.send(identity, self.codec.encode_ack())
+                server.send(identity, self.codec.encode(MetaAck()))
             elif isinstance(msg, ReadReadyBatch):
                 self.batches.append((ep, msg))
                 mode = self.mode.get(ep, self.default)

@@ -34,6 +34,7 @@ from rd2h.app.prefill import PrefillSender
 from rd2h.domain.errors import LayerSendError
 from rd2h.domain.wire.protocol import (
     Message,
+    MetaAck,
     MfMeta,
     ReadDone,
     ReadFailed,
@@ -204,7 +205,7 @@ def test_prefill_drops_unsigned_replies(rig: Rig) -> None:
     frames = recv_frames(router)
     identity = frames[0]
     assert isinstance(fake.decode(frames[-1], identity), MfMeta)
-    router.send_multipart([identity, b"", fake.encode_ack(identity)])
+    router.send_multipart([identity, b"", fake.encode(MetaAck(), identity)])
     frames = recv_frames(router)
     batch = fake.decode(frames[-1], identity)
     assert isinstance(batch, ReadReadyBatch) and batch.layer_idx == 0
@@ -219,7 +220,7 @@ def test_prefill_drops_unsigned_replies(rig: Rig) -> None:
         frames = recv_frames(router)
         msg = fake.decode(frames[-1], frames[0])
         if isinstance(msg, MfMeta):
-            router.send_multipart([frames[0], b"", fake.encode_ack(frames[0])])
+            router.send_multipart([frames[0], b"", fake.encode(MetaAck(), frames[0])])
             continue
         assert isinstance(msg, ReadReadyBatch)
         break
@@ -249,7 +250,7 @@ def test_decode_refuses_replayed_and_foreign_signed_frames(rig: Rig) -> None:
     meta = codec.encode(p.meta(), "ep")
     honest.send(meta)
     (ack,) = recv_frames(honest)
-    assert codec.is_ack(ack, "ep")
+    assert codec.decode(ack, "ep") == MetaAck()
     nothing = ReadReadyBatch(0, layer_name(0), (), (), 0, 1, 99)  # names no request
     frame = codec.encode(nothing, "ep")
     honest.send(frame)

@@ -33,7 +33,7 @@ from fakes.rig import (
 from rd2h.adapters.msgpack.codec import MsgpackCodec
 from rd2h.adapters.zmq.channel import BindError
 from rd2h.domain.errors import LayerSendError
-from rd2h.domain.wire.protocol import MfMeta, ReadReadyBatch
+from rd2h.domain.wire.protocol import MetaAck, MfMeta, ReadReadyBatch
 
 pytestmark = pytest.mark.integration
 
@@ -68,7 +68,7 @@ def test_a_restarted_decode_releases_what_was_held_for_the_old_one(rig: Rig) -> 
         handshake = sender.prepare([endpoint], 0.0)  # starts it; answered below
         identity, meta = _recv(old)
         assert isinstance(meta, MfMeta) and meta.generation is not None
-        old.send_multipart([identity, b"", MsgpackCodec.encode_ack(generation=OLD_GENERATION)])
+        old.send_multipart([identity, b"", MsgpackCodec().encode(MetaAck(OLD_GENERATION))])
         assert handshake == {endpoint: "handshake not finished within 0 s"}
         wait_until(lambda: sender.prepare([endpoint], 1.0) == {}, "the old handshake")
         sender.submit(0, None, targets(endpoint, [t.read(0, 2)]))

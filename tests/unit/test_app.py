@@ -20,7 +20,7 @@ from rd2h.app.settings import Deadlines, Rd2hSettings
 from rd2h.bootstrap.container import InPlaceOf, bootstrap
 from rd2h.domain.errors import LayerSendError
 from rd2h.domain.planning.layout import DestinationLayout, DestTensor, SourceLayout, TensorComponent
-from rd2h.domain.wire.protocol import MfMeta, ReadFailed, ReadReadyBatch, ReadRequest
+from rd2h.domain.wire.protocol import MetaAck, MfMeta, ReadFailed, ReadReadyBatch, ReadRequest
 
 # ---------------------------------------------------------------- settings / container
 
@@ -231,7 +231,7 @@ def test_any_read_failure_is_answered_for_its_layer_and_the_loop_goes_on() -> No
             deadline = time.monotonic() + 5
             while len(replies) < (1 if frame is None else 2) and time.monotonic() < deadline:
                 replies += [p for _, p in prefill.poll(0.05)]
-        assert codec.is_ack(replies[0])
+        assert codec.decode(replies[0]) == MetaAck()
         failed = codec.decode(replies[1])
         assert failed == ReadFailed(0, "read failed: RuntimeError: driver fell over")
         assert receiver.running and receiver.stats.reads_failed == 1

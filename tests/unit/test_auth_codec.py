@@ -23,6 +23,7 @@ from rd2h.domain.wire.protocol import (
     ACK,
     READ_READY_BATCH,
     LayerMetadata,
+    MetaAck,
     MfMeta,
     ReadDone,
     ReadFailed,
@@ -57,7 +58,7 @@ def pair(secret_p: bytes = SECRET, secret_d: bytes = SECRET):
     """A Prefill codec and a Decode codec after a handshake on one connection."""
     p, d = signed(secret_p), signed(secret_d)
     assert d.decode(p.encode(META, "ep"), b"id") == META
-    assert p.is_ack(d.encode_ack(b"id"), "ep")
+    assert p.decode(d.encode(MetaAck(), b"id"), "ep") == MetaAck()
     return p, d
 
 
@@ -73,10 +74,10 @@ def test_signed_frame_is_the_plain_tuple_plus_an_envelope_bound_to_both_nonces()
     assert seq == 1 and env[24:] == mac(bytes(16), p_nonce, 1, plain)  # no Decode nonce yet
     assert meta == array_header(4) + plain[1:] + b"\xc4\x38" + env
     assert d.decode(meta, b"id") == META
-    ack = d.encode_ack(b"id")
+    ack = d.encode(MetaAck(), b"id")
     d_nonce = ack[3:19]
     assert ack == ACK + d_nonce + (1).to_bytes(8, "big") + mac(p_nonce, d_nonce, 1, ACK)
-    assert p.is_ack(ack, "ep")
+    assert p.decode(ack, "ep") == MetaAck()
     frame = p.encode(BATCH, "ep")
     env = msgpack.unpackb(frame, raw=False)[-1]
     assert env[:16] == p_nonce and env[24:] == mac(d_nonce, p_nonce, 2, PLAIN.encode(BATCH))
@@ -134,7 +135,7 @@ def test_a_frame_captured_on_one_connection_is_refused_on_another():
     p2 = signed()
     meta = p2.encode(META, "ep")
     assert d.decode(meta, b"attacker") == META
-    d.encode_ack(b"attacker")
+    d.encode(MetaAck(), b"attacker")
     # ... so the captured batch, bound to the first connection's nonces, is refused.
     with pytest.raises(AuthenticationError, match="does not match") as ei:
         d.decode(captured, b"attacker")
@@ -150,8 +151,8 @@ def test_an_ack_from_another_connection_is_refused():
     other = signed()
     d.decode(other.encode(META, "x"), b"other")
     with pytest.raises(AuthenticationError, match="acknowledgement refused"):
-        p.is_ack(d.encode_ack(b"other"), "ep")
-    assert p.is_ack(d.encode_ack(b"id"), "ep")
+        p.decode(d.encode(MetaAck(), b"other"), "ep")
+    assert p.decode(d.encode(MetaAck(), b"id"), "ep") == MetaAck()
 
 
 def test_a_restarted_peer_starts_a_new_count():
@@ -162,7 +163,7 @@ def test_a_restarted_peer_starts_a_new_count():
         assert p.decode(d.encode(ReadDone(1, 1), b"id"), "ep") == ReadDone(1, 1)
     d2 = signed()
     assert d2.decode(p.encode(META, "ep"), b"new") == META
-    assert p.is_ack(d2.encode_ack(b"new"), "ep")
+    assert p.decode(d2.encode(MetaAck(), b"new"), "ep") == MetaAck()
     assert d2.decode(p.encode(BATCH, "ep"), b"new") == BATCH
     assert p.decode(d2.encode(ReadDone(5, 7), b"new"), "ep") == ReadDone(5, 7)
 
@@ -187,13 +188,14 @@ def test_replayed_mf_meta_never_displaces_a_proven_connection():
     a frame after the ACK and keeps working."""
     p, d = signed(), AuthenticatedCodec(PLAIN, SECRET, max_connections=4)
     captured = p.encode(META, "ep")
-    assert d.decode(captured, b"id") == META and p.is_ack(d.encode_ack(b"id"), "ep")
+    assert d.decode(captured, b"id") == META
+    assert p.decode(d.encode(MetaAck(), b"id"), "ep") == MetaAck()
     assert p.proven("ep") and not d.proven(b"id")  # Prefill: the ACK bound its nonce
     assert d.decode(p.encode(BATCH, "ep"), b"id") == BATCH
     assert d.proven(b"id")
     for n in range(10):
         assert d.decode(captured, n) == META
-        d.encode_ack(n)
+        d.encode(MetaAck(), n)
         assert not d.proven(n)
     assert d.connections == 1 + 4  # the proven one and the 4 newest unproven ones
     assert d.decode(p.encode(BATCH, "ep"), b"id") == BATCH
@@ -209,7 +211,7 @@ def test_proven_state_is_bounded_by_refusing_rather_than_evicting():
     peers = {n: signed() for n in range(3)}
     for n, p in peers.items():
         d.decode(p.encode(META, "ep"), n)
-        assert p.is_ack(d.encode_ack(n), "ep")
+        assert p.decode(d.encode(MetaAck(), n), "ep") == MetaAck()
         if n < 2:
             assert d.decode(p.encode(BATCH, "ep"), n) == BATCH and d.proven(n)
     with pytest.raises(AuthenticationError, match="too many authenticated") as ei:
@@ -305,7 +307,7 @@ def test_oversized_and_non_bytes_frames_are_protocol_errors():
         small.decode("text")  # type: ignore[arg-type]
     p = AuthenticatedCodec(MsgpackCodec(max_frame_bytes=1024), SECRET)
     small.decode(p.encode(META, "ep"), "c")
-    p.is_ack(small.encode_ack("c"), "ep")
+    p.decode(small.encode(MetaAck(), "c"), "ep")
     assert small.decode(memoryview(p.encode(ReadDone(1), "ep")), "c") == ReadDone(1)
 
 
@@ -320,13 +322,15 @@ def test_empty_secret_is_a_configuration_error():
 def test_signed_ack_is_recognised_and_only_once():
     p, d = signed(), signed()
     d.decode(p.encode(META, "ep"), b"id")
-    ack = d.encode_ack(b"id")
-    assert p.is_ack(ack, "ep")
+    ack = d.encode(MetaAck(), b"id")
+    assert p.decode(ack, "ep") == MetaAck()
     with pytest.raises(AuthenticationError, match="replayed"):
-        p.is_ack(ack, "ep")
-    assert not p.is_ack(d.encode(ReadDone(1), b"id"), "ep")
-    assert PLAIN.encode_ack() == ACK and PLAIN.is_ack(ACK)
-    assert not PLAIN.is_ack(ack)  # a legacy Prefill never takes it for ACK
+        p.decode(ack, "ep")
+    assert p.decode(d.encode(ReadDone(1), b"id"), "ep") == ReadDone(1)  # not an ACK
+    assert PLAIN.encode(MetaAck()) == ACK and PLAIN.decode(ACK) == MetaAck()
+    with pytest.raises(ProtocolError) as info:  # a legacy Prefill never takes it for ACK
+        PLAIN.decode(ack)
+    assert not info.value.handshake  # a malformed reply to it
 
 
 def test_unsigned_or_wrongly_signed_ack_is_refused_clearly():
@@ -334,9 +338,9 @@ def test_unsigned_or_wrongly_signed_ack_is_refused_clearly():
     other.decode(signed(b"another-secret-of-16+").encode(META, "x"), b"id")
     p.encode(META, "ep")
     with pytest.raises(AuthenticationError, match=r"not signed.*auth_secret"):
-        p.is_ack(ACK, "ep")
+        p.decode(ACK, "ep")
     with pytest.raises(AuthenticationError, match="does not match"):
-        p.is_ack(other.encode_ack(b"id"), "ep")
+        p.decode(other.encode(MetaAck(), b"id"), "ep")
 
 
 # ====================================================================== settings / container
@@ -351,7 +355,7 @@ def test_container_signs_only_when_a_secret_is_configured():
     assert isinstance(signed, AuthenticatedCodec)
     d = AuthenticatedCodec(PLAIN, SECRET)
     assert d.decode(signed.encode(META, "ep"), b"id") == META  # same secret: verified
-    assert signed.is_ack(d.encode_ack(b"id"), "ep")
+    assert signed.decode(d.encode(MetaAck(), b"id"), "ep") == MetaAck()
 
 
 def test_short_secret_is_refused_without_echoing_it():
@@ -371,14 +375,15 @@ def test_an_ack_stating_decodes_generation_is_signed_over_it():
     p, d = signed(), signed()
     meta = dataclasses.replace(META, compat=compat_of(auth=p.signing), generation=9)
     assert d.decode(p.encode(meta, "ep"), b"id") == meta
-    ack = d.encode_ack(b"id", generation=2**62 + 5)
+    ack = d.encode(MetaAck(2**62 + 5), b"id")
     assert ack.startswith(ACK + (2**62 + 5).to_bytes(8, "big"))
     tampered = ack[:3] + (6).to_bytes(8, "big") + ack[11:]
     with pytest.raises(AuthenticationError):
-        p.is_ack(tampered, "ep")
-    assert p.is_ack(ack, "ep") and p.ack_generation(ack, "ep") == 2**62 + 5
+        p.decode(tampered, "ep")
+    assert p.decode(ack, "ep") == MetaAck(2**62 + 5)
     with pytest.raises(AuthenticationError, match="not signed"):
-        p.is_ack(PLAIN.encode_ack(generation=5), "ep")
-    assert PLAIN.is_ack(PLAIN.encode_ack(generation=5)) and PLAIN.ack_generation(
-        PLAIN.encode_ack(generation=5)) == 5
-    assert PLAIN.ack_generation(ACK) is None and not PLAIN.is_ack(ACK + b"x")
+        p.decode(PLAIN.encode(MetaAck(5)), "ep")
+    assert PLAIN.decode(PLAIN.encode(MetaAck(5))) == MetaAck(5)
+    assert PLAIN.decode(ACK).generation is None  # type: ignore[union-attr]
+    with pytest.raises(ProtocolError):
+        PLAIN.decode(ACK + b"x")  # not an acknowledgement

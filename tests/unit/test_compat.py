@@ -23,7 +23,15 @@ from rd2h.domain.wire.compat import (
     compat_of,
     decode_compat,
 )
-from rd2h.domain.wire.protocol import ACK, MF_META, LayerMetadata, MfMeta, ReadDone, fields_of
+from rd2h.domain.wire.protocol import (
+    ACK,
+    MF_META,
+    LayerMetadata,
+    MetaAck,
+    MfMeta,
+    ReadDone,
+    fields_of,
+)
 from rd2h.entry import translate
 
 SECRET = b"0123456789abcdef-secret"
@@ -155,13 +163,12 @@ REFUSAL = MetaRefused(INCOMPATIBLE, (Mismatch("block_size", "16", "128"),))
 
 
 def test_the_refusal_round_trips_and_is_never_taken_for_something_else() -> None:
-    frame = PLAIN.encode_refusal(REFUSAL)
+    frame = PLAIN.encode(REFUSAL)
     assert frame.startswith(NAK)
-    assert PLAIN.refusal(frame) == REFUSAL
-    assert not PLAIN.is_ack(frame)
-    assert PLAIN.refusal(ACK) is None
-    assert PLAIN.refusal(PLAIN.encode(ReadDone(1, 2))) is None
-    assert PLAIN.refusal(NAK + pack([INCOMPATIBLE, [], "later field"])) == MetaRefused(
+    assert PLAIN.decode(frame) == REFUSAL  # never an acknowledgement
+    assert PLAIN.decode(ACK) == MetaAck()
+    assert PLAIN.decode(PLAIN.encode(ReadDone(1, 2))) == ReadDone(1, 2)
+    assert PLAIN.decode(NAK + pack([INCOMPATIBLE, [], "later field"])) == MetaRefused(
         INCOMPATIBLE)
 
 
@@ -171,13 +178,14 @@ def test_the_refusal_round_trips_and_is_never_taken_for_something_else() -> None
     pack(["r", []]) + b"trailing",
 ])
 def test_a_malformed_refusal_is_a_protocol_error(body: bytes) -> None:
-    with pytest.raises(ProtocolError):
-        PLAIN.refusal(NAK + body)
+    with pytest.raises(ProtocolError) as info:
+        PLAIN.decode(NAK + body)
+    assert info.value.handshake  # the handshake it answers fails
 
 
 def test_long_refusal_texts_are_clipped() -> None:
-    got = PLAIN.refusal(NAK + pack(["r" * 5000, [["k" * 500, "p" * 500, "d"]]]))
-    assert got is not None and len(got.reason) == 1024
+    got = PLAIN.decode(NAK + pack(["r" * 5000, [["k" * 500, "p" * 500, "d"]]]))
+    assert isinstance(got, MetaRefused) and len(got.reason) == 1024
     assert len(got.mismatches[0].key) == 64 and len(got.mismatches[0].prefill) == 128
 
 
@@ -189,31 +197,32 @@ def signed_pair() -> tuple[AuthenticatedCodec, AuthenticatedCodec]:
 
 def test_a_signed_refusal_is_verified_on_its_connection_once() -> None:
     p, d = signed_pair()
-    frame = d.encode_refusal(REFUSAL, b"id")
-    assert frame.startswith(NAK) and not p.is_ack(frame, "ep")
-    assert p.refusal(frame, "ep") == REFUSAL
+    frame = d.encode(REFUSAL, b"id")
+    assert frame.startswith(NAK)
+    assert p.decode(frame, "ep") == REFUSAL  # never an acknowledgement
     with pytest.raises(AuthenticationError, match="replayed"):
-        p.refusal(frame, "ep")
-    assert p.refusal(d.encode(ReadDone(0), b"id"), "ep") is None
+        p.decode(frame, "ep")
+    assert p.decode(d.encode(ReadDone(0), b"id"), "ep") == ReadDone(0)
 
 
 def test_an_unsigned_refusal_to_a_signing_prefill_quotes_its_claim() -> None:
     p, _ = signed_pair()
     with pytest.raises(AuthenticationError, match=r"not signed .*it said: .*block_size"):
-        p.refusal(PLAIN.encode_refusal(REFUSAL), "ep")
+        p.decode(PLAIN.encode(REFUSAL), "ep")
 
 
 def test_a_tampered_or_foreign_refusal_is_refused() -> None:
     p, d = signed_pair()
-    frame = bytearray(d.encode_refusal(REFUSAL, b"id"))
+    frame = bytearray(d.encode(REFUSAL, b"id"))
     frame[10] ^= 1
     with pytest.raises(AuthenticationError, match="not verified"):
-        p.refusal(bytes(frame), "ep")
+        p.decode(bytes(frame), "ep")
     other = AuthenticatedCodec(PLAIN, b"another-secret-of-some-length")
     with pytest.raises(AuthenticationError):
-        p.refusal(other.encode_refusal(REFUSAL, b"id"), "ep")
-    with pytest.raises(AuthenticationError, match="not signed"):
-        p.refusal(NAK + b"\x00" * 20, "ep")
+        p.decode(other.encode(REFUSAL, b"id"), "ep")
+    with pytest.raises(AuthenticationError, match="not signed") as info:
+        p.decode(NAK + b"\x00" * 20, "ep")
+    assert info.value.handshake
 
 
 def test_each_codec_states_its_signing_envelope() -> None:

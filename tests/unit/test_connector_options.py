@@ -11,6 +11,7 @@ from rd2h.app.connector.facts import EngineFacts
 from rd2h.app.settings import ConnectorConfigError, Deadlines, Rd2hOptions, Rd2hSettings
 from rd2h.bootstrap.container import bootstrap
 from rd2h.domain.errors import Rd2hError
+from rd2h.domain.wire.protocol import MetaAck
 
 
 @pytest.mark.parametrize("extra", [None, {}])
@@ -153,7 +154,7 @@ def test_a_vllm_deployment_can_turn_message_signing_on() -> None:
     container = bootstrap(FACTS.settings(opts))
     codec = container.codec()
     assert type(codec).__name__ == "AuthenticatedCodec"
-    frame = codec.encode_ack()
+    frame = codec.encode(MetaAck())
     assert frame.startswith(b"ACK") and len(frame) > 3  # signed
     assert type(bootstrap(FACTS.settings(Rd2hOptions())).codec()).__name__ == (
         "MsgpackCodec")

@@ -21,7 +21,15 @@ from rd2h.domain.decode.decode_session import (
 from rd2h.domain.decode.request_book import StepOutcome
 from rd2h.domain.errors import AuthenticationError, ProtocolError, UnknownMessageType
 from rd2h.domain.planning.layout import DestinationLayout, DestTensor, SourceLayout, TensorComponent
-from rd2h.domain.wire.protocol import MfMeta, ReadDone, ReadFailed, ReadReadyBatch, ReadRequest
+from rd2h.domain.wire.compat import MetaRefused
+from rd2h.domain.wire.protocol import (
+    MetaAck,
+    MfMeta,
+    ReadDone,
+    ReadFailed,
+    ReadReadyBatch,
+    ReadRequest,
+)
 
 X9 = "-abcdefgh"  # vLLM's engine suffix
 NAME = "model.layers.0.attn"
@@ -134,6 +142,9 @@ def test_frames_that_did_not_decode_are_refused_without_touching_state() -> None
         Rejected("unauthenticated", "bad tag", 3),
         Reply(P, ReadFailed(3, "authentication failed: bad tag"))]
     assert s.reject(P, ProtocolError("garbage")) == [Rejected("malformed", "garbage")]
+    # Messages only Decode sends (the handshake's answers, replies) are refused as such.
+    for wrong in (MetaAck(5), MetaRefused("no"), ReadDone(0)):
+        assert s.receive(P, wrong, 0.0) == [Rejected("unexpected", type(wrong).__name__)]
     assert s.reject(P, ProtocolError("x" * 5000, layer_idx=1))[1].message.error.endswith("...")
     assert s.counters()["failed"] == 0  # nothing a frame that did not decode says is used
     assert s.tick(9.9) == []

@@ -54,8 +54,6 @@ from vllm.v1.core.single_type_kv_cache_manager import register_all_kvcache_specs
 from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
 from vllm.v1.outputs import KVConnectorOutput
 
-from rd2h.entry.connector import SfaRemoteD2HConnector
-
 NB = 192  # blocks per side: a 300-token prompt takes 135 of Prefill's
 PAGE = 47808  # bytes per block of every layer, as the engine's worker laid them out
 GROUPS = dsv4_groups()
@@ -122,8 +120,8 @@ def _engine_config(role: str):
 
 @pytest.fixture
 def engines(tp_group, memory_control, metaserver):  # noqa: F811
-    conns = [SfaRemoteD2HConnector(_engine_config(role), kind,
-                                   _config(kind == KVConnectorRole.SCHEDULER))
+    conns = [base.connector(_engine_config(role), kind,
+                            _config(kind == KVConnectorRole.SCHEDULER), **memory_control[1])
              for role in ("kv_consumer", "kv_producer")
              for kind in (KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER)]
     d_sched, d_work, p_sched, p_work = conns

@@ -44,8 +44,6 @@ from vllm.v1.kv_cache_interface import (
 )
 from vllm.v1.outputs import KVConnectorOutput
 
-from rd2h.entry.connector import SfaRemoteD2HConnector
-
 BS, NB, HEADS, HEAD = 4, 24, 2, 8
 NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(4)]
 FULL, SLIDING = [NAMES[0], NAMES[2]], [NAMES[1], NAMES[3]]
@@ -89,7 +87,7 @@ def _blocks(*groups: tuple[int, ...]) -> KVCacheBlocks:
 def engines(tp_group, memory_control, metaserver):  # noqa: F811
     extra = {"transport": "inproc", "deadlines": {"layer_ack_s": 10.0, "meta_ack_s": 10.0}}
     d_cfg, p_cfg = vllm_config("kv_consumer", extra), vllm_config("kv_producer", extra)
-    conns = [SfaRemoteD2HConnector(cfg, role, two_groups())
+    conns = [base.connector(cfg, role, two_groups(), **memory_control[1])
              for cfg in (d_cfg, p_cfg)
              for role in (KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER)]
     d_sched, d_work, p_sched, p_work = conns

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import typing
 
 import msgpack
 import pytest
@@ -21,6 +22,8 @@ from rd2h.domain.wire.protocol import (
     READ_FAILED,
     READ_READY_BATCH,
     LayerMetadata,
+    Message,
+    MetaAck,
     MfMeta,
     ReadDone,
     ReadFailed,
@@ -31,7 +34,7 @@ from rd2h.domain.wire.protocol import (
 )
 
 CODEC = MsgpackCodec()
-MESSAGE_TYPES = (MfMeta, ReadReadyBatch, ReadDone, ReadFailed)
+MESSAGE_TYPES = typing.get_args(Message)  # every kind, the handshake's answers too
 PROPS = settings(max_examples=200, deadline=None)
 FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 # structured fuzzing draws nested values, which is slow to generate; fewer examples
@@ -435,9 +438,16 @@ def test_non_message_values_are_rejected(value):
         decode_value(value)
 
 
-def test_raw_ack_is_not_a_message():
-    with pytest.raises(ProtocolError):
-        CODEC.decode(ACK)
+def test_raw_ack_is_the_acknowledgement_and_nothing_else_is():
+    """``b"ACK"`` is a message of its own (``MetaAck``, in the union since #44; before,
+    it was read apart and ``decode`` refused it); anything longer that is not the
+    generation extension is malformed."""
+    assert CODEC.decode(ACK) == MetaAck()
+    assert CODEC.decode(ACK + (7).to_bytes(8, "big")) == MetaAck(7)
+    for frame in (ACK + b"x", ACK + bytes(9)):
+        with pytest.raises(ProtocolError) as info:
+            CODEC.decode(frame)
+        assert not info.value.handshake
 
 
 @pytest.mark.parametrize(

@@ -103,7 +103,7 @@ def engines(tp_group, memory_control, metaserver):  # noqa: F811
     def start(mode: str = "none"):
         extra = {"transport": "inproc", "deadlines": {"layer_ack_s": 10.0, "meta_ack_s": 10.0}}
         d_cfg, p_cfg = vllm_config("kv_consumer", extra), vllm_config("kv_producer", extra)
-        conns = [SfaRemoteD2HConnector(cfg, role, hybrid(mode))
+        conns = [base.connector(cfg, role, hybrid(mode), **memory_control[1])
                  for cfg in (d_cfg, p_cfg)
                  for role in (KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER)]
         made.extend(conns)

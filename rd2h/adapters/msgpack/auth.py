@@ -59,7 +59,7 @@ from dataclasses import dataclass, field
 from rd2h.adapters.msgpack.codec import MsgpackCodec
 from rd2h.domain.errors import AuthenticationError, ProtocolError
 from rd2h.domain.wire.compat import NAK, MetaRefused
-from rd2h.domain.wire.protocol import Message, ReadReadyBatch, ack_plain, parse_ack
+from rd2h.domain.wire.protocol import ACK, Message, MetaAck, ReadReadyBatch, parse_ack
 
 DIGEST_BYTES = 32
 NONCE_BYTES = 16
@@ -232,21 +232,23 @@ class AuthenticatedCodec:
     # -- encode
     def encode(self, message: Message, conn: Hashable = None) -> bytes:
         plain = self._inner.encode(message)
+        if isinstance(message, MetaAck | MetaRefused):  # raw bytes: the envelope follows
+            return plain + self._envelope(plain, conn)
         header = read_array_header(plain)
         assert header is not None, "rd2h messages are arrays"
         count, size = header
         return (array_header(count + 1) + plain[size:] + _ENVELOPE_HEADER
                 + self._envelope(plain, conn))
 
-    def encode_ack(self, conn: Hashable = None, generation: int | None = None) -> bytes:
-        plain = ack_plain(generation)
-        return plain + self._envelope(plain, conn)
-
     # -- decode
     def decode(self, frame: bytes, conn: Hashable = None) -> Message:
         if not isinstance(frame, (bytes, bytearray, memoryview)):
             raise ProtocolError(f"frame must be bytes, got {type(frame).__name__}")
         raw = bytes(frame)
+        if raw.startswith(NAK):
+            return self._refusal(raw, conn)
+        if raw.startswith(ACK) and (ack := self._ack(raw, conn)) is not None:
+            return ack
         if len(raw) > self.max_frame_bytes:
             raise ProtocolError(
                 f"frame of {len(raw)} bytes exceeds the {self.max_frame_bytes}-byte limit"
@@ -270,53 +272,45 @@ class AuthenticatedCodec:
             return exc.layer_idx
         return message.layer_idx if isinstance(message, ReadReadyBatch) else None
 
-    def is_ack(self, frame: bytes, conn: Hashable = None) -> bool:
-        raw = bytes(frame)
+    def _ack(self, raw: bytes, conn: Hashable) -> MetaAck | None:
+        """The verified acknowledgement in ``raw``; None when it is not one (then it is
+        read as an array, and refused like any malformed frame)."""
         if parse_ack(raw)[0]:
             raise AuthenticationError(
                 f"MF_META acknowledgement is not signed (the decode endpoint has no shared "
-                f"secret); {_HINT}"
-            )
+                f"secret); {_HINT}", handshake=True)
         plain = raw[:-ENVELOPE_BYTES] if len(raw) > ENVELOPE_BYTES else b""
-        if not parse_ack(plain)[0]:
-            return False
+        is_ack, generation = parse_ack(plain)
+        if not is_ack:
+            return None
         reason = self._verify(plain, raw[len(plain):], conn, first=False)
         if reason is not None:
-            raise AuthenticationError(f"MF_META acknowledgement refused: {reason}; {_HINT}")
-        return True
+            raise AuthenticationError(f"MF_META acknowledgement refused: {reason}; {_HINT}",
+                                      handshake=True)
+        return MetaAck(generation)
 
-    def ack_generation(self, frame: bytes, conn: Hashable = None) -> int | None:
-        """The generation a (verified, ``is_ack``) acknowledgement states."""
-        raw = bytes(frame)
-        return parse_ack(raw[:-ENVELOPE_BYTES])[1] if len(raw) > ENVELOPE_BYTES else None
-
-    # -- the MF_META refusal (signed like the ACK)
     signing = _CONTEXT.decode()  # the envelope version MF_META's compat map states
 
-    def encode_refusal(self, refusal: MetaRefused, conn: Hashable = None) -> bytes:
-        plain = self._inner.encode_refusal(refusal)
-        return plain + self._envelope(plain, conn)
-
-    def refusal(self, frame: bytes, conn: Hashable = None) -> MetaRefused | None:
-        """The verified refusal in ``frame``, or None when it is not one; an unsigned or
-        wrongly signed refusal raises ``AuthenticationError`` (the handshake fails either
-        way, as for an unsigned ACK; an unsigned one's claim is quoted)."""
-        raw = bytes(frame)
-        if not raw.startswith(NAK):
-            return None
+    def _refusal(self, raw: bytes, conn: Hashable) -> MetaRefused:
+        """The verified refusal in ``raw`` (it starts ``b"NAK"``); an unsigned or wrongly
+        signed refusal raises ``AuthenticationError`` (the handshake fails either way, as
+        for an unsigned ACK; an unsigned one's claim is quoted)."""
         if len(raw) > self.max_frame_bytes:
             raise ProtocolError(f"MF_META refusal of {len(raw)} bytes exceeds the "
-                                f"{self.max_frame_bytes}-byte limit")
+                                f"{self.max_frame_bytes}-byte limit", handshake=True)
         try:  # the whole frame one refusal, nothing after it: no envelope
-            claim = self._inner.refusal(raw)
+            claim = self._inner.handshake_answer(raw)
         except ProtocolError:
             claim = None
         if claim is not None or len(raw) <= len(NAK) + ENVELOPE_BYTES:
-            said = f" (it said: {claim.describe()})" if claim is not None else ""
+            said = f" (it said: {claim.describe()})" if isinstance(claim, MetaRefused) else ""
             raise AuthenticationError(f"MF_META refusal is not signed (the decode endpoint "
-                                      f"has no shared secret){said}; {_HINT}")
+                                      f"has no shared secret){said}; {_HINT}", handshake=True)
         plain = raw[:-ENVELOPE_BYTES]
         reason = self._verify(plain, raw[-ENVELOPE_BYTES:], conn, first=False)
         if reason is not None:
-            raise AuthenticationError(f"MF_META refusal not verified: {reason}; {_HINT}")
-        return self._inner.refusal(plain)
+            raise AuthenticationError(f"MF_META refusal not verified: {reason}; {_HINT}",
+                                      handshake=True)
+        refusal = self._inner.handshake_answer(plain)
+        assert isinstance(refusal, MetaRefused)
+        return refusal

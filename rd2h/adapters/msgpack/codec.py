@@ -49,14 +49,15 @@ from rd2h.adapters.msgpack.entries import element_bytes, entries_at
 from rd2h.domain.errors import ProtocolError
 from rd2h.domain.wire.compat import NAK, MetaRefused, refusal_fields, refusal_from_fields
 from rd2h.domain.wire.protocol import (
+    ACK,
     READ_READY_BATCH,
     Message,
+    MetaAck,
     ReadReadyBatch,
-    encode_plain_ack,
+    ack_plain,
     fields_of,
-    is_plain_ack,
     message_from_fields,
-    plain_ack_generation,
+    parse_ack,
 )
 
 DEFAULT_MAX_FRAME_BYTES = 64 * 1024 * 1024
@@ -237,28 +238,33 @@ class MsgpackCodec:
     # -- encode (``conn``, the connection of the ``WireCodec`` port, is ignored: a
     # plain codec keeps no per-connection state)
     def encode(self, message: Message, conn: Hashable = None) -> bytes:
+        """The message's frame: its positional array; the handshake's answers as raw
+        ``b"ACK"`` (+ generation) and ``b"NAK"`` + the refusal's array."""
+        if isinstance(message, MetaAck):
+            return ack_plain(message.generation)
+        if isinstance(message, MetaRefused):
+            return NAK + self._pack(refusal_fields(message))
         return self._pack(fields_of(message, encode_nested_metadata=self._pack))
-
-    # The MF_META acknowledgement, unsigned (``rd2h.domain.wire.protocol``).
-    encode_ack, is_ack = staticmethod(encode_plain_ack), staticmethod(is_plain_ack)
-    ack_generation = staticmethod(plain_ack_generation)
 
     # The signing envelope version MF_META's compat map states: none without a secret.
     signing = "none"
 
-    def encode_refusal(self, refusal: MetaRefused, conn: Hashable = None) -> bytes:
-        """Decode's refusal of an MF_META: ``b"NAK"`` + the msgpack-encoded refusal."""
-        return NAK + self._pack(refusal_fields(refusal))
-
-    def refusal(self, frame: bytes, conn: Hashable = None) -> MetaRefused | None:
-        """The refusal in ``frame``, or None when it is not one (``ProtocolError`` when it
-        is malformed: bounded like any frame)."""
-        raw = bytes(frame)
+    def handshake_answer(self, raw: bytes) -> MetaAck | MetaRefused | None:
+        """The acknowledgement or refusal ``raw`` holds, None when it is neither (then it
+        is an array message). A malformed refusal is a ``ProtocolError`` that fails the
+        handshake (bounded like any frame)."""
+        is_ack, generation = parse_ack(raw)
+        if is_ack:
+            return MetaAck(generation)
         if not raw.startswith(NAK):
             return None
-        body = self._unpack(raw[len(NAK):], "MF_META refusal",
-                            _Budget(self.max_objects, self.max_bytes), self.max_metadata_objects)
-        return refusal_from_fields(body)
+        try:
+            body = self._unpack(raw[len(NAK):], "MF_META refusal",
+                                _Budget(self.max_objects, self.max_bytes),
+                                self.max_metadata_objects)
+            return refusal_from_fields(body)
+        except ProtocolError as exc:
+            raise ProtocolError(exc.detail, handshake=True) from exc
 
     def forget(self, conn: Hashable) -> None:
         """Drop what is kept for the connection (its last read entries)."""
@@ -270,6 +276,11 @@ class MsgpackCodec:
 
     # -- decode
     def decode(self, frame: bytes, conn: Hashable = None) -> Message:
+        # The handshake's answers are raw bytes; an array never starts so (0x9X, 0xdc, 0xdd).
+        if isinstance(frame, bytes | bytearray | memoryview) and bytes(frame[:3]) in (ACK, NAK):
+            answer = self.handshake_answer(bytes(frame))
+            if answer is not None:
+                return answer
         budget = _Budget(self.max_objects, self.max_bytes)
         fields = self._unpack(frame, "frame", budget, self.max_objects)
 

@@ -16,7 +16,7 @@ from itertools import chain
 from typing import Any
 
 from rd2h.domain.errors import ProtocolError, UnknownMessageType
-from rd2h.domain.wire.compat import Compat, compat_at, compat_field
+from rd2h.domain.wire.compat import Compat, MetaRefused, compat_at, compat_field
 from rd2h.domain.wire.layer_meta import (  # noqa: F401 (re-exported: the protocol's names)
     LAYER_METADATA_KEYS,
     MAIN_HEADS_KEY,
@@ -119,7 +119,19 @@ class ReadFailed:
     seq: int | None = None  # extension (field 3): the answered announcement's ``seq``
 
 
-Message = MfMeta | ReadReadyBatch | ReadDone | ReadFailed
+@dataclass(frozen=True)
+class MetaAck:
+    """Decode stored the MF_META: the raw bytes ``b"ACK"`` on the wire (not a msgpack
+    array), then (extension, only to a Prefill that stated its own generation) Decode's
+    generation, 8 bytes big-endian."""
+
+    generation: int | None = None
+
+
+# Every control message, each direction. The handshake's answers (``MetaAck``, and
+# ``MetaRefused`` from ``compat``: raw ``b"NAK"`` + its array) are framed apart from the
+# arrays; a codec decodes them all through one ``decode``.
+Message = MfMeta | ReadReadyBatch | ReadDone | ReadFailed | MetaAck | MetaRefused
 
 
 # ---------------------------------------------------------------- the acknowledgement
@@ -140,19 +152,6 @@ def parse_ack(raw: bytes) -> tuple[bool, int | None]:
     if len(raw) == len(ACK) + GENERATION_BYTES and raw.startswith(ACK):
         return True, int.from_bytes(raw[len(ACK):], "big")
     return False, None
-
-
-def encode_plain_ack(conn: Any = None, generation: int | None = None) -> bytes:
-    return ack_plain(generation)
-
-
-def is_plain_ack(frame: bytes, conn: Any = None) -> bool:
-    return parse_ack(bytes(frame))[0]
-
-
-def plain_ack_generation(frame: bytes, conn: Any = None) -> int | None:
-    """The generation an acknowledgement states (None: none, or not an ACK)."""
-    return parse_ack(bytes(frame))[1]
 
 
 # ---------------------------------------------------------------- helpers
