@@ -131,3 +131,25 @@ def test_sessions_import_only_stdlib_numpy_and_the_domain(graph: grimp.ImportGra
             assert imported.split(".")[0] in allowed_roots, (session, imported)
     for banned in ("threading", "socket", "time", "selectors", "asyncio"):
         assert banned not in graph.find_modules_directly_imported_by(session), banned
+
+
+# The files one announcement walks through (``scripts/walk_files.py``): Decode from the
+# READ_READY_BATCH frame to its reply, Prefill from the submitted layer to its answer.
+# Before the rooms (59cbca1) the same measure gave 22 and 13.
+WALK_LIMITS = {"decode": 19, "prefill": 12}
+
+
+def test_one_announcement_walks_no_more_files_than_the_layout_allows() -> None:
+    import importlib.util
+
+    script = ROOT.parent / "scripts" / "walk_files.py"
+    spec = importlib.util.spec_from_file_location("walk_files", script)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    walks = module.walks()
+    for side, limit in WALK_LIMITS.items():
+        assert walks[side], f"nothing recorded for {side}: the measure is broken"
+        assert len(walks[side]) <= limit, (side, walks[side])
+    assert "rd2h/domain/planning/planning.py" in walks["decode"]
+    assert "rd2h/domain/prefill/prefill_session.py" in walks["prefill"]

@@ -6,10 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from rd2h.domain.decode.destination import Destination
 from rd2h.domain.errors import PlanningError
 from rd2h.domain.planning.layout import DestinationLayout, DestTensor, SourceLayout, TensorComponent
-from rd2h.domain.planning.planning import plan_reads
+from rd2h.domain.planning.planning import Destination, plan_reads
 from rd2h.domain.wire.protocol import ReadReadyBatch, ReadRequest
 
 SRC = SourceLayout("L", (TensorComponent(0x1000, 64, num_blocks=8),),

@@ -11,8 +11,7 @@ import pytest
 
 from rd2h.domain.errors import PlanningError
 from rd2h.domain.planning.layout import DestinationLayout, DestTensor, SourceLayout, TensorComponent
-from rd2h.domain.planning.plan_memo import PlanMemo
-from rd2h.domain.planning.planning import Destination, plan_reads
+from rd2h.domain.planning.planning import Destination, PlanMemo, plan_reads
 from rd2h.domain.wire.protocol import ReadReadyBatch, ReadRequest
 
 SIZES = {"k": 4096, "v": 512, "idx": 512, "scale": 16}

@@ -131,7 +131,7 @@ def test_the_command_prints_the_breakdown(tmp_path, capsys) -> None:
 def _plan(ids, main, indexer, lengths):
     import numpy as np
 
-    from rd2h.domain.planning.read_plan import ReadPlan
+    from rd2h.domain.planning.planning import ReadPlan
 
     n = len(lengths)
     return ReadPlan(np.zeros(n, np.uint64), np.zeros(n, np.uint64),

@@ -17,7 +17,6 @@ from typing import Protocol
 import numpy as np
 
 from rd2h.domain.planning.layout import DestTensor, MainSlice, TensorComponent
-from rd2h.domain.planning.read_plan import coalesce
 
 _EMPTY = np.zeros(0, dtype=np.int64)
 _EMPTY.setflags(write=False)
@@ -105,3 +104,18 @@ class DescriptorTemplate:
                     and end_r + p_ints[ra] == start_r + p_ints[rb]):
                 return coalesce(local, remote, self.lengths.copy())
         return local, remote, self.lengths
+
+
+def coalesce(
+    local: np.ndarray, remote: np.ndarray, lengths: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Merge runs of descriptors that are contiguous on both sides, keeping order."""
+    if lengths.size <= 1:
+        return local, remote, lengths
+    ends_l = local[:-1] + lengths[:-1]
+    ends_r = remote[:-1] + lengths[:-1]
+    joins = (ends_l == local[1:]) & (ends_r == remote[1:])
+    if not joins.any():
+        return local, remote, lengths
+    starts = np.flatnonzero(np.concatenate(([True], ~joins)))
+    return local[starts], remote[starts], np.add.reduceat(lengths, starts)

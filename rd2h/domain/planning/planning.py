@@ -9,6 +9,10 @@ Work per message is a short Python pass over the requests (look-ups, slices)
 and array arithmetic over blocks: ownership ranges are computed for all
 requests at once, contiguous runs are found on block ids (shared by the
 tensors of a component) and addresses are computed only for run starts.
+
+Here too: what the planner reads into (``Destination``, one request's destination
+block lists), what it produces (``ReadPlan``) and its memo of the layer-independent
+part (``PlanMemo``).
 """
 
 from __future__ import annotations
@@ -18,13 +22,12 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from itertools import chain
 from operator import attrgetter, getitem
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
-from rd2h.domain.decode.destination import Destination
 from rd2h.domain.errors import PlanningError
-from rd2h.domain.planning.descriptors import DescriptorTemplate, Group
+from rd2h.domain.planning.descriptors import DescriptorTemplate, Group, coalesce
 from rd2h.domain.planning.kv_groups import NO_BLOCK
 from rd2h.domain.planning.layer_pair import LayerPair, block_limit
 from rd2h.domain.planning.layout import (
@@ -33,10 +36,8 @@ from rd2h.domain.planning.layout import (
     SourceLayout,
     TensorComponent,
 )
-from rd2h.domain.planning.plan_memo import PlanMemo
-from rd2h.domain.planning.read_plan import ReadPlan, RequestOwnership, coalesce
 from rd2h.domain.planning.topology import owned_ranges
-from rd2h.domain.wire.digests import block_checks
+from rd2h.domain.wire.digests import BlockChecks, block_checks
 from rd2h.domain.wire.protocol import ReadReadyBatch, ReadRequest
 
 __all__ = ["BlockPlan", "Destination", "PlanMemo", "ReadPlan", "RequestOwnership", "coalesce",
@@ -44,6 +45,176 @@ __all__ = ["BlockPlan", "Destination", "PlanMemo", "ReadPlan", "RequestOwnership
 
 _EMPTY = np.zeros(0, dtype=np.int64)
 _EMPTY.setflags(write=False)
+
+
+# ====================================================================== what it reads into
+
+
+def _as_ids(values: Sequence[int] | np.ndarray) -> np.ndarray:
+    arr = np.array(values, dtype=np.int64).reshape(-1)
+    arr.setflags(write=False)
+    return arr
+
+
+@dataclass(frozen=True, eq=False)
+class Destination:
+    """Decode's own destination block lists for one request (never leave Decode).
+
+    Stored once as read-only int64 arrays: every layer's plan slices them. ``groups``:
+    every KV cache group's list (vLLM), for layers whose ``DestinationLayout.group``
+    names their group. ``NO_BLOCK`` (negative) marks a position with no block (outside
+    a sliding window): nothing is read into it.
+    """
+
+    main_block_ids: np.ndarray
+    indexer_block_ids: np.ndarray
+    groups: tuple[np.ndarray, ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "main_block_ids", _as_ids(self.main_block_ids))
+        object.__setattr__(self, "indexer_block_ids", _as_ids(self.indexer_block_ids))
+        object.__setattr__(self, "groups", tuple(map(_as_ids, self.groups)))
+
+    def main_for(self, group: int | None) -> np.ndarray:
+        """The list a layer's main tensors read into: its group's, else the main list."""
+        if group is None or not self.groups:
+            return self.main_block_ids
+        if group >= len(self.groups):
+            raise IndexError(f"no block ids for KV cache group {group}")
+        return self.groups[group]
+
+    def block_ids(self) -> set[int]:
+        """Every real block of the request, over all lists (``NO_BLOCK`` left out)."""
+        out: set[int] = set()
+        for ids in (self.main_block_ids, self.indexer_block_ids, *self.groups):
+            out.update(ids[ids != NO_BLOCK].tolist())
+        return out
+
+
+# ====================================================================== what it produces
+
+
+class RequestOwnership(NamedTuple):
+    """What this rank owns of one request in one message, and what it built for it
+    (``descriptors`` counts one per owned block per tensor, before coalescing)."""
+
+    ext_req_id: str
+    main_blocks: int
+    indexer_blocks: int
+    descriptors: int
+
+    @property
+    def owns_nothing(self) -> bool:
+        return self.main_blocks == 0 and self.indexer_blocks == 0
+
+
+@dataclass(frozen=True)
+class ReadPlan:
+    """One batched read: ``lengths[i]`` bytes from ``remote_addrs[i]`` to ``local_addrs[i]``.
+
+    ``requests`` gives the per-request ownership facts, in message order (built on
+    first access from the per-request counts).
+    """
+
+    local_addrs: np.ndarray
+    remote_addrs: np.ndarray
+    lengths: np.ndarray
+    ext_req_ids: tuple[str, ...]
+    main_blocks: np.ndarray
+    indexer_blocks: np.ndarray
+    descriptors_built: np.ndarray
+    blocks: int
+    # ``verify_kv``: the digests to check after the read (None: none stated).
+    checks: BlockChecks | None = None
+    nbytes: int | None = None  # ``lengths``' sum, where the planner knows it already
+
+    @cached_property
+    def requests(self) -> tuple[RequestOwnership, ...]:
+        return tuple(
+            map(
+                RequestOwnership,
+                self.ext_req_ids,
+                self.main_blocks.tolist(),
+                self.indexer_blocks.tolist(),
+                self.descriptors_built.tolist(),
+            )
+        )
+
+    @property
+    def num_descriptors(self) -> int:
+        return int(self.lengths.shape[0])
+
+    @property
+    def total_bytes(self) -> int:
+        if self.nbytes is not None:
+            return self.nbytes
+        return int(self.lengths.sum()) if self.lengths.size else 0
+
+    @property
+    def owns_nothing(self) -> bool:
+        return not (self.main_blocks.any() or self.indexer_blocks.any())
+
+
+# ====================================================================== its memo
+
+
+class PlanMemo:
+    """The last block plan (``rd2h.domain.planning.planning.BlockPlan``) per owner (a Prefill
+    connection), reused when the next message of that owner names equal requests
+    (ids, blocks, starts), the same contributor position and rank topology, and the
+    very same ``Destination`` objects. The memo holds those objects, so an identity
+    match can never be a recycled object. At most ``capacity`` owners are remembered
+    (the oldest is forgotten first)."""
+
+    def __init__(self, capacity: int = 64) -> None:
+        self.capacity = capacity
+        self._entries: dict[object, tuple[tuple[object, ...], tuple[object, ...], Any]] = {}
+        self.hits = 0
+        # (id(src), id(dst)) -> the ``LayerPair`` of a pair that passed
+        # ``validate_layout``; it holds both objects, so their ids are not reused.
+        self._layouts: dict[tuple[int, int], LayerPair] = {}
+        self.layout_capacity = 8 * 1024
+
+    def pair(self, src: SourceLayout, dst: DestinationLayout) -> LayerPair:
+        """The ``LayerPair`` of two layouts (``validate_layout`` raises ``LayoutMismatch``),
+        derived once per pair of layout objects (a peer's layouts are fixed by its
+        MF_META, Decode's by its cache); a pair that failed is checked again each time."""
+        key = (id(src), id(dst))
+        hit = self._layouts.get(key)
+        if hit is not None and hit.src is src and hit.dst is dst:
+            return hit
+        pair = LayerPair.of(src, dst)
+        if len(self._layouts) >= self.layout_capacity:
+            self._layouts.clear()  # many peers' MF_META came and went: start again
+        self._layouts[key] = pair  # it holds both objects: their ids are not reused
+        return pair
+
+    def get(self, owner: object, key: tuple[object, ...],
+            dests: tuple[object, ...]) -> Any:
+        entry = self._entries.get(owner)
+        if entry is None or entry[0] != key or len(entry[1]) != len(dests):
+            return None
+        if not all(a is b for a, b in zip(entry[1], dests)):
+            return None
+        self.hits += 1
+        return entry[2]
+
+    def put(self, owner: object, key: tuple[object, ...], dests: tuple[object, ...],
+            plan: Any) -> None:
+        self._entries.pop(owner, None)
+        while len(self._entries) >= self.capacity:
+            self._entries.pop(next(iter(self._entries)))
+        self._entries[owner] = (key, dests, plan)
+
+    def forget(self, owner: object) -> None:
+        self._entries.pop(owner, None)
+        self._layouts.clear()  # a peer's layouts went with it (the next ones are new)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+# ====================================================================== the planner
 
 
 @dataclass(frozen=True)
