@@ -4,12 +4,23 @@ Flow per worker step: ``local_report()`` -> exchange among TP ranks ->
 ``finish_step(all_reports, finished_by_vllm)``, which resolves this step's
 completions first and cleans up the requests vLLM finished afterwards. Time is
 an argument (``now``); nothing here reads a clock.
+
+A request's lifecycle here is one ``RequestPhase``, changed only through
+``REQUEST_TRANSITIONS`` (``DecodeRequestBook._move``): admitted and waiting for its KV,
+ended here (complete, or failed: its reason is kept), ended on every rank while not
+admitted here yet, held (ended everywhere; reported once no read in flight can write
+into its blocks), and forgotten. What is not a phase is data the phases use: the
+admission (internal id, destination, time), a failure's reason, whether its blocks
+were reported invalid, the contributors still to report, the orphan ledger's caps
+and dates, and the internal ids of requests vLLM finished early (``aborting``: the
+request is over, only vLLM's release of its blocks waits).
 """
 
 from __future__ import annotations
 
 from collections.abc import Collection, Hashable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from enum import StrEnum
 
 from rd2h.domain.decode.contributors import ContributorTracker, PeerContributions
 from rd2h.domain.decode.orphans import DEFAULT_ORPHANS_PER_PEER, DEFAULT_ORPHANS_TOTAL, OrphanLedger
@@ -53,6 +64,64 @@ class StepOutcome:
     aborted: frozenset[str] = frozenset()
 
 
+class RequestPhase(StrEnum):
+    """Where a request stands in one Decode rank's book."""
+
+    NEW = "new"  # nothing held for it (never seen, or forgotten)
+    WAITING = "waiting"  # admitted here; its KV is still coming
+    ENDED_HERE = "ended_here"  # complete or failed on this rank; not yet on every rank
+    # Ended on every rank before its admission here (an orphan): reported once admitted.
+    AWAITING_ADMISSION = "awaiting_admission"
+    # Ended on every rank and admitted: reported once no read in flight can still write
+    # into its blocks (a failure must not hand them to vLLM before that).
+    HELD = "held"
+    GONE = "gone"  # reported to vLLM, dropped, or an expired orphan: forgotten (final)
+
+
+class RequestEvent(StrEnum):
+    """What moves a request from one ``RequestPhase`` to another."""
+
+    ADMIT = "admit"  # vLLM admitted it on this rank
+    END = "end"  # its last contributor reported its final layer, or it failed
+    ENDED_EVERYWHERE = "ended_everywhere"  # every rank ended it; not admitted here
+    HOLD = "hold"  # every rank ended it, admitted here, a read in flight may still write
+    FORGET = "forget"  # reported, dropped or expired
+
+
+_RP, _RE = RequestPhase, RequestEvent
+_EVERYWHERE = (_RP.AWAITING_ADMISSION, _RP.HELD)  # ended on every rank
+_LIVE = (_RP.WAITING, _RP.ENDED_HERE, _RP.AWAITING_ADMISSION, _RP.HELD)
+# The phases in which the request is over here: nothing more is read into it.
+TERMINAL_PHASES = frozenset({_RP.ENDED_HERE, _RP.AWAITING_ADMISSION, _RP.HELD})
+REQUEST_TRANSITIONS: Mapping[tuple[RequestPhase, RequestEvent], RequestPhase] = {
+    (_RP.NEW, _RE.ADMIT): _RP.WAITING,
+    # Admitted again, or after it ended: the admission is recorded, the phase stays.
+    **{(phase, _RE.ADMIT): phase for phase in _LIVE},
+    (_RP.NEW, _RE.END): _RP.ENDED_HERE,  # an orphan: ended before its admission here
+    (_RP.WAITING, _RE.END): _RP.ENDED_HERE,
+    # A failure learned after it ended (e.g. on another rank): its reason is kept.
+    **{(phase, _RE.END): phase for phase in TERMINAL_PHASES},
+    **{(phase, _RE.ENDED_EVERYWHERE): _RP.AWAITING_ADMISSION
+       for phase in (_RP.NEW, _RP.ENDED_HERE, _RP.AWAITING_ADMISSION)},
+    **{(phase, _RE.HOLD): _RP.HELD for phase in _LIVE},
+    **{(phase, _RE.FORGET): _RP.GONE for phase in _LIVE},
+}
+
+
+class RequestTransitionError(ValueError):
+    """A move ``REQUEST_TRANSITIONS`` does not allow (a bug in the book)."""
+
+
+def next_phase(phase: RequestPhase, event: RequestEvent, ext_id: str = "") -> RequestPhase:
+    """The phase ``event`` moves ``phase`` to; ``RequestTransitionError`` when the table
+    has no such move."""
+    new = REQUEST_TRANSITIONS.get((phase, event))
+    if new is None:
+        raise RequestTransitionError(f"request {ext_id!r} {phase.value}: no transition on "
+                                     f"{event.value}")
+    return new
+
+
 @dataclass
 class _Admitted:
     internal_id: str
@@ -68,23 +137,36 @@ class DecodeRequestBook:
 
     def __init__(self, max_orphans_per_peer: int = DEFAULT_ORPHANS_PER_PEER,
                  max_orphans: int = DEFAULT_ORPHANS_TOTAL) -> None:
+        # ext id -> its phase (absent: ``NEW``); changed only by ``_move``.
+        self._phase: dict[str, RequestPhase] = {}
         self._admitted: dict[str, _Admitted] = {}
         self._int_to_ext: dict[str, str] = {}
         self.contributors = ContributorTracker()
-        self._terminal: set[str] = set()
-        self._failed: dict[str, str] = {}
-        self._invalid_reported: set[str] = set()
-        self._pending_finished: set[str] = set()
+        self._failed: dict[str, str] = {}  # ext id -> why it failed (first reason)
+        self._invalid_reported: set[str] = set()  # failed, its blocks reported invalid
         # ext id -> internal id: vLLM finished (aborted) the request before its KV was
         # reported. vLLM 0.32 keeps such a request's blocks until the connector names it
         # in ``finished_recving``; it is reported once no read can still land in them.
         self._aborting: dict[str, str] = {}
-        # Terminal here and on every rank, held back while a read may still write into
-        # the request's blocks (its failure must not hand them to vLLM before that).
-        self._deferred: set[str] = set()
         self.orphans = OrphanLedger(max_orphans_per_peer, max_orphans)
         self.peer_contributions = PeerContributions()
         self._now = 0.0  # the latest time seen: orphans learned without one get it
+
+    # -- the lifecycle
+    def phase(self, ext_id: str) -> RequestPhase:
+        return self._phase.get(ext_id, RequestPhase.NEW)
+
+    def _move(self, ext: str, event: RequestEvent) -> RequestPhase:
+        """The one way a request's phase changes: by ``REQUEST_TRANSITIONS``."""
+        new = next_phase(self._phase.get(ext, RequestPhase.NEW), event, ext)
+        if new is RequestPhase.GONE:
+            del self._phase[ext]
+        else:
+            self._phase[ext] = new
+        return new
+
+    def _in(self, *phases: RequestPhase) -> list[str]:
+        return [ext for ext, phase in self._phase.items() if phase in phases]
 
     # -- admission
     def admit(
@@ -106,6 +188,7 @@ class DecodeRequestBook:
             now,
         )
         self._int_to_ext[internal_id] = ext
+        self._move(ext, RequestEvent.ADMIT)
         return ext
 
     def destination(self, ext_id: str) -> Destination | None:
@@ -117,7 +200,8 @@ class DecodeRequestBook:
         return _DestinationView(self._admitted)
 
     def is_terminal(self, ext_id: str) -> bool:
-        return ext_id in self._terminal
+        """Over here (ended, on this rank or every rank): nothing more is read into it."""
+        return self._phase.get(ext_id) in TERMINAL_PHASES
 
     # -- layer outcomes
     def record_done(
@@ -135,10 +219,10 @@ class DecodeRequestBook:
             self.peer_contributions.done(peer, ext_ids)
         completed = []
         for ext in ext_ids:
-            if ext in self._terminal or not self._holds(ext, peer):
+            if self.is_terminal(ext) or not self._holds(ext, peer):
                 continue
             if self.contributors.report(ext, member, ratio):
-                self._terminal.add(ext)
+                self._move(ext, RequestEvent.END)
                 self.contributors.discard(ext)
                 self.peer_contributions.discard_request(ext)
                 completed.append(ext)
@@ -148,14 +232,14 @@ class DecodeRequestBook:
         """``peer`` announced blocks of ``ext_ids``; admitted, unfinished ones now depend
         on it until it reports their final layer (see ``fail_peer``)."""
         self.peer_contributions.note(
-            peer, (e for e in ext_ids if e in self._admitted and e not in self._terminal)
+            peer, (e for e in ext_ids if self._phase.get(e) is RequestPhase.WAITING)
         )
 
     def fail_peer(self, peer: Hashable, reason: str, now: float | None = None) -> list[str]:
         """The connection ``peer`` is gone: fail the unfinished requests it was still
         contributing to (requests that never heard from it end at their deadline)."""
         live = sorted(e for e in self.peer_contributions.take_peer(peer)
-                      if e not in self._terminal)
+                      if not self.is_terminal(e))
         self.record_failed(live, reason, now)
         return live
 
@@ -176,7 +260,7 @@ class DecodeRequestBook:
         """The deployment knows these requests' KV will not come (e.g. the proxy's
         Prefill dispatch failed): fail those admitted here and not yet terminal."""
         exts = (self._ext_of(i) for i in internal_ids)
-        failed = [e for e in exts if e in self._admitted and e not in self._terminal]
+        failed = [e for e in exts if self._phase.get(e) is RequestPhase.WAITING]
         for ext in failed:
             self._mark_failed(ext, reason, None)
         return failed
@@ -186,7 +270,7 @@ class DecodeRequestBook:
         if not self._holds(ext, owner):
             return
         self._failed.setdefault(ext, reason)
-        self._terminal.add(ext)
+        self._move(ext, RequestEvent.END)
         self.contributors.discard(ext)
         self.peer_contributions.discard_request(ext)
 
@@ -204,7 +288,8 @@ class DecodeRequestBook:
         late = [
             ext
             for ext, entry in self._admitted.items()
-            if ext not in self._terminal and entry.admitted_at + timeout <= now
+            if self._phase.get(ext) is RequestPhase.WAITING
+            and entry.admitted_at + timeout <= now
         ]
         self.record_failed(late, f"no KV arrived within {timeout:g} s of admission")
         # State for ids never admitted here (e.g. a message for a request Decode already
@@ -218,17 +303,18 @@ class DecodeRequestBook:
         Admissions come in time order (one monotonic clock), so the first admitted
         request not yet terminal is the one due first; so is the oldest orphan."""
         first = next((e.admitted_at for ext, e in self._admitted.items()
-                      if ext not in self._terminal), None)
+                      if self._phase.get(ext) is RequestPhase.WAITING), None)
         times = [t for t in (first, self.orphans.oldest()) if t is not None]
         return min(times) + timeout if times else None
 
     # -- step
     def local_report(self) -> RankReport:
-        # Requests waiting only for their admission here (``_pending_finished``) were
-        # already finished on every rank: re-announcing their failure would make the
-        # ranks that forgot them fail them again, and they would never be cleaned.
-        failed = self._failed.keys() - self._pending_finished - self._deferred
-        return RankReport(frozenset(self._terminal), frozenset(failed))
+        # Requests ended on every rank already (awaiting their admission here, or held):
+        # re-announcing their failure would make the ranks that forgot them fail them
+        # again, and they would never be cleaned.
+        terminal = self._in(RequestPhase.ENDED_HERE, RequestPhase.HELD)
+        failed = [e for e in self._failed if self._phase.get(e) not in _EVERYWHERE]
+        return RankReport(frozenset(terminal), frozenset(failed))
 
     def finish_step(
         self,
@@ -258,15 +344,16 @@ class DecodeRequestBook:
             invalid.update(entry.destination.block_ids())
             self._invalid_reported.add(ext)
         finished: set[str] = set()
-        for ext in merged.finished | self._pending_finished | self._deferred:
+        for ext in merged.finished.union(self._in(*_EVERYWHERE)):
             entry = self._admitted.get(ext)
-            if entry is None:
-                self._terminal.discard(ext)
+            if entry is None:  # kept (capped, dated) until its admission comes
                 if self.orphans.add(ext, None, self._now):
-                    self._pending_finished.add(ext)
+                    self._move(ext, RequestEvent.ENDED_EVERYWHERE)
+                elif ext in self._phase:
+                    self._forget(ext)
                 continue
             if ext in busy:  # reported once the read in flight has ended
-                self._deferred.add(ext)
+                self._move(ext, RequestEvent.HOLD)
                 continue
             finished.add(entry.internal_id)
             if ext in self._failed:
@@ -301,11 +388,10 @@ class DecodeRequestBook:
         entry = self._admitted.pop(ext, None)
         if entry is not None:
             self._int_to_ext.pop(entry.internal_id, None)
-        self._terminal.discard(ext)
+        if ext in self._phase:
+            self._move(ext, RequestEvent.FORGET)
         self._failed.pop(ext, None)
         self._invalid_reported.discard(ext)
-        self._pending_finished.discard(ext)
-        self._deferred.discard(ext)
         self.orphans.discard(ext)
         self.contributors.discard(ext)
         self.peer_contributions.discard_request(ext)
@@ -316,13 +402,14 @@ class DecodeRequestBook:
         return len(self._admitted)
 
     def counters(self) -> dict[str, int]:
+        phases = list(self._phase.values())
         return {
             "admitted": len(self._admitted),
-            "terminal": len(self._terminal),
+            "terminal": phases.count(RequestPhase.ENDED_HERE) + phases.count(RequestPhase.HELD),
             "failed": len(self._failed),
-            "pending_finished": len(self._pending_finished),
+            "pending_finished": phases.count(RequestPhase.AWAITING_ADMISSION),
             "aborting": len(self._aborting),
-            "deferred": len(self._deferred),
+            "deferred": phases.count(RequestPhase.HELD),
             "contributors": len(self.contributors),
             "orphans": len(self.orphans),
             "peer_contributions": len(self.peer_contributions),
