@@ -24,11 +24,11 @@ class SessionRequestsView:
 
     def release(self, finished_by_vllm: Iterable[str]) -> tuple[str, ...]:
         with self._cond:
-            return self._session.release(finished_by_vllm)
+            return self._session.book.release(finished_by_vllm)
 
     def open_requests(self, request_ids: Iterable[str]) -> dict[str, int]:
         with self._cond:
-            return self._session.open_requests(request_ids)
+            return self._session.book.open_tickets(request_ids)
 
     def wait_settled(self, request_ids: Iterable[str], timeout: float) -> dict[str, int]:
         """Block until no announcement naming ``request_ids`` is open, at most ``timeout``
@@ -36,7 +36,7 @@ class SessionRequestsView:
         rids = tuple(request_ids)
         deadline = self._clock.now() + timeout
         with self._cond:
-            while still := self._session.open_requests(rids):
+            while still := self._session.book.open_tickets(rids):
                 remaining = deadline - self._clock.now()
                 if remaining <= 0:
                     return still
@@ -45,11 +45,11 @@ class SessionRequestsView:
 
     def errors(self, request_ids: Iterable[str]) -> dict[str, str]:
         with self._cond:
-            return self._session.request_errors(request_ids)
+            return self._session.book.errors(request_ids)
 
     def held(self) -> dict[str, int]:
         with self._cond:
-            return self._session.held_requests()
+            return self._session.book.held()
 
     def take_news(self) -> list[RequestNews]:
         with self._cond:
@@ -58,13 +58,13 @@ class SessionRequestsView:
     @property
     def failed(self) -> int:
         with self._cond:
-            return self._session.requests_failed
+            return self._session.book.requests_failed
 
     @property
     def skipped(self) -> int:
         with self._cond:
-            return self._session.requests_skipped
+            return self._session.book.requests_skipped
 
     def counters(self) -> dict[str, int]:
         with self._cond:
-            return self._session.request_counters()
+            return self._session.book.counters()

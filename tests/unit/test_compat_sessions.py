@@ -139,8 +139,8 @@ def test_prefill_fails_what_waits_on_a_refusing_endpoint_at_once_with_its_reason
     assert sorted(o.layer_idx for o in failed) == [0, 1]
     assert all("block_size: prefill 16, decode 128" in (o.error or "") for o in failed)
     assert s.gate(0).open and s.gate(1).open and s.idle
-    assert s.open_requests(["r0", "r1"]) == {}
-    assert s.request_errors(["r0", "r1"]).keys() == {"r0", "r1"}
+    assert s.book.open_tickets(["r0", "r1"]) == {}
+    assert s.book.errors(["r0", "r1"]).keys() == {"r0", "r1"}
     # Within reconnect_after_s a new announcement to it fails at once, same reason.
     again = announce(s, 0, "A", 1.0)
     outs = s.event_done(again, 1.1)

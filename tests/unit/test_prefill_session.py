@@ -36,7 +36,7 @@ def session(layers: int = 3) -> PrefillSession:
 def announce(s: PrefillSession, layer: int, endpoints: list[str], now: float = 0.0,
              ticket: str | None = None) -> int:
     """With a ``ticket``: the announcement names request ``ticket`` to every endpoint, so
-    the session's book holds it until each endpoint's entry ended (``open_requests``)."""
+    the session's book holds it until each endpoint's entry ended (``book.open_tickets``)."""
     targets = [LayerTarget(ep, REQ, False, 0, 1) for ep in endpoints]
     named = None if ticket is None else {ep: [(ticket, ticket)] for ep in endpoints}
     return s.announce(layer, group_batches(layer, s.layer_name(layer), targets), now, named)
@@ -83,7 +83,7 @@ def test_handshake_then_send_then_answer() -> None:
     outs = s.reply("A", ReadDone(0), now=2.0)
     assert outs == [LayerAnswered(0, "A", None, pytest.approx(0.3))]
     assert s.gate(0).open and s.gate(0).error is None
-    assert s.open_requests(["t0"]) == {} and s.request_errors(["t0"]) == {}
+    assert s.book.open_tickets(["t0"]) == {} and s.book.errors(["t0"]) == {}
     # The link stays ready: the next announcement goes out without a handshake.
     aid = announce(s, 1, ["A"], now=3.0)
     assert kinds(s.event_done(aid, now=3.0)) == ["SendBatch"]
@@ -94,7 +94,7 @@ def test_handshake_then_send_then_answer() -> None:
 def test_a_layer_with_nothing_to_send_stays_open_and_holds_no_request() -> None:
     s = session()
     announce(s, 0, [], ticket="empty")
-    assert s.gate(0).open and s.open_requests(["empty"]) == {}
+    assert s.gate(0).open and s.book.open_tickets(["empty"]) == {}
     assert_clean(s)
 
 
@@ -120,13 +120,13 @@ def test_replies_without_an_id_answer_the_oldest_announcement_of_their_layer() -
         s.event_done(announce(s, layer, eps, ticket=ticket), 0.0)
     s.reply("e1", ReadDone(0), 1.0)  # the oldest open announcement of (0, e1): t1
     every = ["t1", "t2", "t3"]
-    assert s.open_requests(every) == {"t1": 1, "t2": 1, "t3": 1}  # e2's part of t1 open
+    assert s.book.open_tickets(every) == {"t1": 1, "t2": 1, "t3": 1}  # e2's part of t1 open
     s.reply("e1", ReadDone(0), 1.0)
-    assert s.open_requests(every) == {"t1": 1, "t3": 1}
+    assert s.book.open_tickets(every) == {"t1": 1, "t3": 1}
     s.reply("e2", ReadFailed(0, "x"), 1.0)
     s.reply("e1", ReadDone(1), 1.0)
-    assert s.open_requests(every) == {}
-    assert s.request_errors(every) == {"t1": "decode endpoint e2: x"}
+    assert s.book.open_tickets(every) == {}
+    assert s.book.errors(every) == {"t1": "decode endpoint e2: x"}
     assert s.reply("e1", ReadDone(0), 1.0) == []  # a reply nobody waits for is ignored
     assert s.reply("nobody", ReadDone(0), 1.0) == []
     assert_clean(s)
@@ -142,20 +142,20 @@ def test_replies_answer_exactly_the_announcement_whose_id_they_echo() -> None:
     assert isinstance(old, SendBatch) and old.batch.seq == old.announcement
     s.sent("A", old.announcement, 0.0)
     s.tick(T.layer_ack_s + 0.1)  # no reply in time: failed, connection reset
-    assert s.open_requests(["old"]) == {} and "old" in s.request_errors(["old"])
+    assert s.book.open_tickets(["old"]) == {} and "old" in s.book.errors(["old"])
     ready(s, "A", 6.0)
     (new,) = s.event_done(announce(s, 0, ["A"], ticket="new"), 6.0)
     assert new.batch.seq != old.batch.seq
     late = ReadDone(0, old.batch.seq)
     assert s.reply("A", late, 6.5) == []  # the old announcement's reply, late
-    assert not s.gate(0).open and s.open_requests(["new"]) == {"new": 1}
+    assert not s.gate(0).open and s.book.open_tickets(["new"]) == {"new": 1}
     (second,) = s.event_done(announce(s, 0, ["A"], ticket="second"), 6.6)
     s.reply("A", ReadDone(0, second.batch.seq), 7.0)  # answers the second, not the first
-    assert s.open_requests(["new", "second"]) == {"new": 1}
-    assert s.request_errors(["second"]) == {}
+    assert s.book.open_tickets(["new", "second"]) == {"new": 1}
+    assert s.book.errors(["second"]) == {}
     s.reply("A", ReadFailed(0, "no", new.batch.seq), 7.1)
-    assert s.open_requests(["new"]) == {}
-    assert s.request_errors(["new"]) == {"new": "decode endpoint A: no"}
+    assert s.book.open_tickets(["new"]) == {}
+    assert s.book.errors(["new"]) == {"new": "decode endpoint A: no"}
     assert_clean(s)
 
 
@@ -202,8 +202,8 @@ def test_a_request_keeps_its_first_error_and_the_gate_its_layers_error() -> None
     s.reply("e2", ReadFailed(0, ""), 1.0)
     assert not s.gate(0).open  # e3 may still be reading the storage
     s.reply("e3", ReadDone(0), 1.0)
-    assert s.open_requests(["t"]) == {}
-    assert s.request_errors(["t"]) == {"t": "decode endpoint e1: first"}
+    assert s.book.open_tickets(["t"]) == {}
+    assert s.book.errors(["t"]) == {"t": "decode endpoint e1: first"}
     assert s.gate(0).open and s.gate(0).error == (
         "decode endpoint e2: decode reported READ_FAILED")
     assert_clean(s)
@@ -324,14 +324,14 @@ def test_what_went_out_keeps_its_storage_until_its_hold_after_a_loss() -> None:
     outs = s.connection_lost("A", 1.0)
     assert [a[:2] for a in answered(outs)] == [(0, "A"), (1, "A")]  # reported at once
     assert s.gate(1).open and not s.gate(0).open
-    assert s.open_requests(["t0", "t1"]) == {"t0": 1}
+    assert s.book.open_tickets(["t0", "t1"]) == {"t0": 1}
     assert answered(s.connection_lost("A", 2.0)) == [] and not s.gate(0).open
     assert s.next_deadline() == T.layer_ack_s
     assert s.tick(T.layer_ack_s - 0.01) == []
     assert answered(s.tick(T.layer_ack_s)) == []  # reported once, when it failed
     assert s.gate(0).open and "A disconnected" in (s.gate(0).error or "")
-    assert s.open_requests(["t0"]) == {}
-    assert "A disconnected" in s.request_errors(["t0"])["t0"]
+    assert s.book.open_tickets(["t0"]) == {}
+    assert "A disconnected" in s.book.errors(["t0"])["t0"]
     assert_clean(s)
 
 
@@ -348,13 +348,13 @@ def test_a_new_decode_generation_gives_back_what_was_held_for_the_old_one() -> N
         s.event_done(aid, 0.0)
         s.sent("A", aid, 0.0)
         s.connection_lost("A", 1.0)
-        assert not s.gate(layer).open and s.open_requests([f"t{layer}"]) == {f"t{layer}": 1}
+        assert not s.gate(layer).open and s.book.open_tickets([f"t{layer}"]) == {f"t{layer}": 1}
         s.connection_restored("A")
         assert kinds(s.prepare(["A"], 1.5)) == ["Connect", "SendMeta"]
         s.ack_received("A", 1.6, generation=gen)
         assert s.gate(layer).open is (gen != 5), layer
     # Generation 6 replaced 5 too: layer 0, still held for 5, is given back with layer 1.
-    assert s.gate(0).open and s.open_requests(["t0", "t1"]) == {}
+    assert s.gate(0).open and s.book.open_tickets(["t0", "t1"]) == {}
     assert_clean(s)
 
 
@@ -403,7 +403,7 @@ def test_a_batch_that_could_not_be_sent_fails_its_entry() -> None:
     (send,) = s.event_done(announce(s, 0, ["A"], ticket="t"), 0.0)
     outs = s.send_failed(send, "queue full", 0.1)
     assert answered(outs) == [(0, "A", "decode endpoint A: queue full")]
-    assert s.request_errors(["t"]) == {"t": "decode endpoint A: queue full"}
+    assert s.book.errors(["t"]) == {"t": "decode endpoint A: queue full"}
     assert_clean(s)
 
 
@@ -424,8 +424,8 @@ def test_stop_fails_everything_naming_what_each_layer_awaited() -> None:
     }
     assert HandshakeDone("C", "prefill sender stopped") in outs
     assert all(s.gate(n).open for n in range(3))
-    assert s.request_errors(["t"]) == {"t": "prefill sender stopped (layer 0 awaited A)"}
-    assert s.open_requests(["t"]) == {}
+    assert s.book.errors(["t"]) == {"t": "prefill sender stopped (layer 0 awaited A)"}
+    assert s.book.open_tickets(["t"]) == {}
     with pytest.raises(LayerSendError, match="stopped"):
         announce(s, 0, ["A"])
     assert s.prepare(["A"], 1.0) == [HandshakeDone("A", "prefill sender stopped")]

@@ -89,7 +89,7 @@ class SessionPair(RuleBasedStateMachine):
             else:
                 assert not isinstance(out, Connect) or out.endpoint == EP
         for ticket in [t for t in self.open if t[0] == r]:  # the book holds each until then
-            if not self.p[r].open_requests([f"q{ticket[1]}"]):
+            if not self.p[r].book.open_tickets([f"q{ticket[1]}"]):
                 del self.open[ticket]
                 self.resolved.add(ticket)
 

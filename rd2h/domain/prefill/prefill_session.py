@@ -342,32 +342,12 @@ class PrefillSession:
         self._news += verdict.withheld
         return verdict.kept
 
-    def release(self, finished_by_vllm: Iterable[str]) -> tuple[str, ...]:
-        """The requests vLLM finished whose announcements were all answered (forgotten)."""
-        return self._book.release(finished_by_vllm)
-
-    def open_requests(self, request_ids: Iterable[str]) -> dict[str, int]:
-        """Open tickets per request, for those of ``request_ids`` that still have any."""
-        return self._book.open_tickets(request_ids)
-
-    def request_errors(self, request_ids: Iterable[str]) -> dict[str, str]:
-        return self._book.errors(request_ids)
-
-    def held_requests(self) -> dict[str, int]:
-        """Requests (and their main blocks) this rank still holds for Decode."""
-        return self._book.held()
-
     @property
-    def requests_failed(self) -> int:
-        return self._book.requests_failed
-
-    @property
-    def requests_skipped(self) -> int:
-        """Requests Decode no longer knew (aborted there)."""
-        return self._book.requests_skipped
-
-    def request_counters(self) -> dict[str, int]:
-        return self._book.counters()
+    def book(self) -> PrefillRequestBook:
+        """The request book this session keeps (its tickets, errors, releases and
+        counters), read and released through directly; the session's own inputs are
+        what change it otherwise."""
+        return self._book
 
     def take_news(self) -> list[RequestNews]:
         """What happened to requests since the last call, in order."""
