@@ -189,9 +189,14 @@ class Cluster:
         self.log = RecordingLogger()
         proxy_sock = bound_socket()
         self.url = f"http://{HOST}:{proxy_sock.getsockname()[1]}"
+        # Probes get 10 s (default 1 s): these engines share one event loop with up to
+        # 64 streams, and on a loaded 2-core machine their /health answer has taken over
+        # a second, which ejects the one Decode at once (by design, and not what these
+        # tests are about: CI saw 503 "all ejected" once).
         config = ProxyConfig(prefill=(urls["prefill"],), decode=(urls["decode"],),
                              public_url=self.url, connect_timeout_s=5, decode_timeout_s=30,
-                             prefill_timeout_s=30, engine_keepalive_s=proxy_engine_keepalive_s)
+                             prefill_timeout_s=30, engine_keepalive_s=proxy_engine_keepalive_s,
+                             probe_timeout_s=10)
         self.app = create_app(config, log=self.log)
         # The proxy's own keep-alive as ``rd2h proxy`` sets it (``serve``).
         self.proxy_server = uvicorn.Server(uvicorn.Config(
