@@ -148,6 +148,30 @@ def _decode_rank(cfg: DemoConfig, d_rank: int, base_port: int, dist_port: int, s
     shm.close()
 
 
+class _DoneFlags:
+    """The TP exchange with one flag beside each rank's report: whether that rank had
+    every outcome of the round before this step. Every rank gathers the same flags, so
+    ``all_done`` turns true after the same step everywhere."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.done = False
+        self.all_done = False
+
+    @property
+    def rank(self) -> int:
+        return int(self.inner.rank)
+
+    @property
+    def world_size(self) -> int:
+        return int(self.inner.world_size)
+
+    def all_gather(self, obj: Any, timeout: float) -> list[Any]:
+        pairs = self.inner.all_gather((obj, self.done), timeout)
+        self.all_done = all(done for _, done in pairs)
+        return [report for report, _ in pairs]
+
+
 class _Rank:
     """One Decode rank's rounds: pull (admit, step until every request ended, verify)
     and the bare replay of round 0's reads."""
@@ -180,12 +204,18 @@ class _Rank:
         ended_at: dict[str, float] = {}
         run_deadline = admitted_at + cfg.timeout_s
         last_progress = 0
+        # Steps are collectives, so every rank stops after the same one: each step also
+        # gathers whether each rank had all its outcomes before it. A request can end on
+        # one rank a step before another (held there while a read into it is in flight),
+        # and a rank that stopped on its own count would leave the others' next step
+        # waiting for it until the exchange deadline.
+        group = _DoneFlags(self.exchange)
         # (A broken TP group, from an earlier round, resolves nothing: every request fails.)
-        while (len(outcomes) < cfg.requests and time.monotonic() < run_deadline
+        while (not group.all_done and time.monotonic() < run_deadline
                and self.exchange_error is None):
             self.sig.drain_wake(self.d_rank)  # news from now on wakes the next wait
             try:
-                outcome = receiver.step(self.exchange, (), cfg.deadlines().tp_exchange_s)
+                outcome = receiver.step(group, (), cfg.deadlines().tp_exchange_s)
             except TimeoutError as exc:  # a Decode rank died or hung: no step resolves more
                 self.exchange_error = str(exc).splitlines()[0][:200]  # gloo's run long
                 break
@@ -196,7 +226,12 @@ class _Rank:
             if self.d_rank == 0 and len(outcomes) != last_progress:
                 last_progress = len(outcomes)
                 self.out.put(("progress", self.who, k * cfg.requests + last_progress))
-            if len(outcomes) < cfg.requests:
+            if group.all_done:
+                break
+            if len(outcomes) == cfg.requests and not group.done:
+                group.done = True  # the next step tells the others: step it at once
+                self.sig.wake_all()
+            else:
                 # Step when any Decode rank has news (a step is a collective all ranks
                 # join), at least every STEP_INTERVAL_S.
                 self.sig.wait_wake(self.d_rank, STEP_INTERVAL_S)
