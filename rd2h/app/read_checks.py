@@ -6,6 +6,8 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
+import numpy as np
+
 from rd2h.app.telemetry import DecodeStats
 from rd2h.domain.decode.decode_session import Read
 from rd2h.domain.wire.digests import BlockChecks
@@ -48,15 +50,16 @@ class ReadChecks:
             self._digest_peers.add(read.p_session)  # once per peer (bounded)
             self._log.info("verify_kv: this prefill peer states KV digests; each read of it "
                            "is checked", session=clip(read.p_session, 128))
-        got = self._digest(checks.addrs.tolist(), checks.sizes.tolist())
-        bad = [w for w, g, e in zip(checks.what, got, checks.expected.tolist()) if g != e]
-        self.stats.blocks_verified += len(got)
-        if not bad:
+        got = np.asarray(self._digest(checks.addrs, checks.sizes), dtype=np.int64)
+        wrong = np.flatnonzero(got != checks.expected)
+        self.stats.blocks_verified += int(got.size)
+        if not wrong.size:
             return None
-        self.stats.digest_mismatches += len(bad)
-        named = [f"{ext} {tensor} block {block}" for ext, tensor, block in bad]
+        self.stats.digest_mismatches += int(wrong.size)
+        named = [f"{ext} {tensor} block {block}"
+                 for ext, tensor, block in checks.describe(wrong[:16].tolist())]
         self._log.error("KV digest mismatch: bytes read differ from Prefill's",
                         layer=read.layer_idx, **few(named))
-        return (f"KV digest mismatch in {len(bad)} of {len(got)} blocks read (request, "
+        return (f"KV digest mismatch in {wrong.size} of {got.size} blocks read (request, "
                 f"tensor, Prefill block: {', '.join(named[:3])}"
                 f"{', ...' if len(named) > 3 else ''})")

@@ -27,7 +27,7 @@ from rd2h.domain.errors import LayerSendError
 from rd2h.domain.planning.chunks import external_request_id
 from rd2h.domain.planning.layout import SourceLayout
 from rd2h.domain.planning.topology import compute_mapping, remote_port, tcp_endpoint
-from rd2h.domain.wire.digests import source_spans
+from rd2h.domain.wire.digests import stated_digests
 from rd2h.domain.wire.protocol import ReadRequest
 from rd2h.ports.runtime import Digest
 
@@ -143,8 +143,7 @@ def _digested(targets: list[LayerTarget], layout: SourceLayout, digest: Digest
               ) -> list[LayerTarget]:
     """The targets with each read entry's block digests for this layer (``verify_kv``)."""
     return [t if t.request is None else dataclasses.replace(t, request=dataclasses.replace(
-        t.request, digests=tuple(tuple(digest(addrs.tolist(), [size] * len(addrs)))
-                                 for addrs, size in source_spans(layout, t.request))))
+        t.request, digests=stated_digests(layout, t.request, t.member, digest)))
             for t in targets]
 
 

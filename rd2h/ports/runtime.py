@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from enum import StrEnum
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    import numpy as np
 
 
 class Clock(Protocol):
@@ -14,9 +17,10 @@ class Clock(Protocol):
 
 
 class Digest(Protocol):
-    def __call__(self, addrs: Sequence[int], sizes: Sequence[int]) -> list[int]:
-        """``verify_kv``: the digest of ``sizes[i]`` bytes at ``addrs[i]`` of this process
-        (``rd2h.domain.wire.digests``)."""
+    def __call__(self, addrs: Sequence[int] | np.ndarray, sizes: Sequence[int] | np.ndarray
+                 ) -> np.ndarray:
+        """``verify_kv``: the digests (int64 array) of ``sizes[i]`` bytes at ``addrs[i]``
+        of this process (``rd2h.domain.wire.digests``)."""
         ...
 
 

@@ -163,6 +163,16 @@ def test_corrupted_reads_are_caught_with_verify_kv_and_real_without(ratio: str,
 
 
 @pytest.mark.parametrize("ratio", RATIOS)
+def test_intact_reads_with_verify_kv_all_complete(ratio: str) -> None:
+    """Every Prefill member states the digests of what Decode reads from it (member 0
+    main and its indexer share, the others their indexer share, no main): with nothing
+    corrupted every request completes (a read block without a stated digest, or a wrong
+    one, would fail its layer)."""
+    res = run(ratio, verify_kv=True)
+    assert res.requests_ok == res.requests and res.layer_errors == []
+
+
+@pytest.mark.parametrize("ratio", RATIOS)
 def test_slow_decode_within_deadlines(ratio: str) -> None:
     res = run(ratio, "slow-decode@ms=40")
     assert res.requests_ok == res.requests and res.layer_errors == []

@@ -3,7 +3,7 @@ sockets and codec, the in-process transport (real byte copies), Decode's real
 ``DecodeReceiver`` with XXH3 digests (``rd2h.adapters.hashing``).
 
 Prefill states per block and tensor the digest of its source bytes (here computed the
-way ``PrefillWorker`` does under ``verify_kv``: ``source_spans`` + ``digest_blocks``).
+way ``PrefillWorker`` does under ``verify_kv``: ``stated_digests`` + ``digest_blocks``).
 Two corruption faults sit between the transport and Decode's check:
 - ``flip``: bytes of the first block read are flipped after the transport returned;
 - ``misplace``: every block is read into the next destination block (a wrong-destination
@@ -33,7 +33,7 @@ from fakes.rig import (
 
 from rd2h.adapters.hashing import digest_blocks
 from rd2h.domain.errors import LayerSendError
-from rd2h.domain.wire.digests import source_spans
+from rd2h.domain.wire.digests import stated_digests
 from rd2h.domain.wire.protocol import ReadRequest
 
 pytestmark = pytest.mark.integration
@@ -64,9 +64,8 @@ class Corrupting:
 
 
 def _with_digests(p, req: ReadRequest, layer: int) -> ReadRequest:
-    return dataclasses.replace(req, digests=tuple(
-        tuple(digest_blocks(addrs.tolist(), [size] * len(addrs)))
-        for addrs, size in source_spans(p.layouts[layer], req)))
+    return dataclasses.replace(req, digests=stated_digests(p.layouts[layer], req, 0,
+                                                           digest_blocks))
 
 
 def _run(rig: Rig, fault: str, verify: bool) -> tuple[bool, bool, str]:

@@ -9,6 +9,7 @@ import pytest
 from rd2h.domain.errors import PlanningError
 from rd2h.domain.planning.layout import DestinationLayout, DestTensor, SourceLayout, TensorComponent
 from rd2h.domain.planning.planning import Destination, plan_reads
+from rd2h.domain.wire.digests import stated_digests
 from rd2h.domain.wire.protocol import ReadReadyBatch, ReadRequest
 
 SRC = SourceLayout("L", (TensorComponent(0x1000, 64, num_blocks=8),),
@@ -46,3 +47,36 @@ def test_no_digests_no_checks_and_wrong_ones_fail_the_layer() -> None:
     assert _plan(ReadRequest("r", (1, 2), (3, 4), 0, 0)).checks is None
     with pytest.raises(PlanningError, match="KV digests"):
         _plan(ReadRequest("r", (1, 2), (3, 4), 0, 0, ((101,), (201, 202))))
+
+
+def test_checks_name_the_block_of_each_check_in_order() -> None:
+    checks = _plan(ReadRequest("r", (2, 1), (4, 3), 0, 0, ((102, 101), (202, 201)))).checks
+    assert checks is not None
+    assert checks.expected.tolist() == [102, 101, 202, 201]  # by position, not by order
+    assert checks.describe([1, 3]) == [("r", "main", 1), ("r", "indexer", 3)]
+
+
+def test_a_tensor_stated_empty_is_fine_unless_this_rank_reads_it() -> None:
+    """Member 1 states no main digests (main is read from member 0 alone)."""
+    req = ReadRequest("r", (1, 2), (3, 4), 0, 0, ((), (201, 202)))
+    batch = ReadReadyBatch(0, "L", (req,), group_member_idx=1, tp_ratio=2)
+    checks = plan_reads(batch, SRC, DST, {"r": Destination((5, 6), (0, 7))}, d_rank=0,
+                        d_tp=1, main_shared=False).checks
+    assert checks is not None and checks.what == (("r", "indexer", 4),)  # member 1's half
+    with pytest.raises(PlanningError, match="stated no KV digests for the main blocks"):
+        _plan(req)  # member 0: this rank reads main from it
+
+
+def test_prefill_members_other_than_0_state_and_hash_no_main() -> None:
+    hashed: list[list[int]] = []
+
+    def digest(addrs, sizes):
+        hashed.append(addrs.tolist())
+        return addrs * 0 + 7
+
+    req = ReadRequest("r", (1, 2), (3, 4), 0, 0)
+    assert stated_digests(SRC, req, 0, digest) == ((7, 7), (7, 7))
+    assert hashed == [[0x1000 + 64, 0x1000 + 128], [0x8000 + 48, 0x8000 + 64]]
+    hashed.clear()
+    assert stated_digests(SRC, req, 1, digest) == ((), (7, 7))
+    assert hashed == [[0x8000 + 48, 0x8000 + 64]]  # main never read

@@ -26,7 +26,7 @@ from rd2h.domain.planning.layout import SourceLayout
 from rd2h.domain.planning.topology import compute_mapping, remote_port, tcp_endpoint
 from rd2h.domain.prefill.prefill_book import Announced, RequestFailed, RequestWithheld
 from rd2h.domain.prefill.prefill_session import RequestNews
-from rd2h.domain.wire.digests import source_spans
+from rd2h.domain.wire.digests import stated_digests
 from rd2h.domain.wire.protocol import ReadRequest
 from rd2h.ports.runtime import (
     NO_TIMELINE,
@@ -197,9 +197,8 @@ class PrefillWorker(ConnectorRole):
             m = compute_mapping(self._p_tp, s.decode.tp_size, self._p_rank)
             req = _read_request(s, group, state)
             if req is not None and self._digest is not None and idx in self._layouts:
-                req = dataclasses.replace(req, digests=tuple(
-                    tuple(self._digest(addrs.tolist(), [size] * len(addrs)))
-                    for addrs, size in source_spans(self._layouts[idx], req)))
+                req = dataclasses.replace(req, digests=stated_digests(
+                    self._layouts[idx], req, m.member, self._digest))
             done = s.final and idx == self._last_layer
             if req is None and not done:
                 continue

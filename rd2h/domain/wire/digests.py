@@ -1,17 +1,21 @@
 """End-to-end KV digests (``verify_kv``): which bytes each digest covers, on both sides.
 
-Prefill states, per announced request, one digest per block of each of the layer's
-tensors, in this order: the main tensors (over the request's main block ids), then the
-indexer and the LIC8 scale (over its indexer block ids), each list aligned with its
-block ids. A digest is XXH3-64 of the block's bytes, its top bit cleared (the wire's
-ints are below 2**63); the hashing itself is an adapter's (``rd2h.adapters.hashing``).
-Decode checks the blocks it read, at their destination addresses, after the read
-(``block_checks``): any difference fails the layer.
+Prefill states, per announced request, one list of digests per tensor of the layer, in
+this order: the main tensors (over the request's main block ids), then the indexer and
+the LIC8 scale (over its indexer block ids). A list is either aligned with its block
+ids (one digest per block) or empty: "not stated", for a tensor Decode never reads from
+this Prefill rank. Main K/V is read from contributor member 0 alone (every member holds
+all of it; a head split, where each member holds its own heads, is not checked), so the
+other members state no main digests and do not hash main at all (``stated_digests``).
+A digest is XXH3-64 of the block's bytes, its top bit cleared (the wire's ints are below
+2**63); the hashing itself is an adapter's (``rd2h.adapters.hashing``). Decode checks
+the blocks it read, at their destination addresses, after the read (``block_checks``):
+any difference fails the layer, and so does a block read without a stated digest.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -46,54 +50,105 @@ def _addrs(tensor: TensorComponent, ids: Sequence[int]) -> tuple[np.ndarray, int
     return np.asarray(ids, dtype=np.int64) * size + tensor.base_addr, size
 
 
+def stated_digests(src: SourceLayout, req: ReadRequest, member: int,
+                   digest: Callable[[np.ndarray, np.ndarray], np.ndarray]
+                   ) -> tuple[tuple[int, ...], ...]:
+    """Prefill's digests for ``req`` as contributor ``member``: every tensor's blocks,
+    except main on members other than 0 (Decode reads main from member 0 only), which is
+    stated empty and not hashed. ``digest(addrs, sizes)`` hashes host memory."""
+    out = []
+    for i, (addrs, size) in enumerate(source_spans(src, req)):
+        if i < len(src.main) and member != 0:
+            out.append(())
+            continue
+        out.append(tuple(digest(addrs, np.full(addrs.size, size, dtype=np.int64)).tolist()))
+    return tuple(out)
+
+
 @dataclass(frozen=True)
 class BlockChecks:
     """After the read, the XXH3 digest (masked) of ``sizes[i]`` bytes at ``addrs[i]``
-    must equal ``expected[i]``; ``what[i]`` names it: (request, tensor, source block)."""
+    must equal ``expected[i]``; ``blocks[i]`` is its source block, and ``spans`` the
+    runs of checks per (request, tensor): ``(ext id, tensor name, count)`` in order."""
 
     addrs: np.ndarray
     sizes: np.ndarray
     expected: np.ndarray
-    what: tuple[tuple[str, str, int], ...]
+    blocks: np.ndarray
+    spans: tuple[tuple[str, str, int], ...]
+
+    def describe(self, indices: Iterable[int]) -> list[tuple[str, str, int]]:
+        """(request, tensor, source block) of the checks at ``indices`` (ascending)."""
+        ends = np.cumsum([n for _, _, n in self.spans])
+        out = []
+        for i in indices:
+            ext, name, _ = self.spans[int(np.searchsorted(ends, i, side="right"))]
+            out.append((ext, name, int(self.blocks[i])))
+        return out
+
+    @property
+    def what(self) -> tuple[tuple[str, str, int], ...]:
+        """Every check's (request, tensor, source block): for tests and messages."""
+        return tuple(self.describe(range(len(self.blocks))))
 
 
 def block_checks(
     layer: str, reqs: Sequence[ReadRequest], src: SourceLayout,
-    owned: Sequence[tuple[np.ndarray, np.ndarray]],
+    owned: Sequence[tuple[tuple[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]]],
     main_dst: Sequence[DestTensor], idx_dst: Sequence[DestTensor],
 ) -> BlockChecks | None:
     """The checks of the blocks this rank read: ``owned[r]`` = (main, indexer) pairs of
     (source ids, destination ids) it read for request ``r``. None when no request states
-    digests. A request whose digests do not match its block lists fails the layer."""
+    digests. Array work per (request, tensor), nothing per block in Python. A request
+    whose digests do not fit its block lists, or that states none for a tensor this rank
+    read, fails the layer."""
     names = tensor_names(src)
-    addrs: list[int] = []
-    sizes: list[int] = []
-    expected: list[int] = []
-    what: list[tuple[str, str, int]] = []
+    n_main = len(src.main)
+    srcs = (*src.main, *(t for t in (src.indexer, src.scale) if t is not None))
+    dsts = (*main_dst, *idx_dst)
+    addrs: list[np.ndarray] = []
+    sizes: list[np.ndarray] = []
+    expected: list[np.ndarray] = []
+    blocks: list[np.ndarray] = []
+    spans: list[tuple[str, str, int]] = []
     stated = False
-    for req, (main_ids, idx_ids) in zip(reqs, owned):
+    for req, (main_pair, idx_pair) in zip(reqs, owned):
         if req.digests is None:
             continue
         stated = True
-        lists = (*([req.p_main_block_ids] * len(src.main)),
-                 *([req.p_indexer_block_ids] * (len(names) - len(src.main))))
-        if len(req.digests) != len(names) or any(
-                len(d) != len(ids) for d, ids in zip(req.digests, lists)):
+        if len(req.digests) != len(names):
             raise PlanningError(layer, f"KV digests for {len(req.digests)} tensors do not "
                                 f"match the {len(names)} tensors and their blocks",
                                 req.ext_req_id)
-        tensors = (*zip(src.main, main_dst, names, req.digests, [main_ids] * len(src.main)),
-                   *zip((t for t in (src.indexer, src.scale) if t is not None), idx_dst,
-                        names[len(src.main):], req.digests[len(src.main):],
-                        [idx_ids] * 2))
-        for s_tensor, d_tensor, name, digests, (s_ids, d_ids) in tensors:
-            where = {b: i for i, b in enumerate(lists[names.index(name)])}
-            for s_id, d_id in zip(s_ids.tolist(), d_ids.tolist()):
-                addrs.append(d_tensor.base_addr + d_id * d_tensor.bytes_per_block)
-                sizes.append(s_tensor.bytes_per_block)
-                expected.append(digests[where[s_id]])
-                what.append((req.ext_req_id, name, s_id))
+        for t, (name, digests) in enumerate(zip(names, req.digests)):
+            ids = req.p_main_block_ids if t < n_main else req.p_indexer_block_ids
+            s_ids, d_ids = main_pair if t < n_main else idx_pair
+            if len(digests) not in (0, len(ids)):
+                raise PlanningError(layer, f"KV digests for {len(req.digests)} tensors do "
+                                    f"not match the {len(names)} tensors and their blocks",
+                                    req.ext_req_id)
+            if not s_ids.size:
+                continue
+            if not digests:
+                raise PlanningError(layer, f"Prefill stated no KV digests for the {name} "
+                                    f"blocks this rank reads from it", req.ext_req_id)
+            listed = np.asarray(ids, dtype=np.int64)
+            order = np.argsort(listed, kind="stable")
+            at = np.searchsorted(listed, s_ids, sorter=order)
+            pos = order[np.minimum(at, order.size - 1)]
+            if not np.array_equal(listed[pos], s_ids):  # the planner reads listed ids only
+                raise PlanningError(layer, f"a {name} block read is not in the request's "
+                                    f"block list", req.ext_req_id)
+            s_t, d_t = srcs[t], dsts[t]
+            addrs.append(d_ids * d_t.bytes_per_block + d_t.base_addr)
+            sizes.append(np.full(s_ids.size, s_t.bytes_per_block, dtype=np.int64))
+            expected.append(np.asarray(digests, dtype=np.int64)[pos])
+            blocks.append(s_ids)
+            spans.append((req.ext_req_id, name, int(s_ids.size)))
     if not stated:
         return None
-    return BlockChecks(np.asarray(addrs, dtype=np.int64), np.asarray(sizes, dtype=np.int64),
-                       np.asarray(expected, dtype=np.int64), tuple(what))
+
+    def cat(parts: list[np.ndarray]) -> np.ndarray:
+        return np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, np.int64)
+
+    return BlockChecks(cat(addrs), cat(sizes), cat(expected), cat(blocks), tuple(spans))
