@@ -164,8 +164,8 @@ def test_corrupted_reads_are_caught_with_verify_kv_and_real_without(ratio: str,
 
 @pytest.mark.parametrize("ratio", RATIOS)
 def test_intact_reads_with_verify_kv_all_complete(ratio: str) -> None:
-    """Every Prefill member states the digests of what Decode reads from it (member 0
-    main and its indexer share, the others their indexer share, no main): with nothing
+    """Every Prefill member states digests for what Decode may read from it (member 0
+    main and indexer, the others the indexer and no main): with nothing
     corrupted every request completes (a read block without a stated digest, or a wrong
     one, would fail its layer)."""
     res = run(ratio, verify_kv=True)
