@@ -94,6 +94,8 @@ def build_prefill_worker(
                       if lay.layer_name in groups}, state_groups=facts.state_groups,
         hookless_groups=facts.hookless_groups,
         layouts=by_idx, digest=container.digest() if options.verify_kv else None,
+        main_shared=(facts.compat is not None
+                     and facts.compat.values.get("main_sharing") == "shared_pool"),
     )
     container.logger(role="prefill").info(
         "verify_kv: " + ("every announced block states its digest" if options.verify_kv

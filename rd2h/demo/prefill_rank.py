@@ -125,7 +125,8 @@ def _prefill_rank(cfg: DemoConfig, p_rank: int, base_port: int, alloc: Allocatio
                     ready_at = time.monotonic()  # the last layer of the prompt is ready
                 targets = last if layer == cfg.layers - 1 else plain
                 if digest is not None:  # --verify-kv: this layer's blocks as written
-                    targets = _digested(targets, layouts[layer], digest)
+                    targets = _digested(targets, layouts[layer], digest,
+                                        (mapping.d_rank, cfg.decode_tp))
                 sender.submit(layer, event, targets)
         for layer in range(cfg.layers):
             wait_gate(layer, layer_errors)
@@ -139,11 +140,13 @@ def _prefill_rank(cfg: DemoConfig, p_rank: int, base_port: int, alloc: Allocatio
     transport.close()
 
 
-def _digested(targets: list[LayerTarget], layout: SourceLayout, digest: Digest
-              ) -> list[LayerTarget]:
-    """The targets with each read entry's block digests for this layer (``verify_kv``)."""
+def _digested(targets: list[LayerTarget], layout: SourceLayout, digest: Digest,
+              main_owner: tuple[int, int]) -> list[LayerTarget]:
+    """The targets with each read entry's block digests for this layer (``verify_kv``):
+    what the reading Decode rank reads (the demo states a shared main pool)."""
     return [t if t.request is None else dataclasses.replace(t, request=dataclasses.replace(
-        t.request, digests=stated_digests(layout, t.request, t.member, digest)))
+        t.request, digests=stated_digests(layout, t.request, digest, member=t.member,
+                                          ratio=t.ratio, main_owner=main_owner)))
             for t in targets]
 
 

@@ -64,7 +64,7 @@ class Corrupting:
 
 
 def _with_digests(p, req: ReadRequest, layer: int) -> ReadRequest:
-    return dataclasses.replace(req, digests=stated_digests(p.layouts[layer], req, 0,
+    return dataclasses.replace(req, digests=stated_digests(p.layouts[layer], req,
                                                            digest_blocks))
 
 

@@ -4,6 +4,8 @@ stated for that source block; digests that do not fit the blocks fail the layer.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from rd2h.domain.errors import PlanningError
@@ -75,8 +77,37 @@ def test_prefill_members_other_than_0_state_and_hash_no_main() -> None:
         return addrs * 0 + 7
 
     req = ReadRequest("r", (1, 2), (3, 4), 0, 0)
-    assert stated_digests(SRC, req, 0, digest) == ((7, 7), (7, 7))
+    assert stated_digests(SRC, req, digest) == ((7, 7), (7, 7))
     assert hashed == [[0x1000 + 64, 0x1000 + 128], [0x8000 + 48, 0x8000 + 64]]
     hashed.clear()
-    assert stated_digests(SRC, req, 1, digest) == ((), (7, 7))
-    assert hashed == [[0x8000 + 48, 0x8000 + 64]]  # main never read
+    assert stated_digests(SRC, req, digest, member=1, ratio=2) == ((), (7,))
+    assert hashed == [[0x8000 + 64]]  # main never read from it; its half of the indexer
+
+
+def _by_addr(addrs, sizes):
+    return addrs + 1  # a digest Decode can predict: the source address plus one
+
+
+def test_a_shared_pool_reader_gets_and_checks_only_its_share_of_main() -> None:
+    """Prefill states (and hashes) main only for the reading Decode rank's share when the
+    pool is shared; that rank maps each digest to the right block; the other rank's
+    share was never hashed."""
+    req = ReadRequest("r", (1, 2, 5), (3, 4), 0, 0)
+    for d_rank in (0, 1):
+        stated = stated_digests(SRC, req, _by_addr, main_owner=(d_rank, 2))
+        assert len(stated[0]) == (2, 1)[d_rank] and len(stated[1]) == 2
+        plan = plan_reads(ReadReadyBatch(0, "L", (dataclasses.replace(req, digests=stated),)),
+                          SRC, DST, {"r": Destination((5, 6, 7), (0, 7))}, d_rank=d_rank,
+                          d_tp=2, main_shared=True)
+        checks = plan.checks
+        assert checks is not None
+        main = [(b, e) for (_, t, b), e in zip(checks.what, checks.expected.tolist())
+                if t == "main"]
+        assert main and all(e == 0x1000 + b * 64 + 1 for b, e in main), main
+    # The same partial list where the reader is not the one it was stated for: the
+    # lengths do not fit, so the layer fails instead of checking against wrong digests.
+    stated = stated_digests(SRC, req, _by_addr, main_owner=(0, 2))
+    with pytest.raises(PlanningError, match="KV digests"):
+        plan_reads(ReadReadyBatch(0, "L", (dataclasses.replace(req, digests=stated),)), SRC,
+                   DST, {"r": Destination((5, 6, 7), (0, 7))}, d_rank=1, d_tp=2,
+                   main_shared=True)

@@ -79,11 +79,15 @@ class PrefillWorker(ConnectorRole):
         timeline: Timeline = NO_TIMELINE,
         layouts: Mapping[int, SourceLayout] | None = None,
         digest: Digest | None = None,
+        main_shared: bool = False,
     ) -> None:
         self._timeline = timeline
-        # ``verify_kv``: each announced block's digest, from the layer's source bytes.
+        # ``verify_kv``: each announced block's digest, from the layer's source bytes;
+        # with ``main_shared`` (this rank states a shared main pool, which the handshake
+        # holds Decode to), main only for the reading Decode rank's share.
         self._layouts = dict(layouts or {})
         self._digest = digest
+        self._main_shared = main_shared
         self._sender = sender
         # The engine exposing this rank's caches: Decode reads through it for as long
         # as this worker runs, so the worker owns it (closed at shutdown).
@@ -196,17 +200,22 @@ class PrefillWorker(ConnectorRole):
         for s in self._sends:
             m = compute_mapping(self._p_tp, s.decode.tp_size, self._p_rank)
             req = _read_request(s, group, state)
-            if req is not None and self._digest is not None and idx in self._layouts:
-                req = dataclasses.replace(req, digests=stated_digests(
-                    self._layouts[idx], req, m.member, self._digest))
             done = s.final and idx == self._last_layer
             if req is None and not done:
                 continue
+            digested = req is not None and self._digest is not None and idx in self._layouts
             # One Decode rank, or (Decode TP above Prefill TP) each of the fan-out ranks
             # this rank alone serves: each is announced to and answers separately.
             for d_rank in m.d_ranks:
                 endpoint = tcp_endpoint(s.decode.host, remote_port(s.decode.base_port, d_rank))
-                targets.append(LayerTarget(endpoint, req, done, m.member, m.ratio, s.ext_id))
+                ask = req
+                if digested:
+                    assert req is not None and self._digest is not None
+                    ask = dataclasses.replace(req, digests=stated_digests(
+                        self._layouts[idx], req, self._digest, member=m.member,
+                        ratio=m.ratio,
+                        main_owner=(d_rank, m.d_tp) if self._main_shared else (0, 1)))
+                targets.append(LayerTarget(endpoint, ask, done, m.member, m.ratio, s.ext_id))
                 names.setdefault(endpoint, []).append((s.internal_id, s.ext_id))
         if not targets:
             return

@@ -513,8 +513,11 @@ def plan_reads(
         owned = [(m, i) for m, i in zip(zip(np.split(main.src, cut_m), np.split(main.dst, cut_m)),
                                         zip(np.split(index.src, cut_i),
                                             np.split(index.dst, cut_i)))]
-        checks = block_checks(layer, reqs, src, owned, dst.main,
-                              [t for t in (dst.indexer, dst.scale) if t is not None])
+        checks = block_checks(
+            layer, reqs, src, owned, dst.main,
+            [t for t in (dst.indexer, dst.scale) if t is not None],
+            main_owner=(d_rank, d_tp) if main_shared else (0, 1),
+            idx_owner=(batch.group_member_idx, max(1, batch.tp_ratio)))
     return ReadPlan(
         local, remote, lengths, blocks.ext_ids, main.counts, index.counts, built,
         int(main.src.size + index.src.size), checks, nbytes,

@@ -2,11 +2,15 @@
 
 Prefill states, per announced request, one list of digests per tensor of the layer, in
 this order: the main tensors (over the request's main block ids), then the indexer and
-the LIC8 scale (over its indexer block ids). A list is either aligned with its block
-ids (one digest per block) or empty: "not stated", for a tensor Decode never reads from
-this Prefill rank. Main K/V is read from contributor member 0 alone (every member holds
-all of it; a head split, where each member holds its own heads, is not checked), so the
-other members state no main digests and do not hash main at all (``stated_digests``).
+the LIC8 scale (over its indexer block ids). A list is aligned with one of these:
+- the tensor's block ids (one digest per block);
+- the reading Decode rank's owned range of them (``owned_range``, the planner's own
+  arithmetic): main over the Decode ranks when Prefill states a shared main pool (the
+  handshake refuses a Decode that states otherwise), the indexer over the members;
+- nothing: empty, for a tensor Decode never reads from this Prefill rank. Main K/V is
+  read from contributor member 0 alone (every member holds all of it; a head split,
+  where each member holds its own heads, is not checked).
+So each Prefill rank hashes only what its reader reads (``stated_digests``).
 A digest is XXH3-64 of the block's bytes, its top bit cleared (the wire's ints are below
 2**63); the hashing itself is an adapter's (``rd2h.adapters.hashing``). Decode checks
 the blocks it read, at their destination addresses, after the read (``block_checks``):
@@ -22,6 +26,7 @@ import numpy as np
 
 from rd2h.domain.errors import PlanningError
 from rd2h.domain.planning.layout import DestTensor, SourceLayout, TensorComponent
+from rd2h.domain.planning.topology import owned_range
 from rd2h.domain.wire.protocol import ReadRequest
 
 DIGEST_MASK = (1 << 63) - 1
@@ -50,18 +55,31 @@ def _addrs(tensor: TensorComponent, ids: Sequence[int]) -> tuple[np.ndarray, int
     return np.asarray(ids, dtype=np.int64) * size + tensor.base_addr, size
 
 
-def stated_digests(src: SourceLayout, req: ReadRequest, member: int,
-                   digest: Callable[[np.ndarray, np.ndarray], np.ndarray]
+def stated_range(req: ReadRequest, main: bool, owner: tuple[int, int]) -> tuple[int, int]:
+    """The positions ``[lo, hi)`` of ``req``'s main (or indexer) block ids that owner
+    ``owner = (r, k)`` (r of k) reads: the planner's split, rotated by the start block."""
+    r, k = owner
+    ids, start = ((req.p_main_block_ids, req.main_start_block) if main
+                  else (req.p_indexer_block_ids, req.indexer_start_block))
+    return owned_range(len(ids), k, r, start) if k > 1 else (0, len(ids))
+
+
+def stated_digests(src: SourceLayout, req: ReadRequest,
+                   digest: Callable[[np.ndarray, np.ndarray], np.ndarray], *,
+                   member: int = 0, ratio: int = 1, main_owner: tuple[int, int] = (0, 1)
                    ) -> tuple[tuple[int, ...], ...]:
-    """Prefill's digests for ``req`` as contributor ``member``: every tensor's blocks,
-    except main on members other than 0 (Decode reads main from member 0 only), which is
-    stated empty and not hashed. ``digest(addrs, sizes)`` hashes host memory."""
+    """Prefill's digests for ``req`` as contributor ``member`` of ``ratio``, hashing only
+    what its reader reads: main on member 0 alone, over ``main_owner`` = (Decode rank,
+    Decode TP) when the main pool is shared, else (0, 1): every block; the indexer and
+    scale over this member's share. ``digest(addrs, sizes)`` hashes host memory."""
+    main_lo, main_hi = stated_range(req, True, main_owner) if member == 0 else (0, 0)
+    idx_lo, idx_hi = stated_range(req, False, (member, ratio))
     out = []
     for i, (addrs, size) in enumerate(source_spans(src, req)):
-        if i < len(src.main) and member != 0:
-            out.append(())
-            continue
-        out.append(tuple(digest(addrs, np.full(addrs.size, size, dtype=np.int64)).tolist()))
+        lo, hi = (main_lo, main_hi) if i < len(src.main) else (idx_lo, idx_hi)
+        part = addrs[lo:hi]
+        out.append(tuple(digest(part, np.full(part.size, size, dtype=np.int64)).tolist())
+                   if part.size else ())
     return tuple(out)
 
 
@@ -95,13 +113,16 @@ class BlockChecks:
 def block_checks(
     layer: str, reqs: Sequence[ReadRequest], src: SourceLayout,
     owned: Sequence[tuple[tuple[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]]],
-    main_dst: Sequence[DestTensor], idx_dst: Sequence[DestTensor],
+    main_dst: Sequence[DestTensor], idx_dst: Sequence[DestTensor], *,
+    main_owner: tuple[int, int] = (0, 1), idx_owner: tuple[int, int] = (0, 1),
 ) -> BlockChecks | None:
     """The checks of the blocks this rank read: ``owned[r]`` = (main, indexer) pairs of
-    (source ids, destination ids) it read for request ``r``. None when no request states
+    (source ids, destination ids) it read for request ``r``; ``main_owner`` and
+    ``idx_owner`` = (r, k), this rank's split of main (over the Decode ranks, when the
+    pool is shared) and of the indexer (over the members). None when no request states
     digests. Array work per (request, tensor), nothing per block in Python. A request
-    whose digests do not fit its block lists, or that states none for a tensor this rank
-    read, fails the layer."""
+    whose digests fit neither its block lists nor this rank's range of them, or that
+    states none for a tensor this rank read, fails the layer."""
     names = tensor_names(src)
     n_main = len(src.main)
     srcs = (*src.main, *(t for t in (src.indexer, src.scale) if t is not None))
@@ -120,10 +141,15 @@ def block_checks(
             raise PlanningError(layer, f"KV digests for {len(req.digests)} tensors do not "
                                 f"match the {len(names)} tensors and their blocks",
                                 req.ext_req_id)
+        ranges = (stated_range(req, True, main_owner), stated_range(req, False, idx_owner))
         for t, (name, digests) in enumerate(zip(names, req.digests)):
-            ids = req.p_main_block_ids if t < n_main else req.p_indexer_block_ids
-            s_ids, d_ids = main_pair if t < n_main else idx_pair
-            if len(digests) not in (0, len(ids)):
+            main = t < n_main
+            ids = req.p_main_block_ids if main else req.p_indexer_block_ids
+            s_ids, d_ids = main_pair if main else idx_pair
+            lo, hi = ranges[0] if main else ranges[1]
+            if len(digests) == len(ids):
+                lo, hi = 0, len(ids)
+            elif len(digests) not in (0, hi - lo):
                 raise PlanningError(layer, f"KV digests for {len(req.digests)} tensors do "
                                     f"not match the {len(names)} tensors and their blocks",
                                     req.ext_req_id)
@@ -132,7 +158,7 @@ def block_checks(
             if not digests:
                 raise PlanningError(layer, f"Prefill stated no KV digests for the {name} "
                                     f"blocks this rank reads from it", req.ext_req_id)
-            listed = np.asarray(ids, dtype=np.int64)
+            listed = np.asarray(ids[lo:hi], dtype=np.int64)
             order = np.argsort(listed, kind="stable")
             at = np.searchsorted(listed, s_ids, sorter=order)
             pos = order[np.minimum(at, order.size - 1)]
