@@ -16,6 +16,8 @@ from collections.abc import Callable
 
 from rd2h.ports.runtime import Clock, DeviceEvent
 
+_IDLE_WAIT_S = 1.0  # the helper's longest sleep without work (notified at once otherwise)
+
 
 class DeviceEventWaiter:
     """Pending device events by announcement id. Every method but ``start`` is called
@@ -75,7 +77,7 @@ class DeviceEventWaiter:
         while True:
             with self._cond:
                 while not self._queue and not self._closed:
-                    self._cond.wait()
+                    self._cond.wait(_IDLE_WAIT_S)  # work and close() notify; bounded anyway
                 if self._closed:
                     return
                 aid, event = self._queue[0]
