@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ctypes
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import xxhash
@@ -24,11 +25,10 @@ def digest_blocks(addrs: Sequence[int] | np.ndarray, sizes: Sequence[int] | np.n
     out = np.empty(addrs.size, dtype=np.uint64)
     if not addrs.size:
         return out.astype(np.int64)
-    views: dict[int, type] = {}
-    at = ctypes.c_char.__mul__  # (c_char * n): the array type of n bytes
+    views: dict[int, Any] = {}  # block size -> the ctypes array type of that many bytes
     for i, (addr, size) in enumerate(zip(addrs.tolist(), sizes.tolist())):
         view = views.get(size)
         if view is None:
-            view = views[size] = at(size)
+            view = views[size] = ctypes.c_char * size
         out[i] = _hash(view.from_address(addr))
     return (out & np.uint64(DIGEST_MASK)).astype(np.int64)

@@ -203,18 +203,20 @@ class PrefillWorker(ConnectorRole):
             done = s.final and idx == self._last_layer
             if req is None and not done:
                 continue
-            digested = req is not None and self._digest is not None and idx in self._layouts
+            layout = self._layouts.get(idx) if self._digest is not None else None
+            stated: dict[tuple[int, int], ReadRequest] = {}  # per reader's main share
             # One Decode rank, or (Decode TP above Prefill TP) each of the fan-out ranks
             # this rank alone serves: each is announced to and answers separately.
             for d_rank in m.d_ranks:
                 endpoint = tcp_endpoint(s.decode.host, remote_port(s.decode.base_port, d_rank))
                 ask = req
-                if digested:
-                    assert req is not None and self._digest is not None
-                    ask = dataclasses.replace(req, digests=stated_digests(
-                        self._layouts[idx], req, self._digest, member=m.member,
-                        ratio=m.ratio,
-                        main_owner=(d_rank, m.d_tp) if self._main_shared else (0, 1)))
+                if req is not None and layout is not None and self._digest is not None:
+                    owner = (d_rank, m.d_tp) if self._main_shared else (0, 1)
+                    ask = stated.get(owner)
+                    if ask is None:
+                        ask = stated[owner] = dataclasses.replace(req, digests=stated_digests(
+                            layout, req, self._digest, member=m.member, ratio=m.ratio,
+                            main_owner=owner))
                 targets.append(LayerTarget(endpoint, ask, done, m.member, m.ratio, s.ext_id))
                 names.setdefault(endpoint, []).append((s.internal_id, s.ext_id))
         if not targets:
