@@ -1,16 +1,15 @@
 """``verify_kv`` on Prefill's worker (``PrefillWorker._announce``): what each reading
-Decode rank is told, through the real sender and codec to a recording Decode. With a
+Decode rank is told, through the real sender and codec to scripted Decode endpoints on
+the in-memory control network. With a
 Decode TP above Prefill's, one Prefill rank serves several Decode ranks: with a shared
 main pool each gets (and Prefill hashes) only its share of main; without, every rank
 gets every main digest, hashed once for all of them."""
 
 from __future__ import annotations
 
-import queue
-import time
-
 import numpy as np
 from fakes.clock import ManualClock
+from fakes.control import MemoryNetwork, ScriptedDecode
 from fakes.logs import RecordingLogger
 
 from rd2h.adapters.msgpack import MsgpackCodec
@@ -18,7 +17,7 @@ from rd2h.app.connector.plans import DecodeEndpoint, PrefillSend, StepPlan
 from rd2h.app.settings import Rd2hSettings
 from rd2h.bootstrap.container import bootstrap
 from rd2h.domain.planning.layout import SourceLayout, TensorComponent
-from rd2h.domain.wire.protocol import ACK, MfMeta, ReadDone, ReadReadyBatch
+from rd2h.domain.wire.protocol import ReadReadyBatch
 
 NAME = "model.layers.0.self_attn.attn"
 CODEC = MsgpackCodec()
@@ -26,53 +25,12 @@ MAIN = TensorComponent(0x100000, 64)
 INDEXER = TensorComponent(0x200000, 16)
 
 
-class RecordingDecode:
-    """Every Decode endpoint at once: ACKs MF_META, answers each announcement at once
-    and keeps it."""
-
-    def __init__(self) -> None:
-        self._replies: queue.Queue[tuple[str, bytes]] = queue.Queue()
-        self.batches: dict[str, list[ReadReadyBatch]] = {}
-
-    def connect(self, endpoint: str) -> None:
-        pass
-
-    def disconnect(self, endpoint: str) -> None:
-        pass
-
-    def send(self, endpoint: str, payload: bytes, timeout: float = 5.0) -> None:
-        msg = CODEC.decode(payload)
-        if isinstance(msg, MfMeta):
-            self._replies.put((endpoint, ACK))
-            return
-        assert isinstance(msg, ReadReadyBatch)
-        self.batches.setdefault(endpoint, []).append(msg)
-        self._replies.put((endpoint, CODEC.encode(ReadDone(msg.layer_idx, msg.seq))))
-
-    def poll(self, timeout: float) -> list[tuple[str, bytes]]:
-        try:
-            out = [self._replies.get(timeout=timeout)]
-        except queue.Empty:
-            return []
-        while not self._replies.empty():
-            out.append(self._replies.get_nowait())
-        return [(ep, p) for ep, p in out if p]
-
-    def disconnected(self) -> list[str]:
-        return []
-
-    def reconnected(self) -> list[str]:
-        return []
-
-    def wake(self) -> None:
-        self._replies.put(("", b""))
-
-    def close(self) -> None:
-        pass
+ENDPOINTS = ["tcp://10.0.0.9:31000", "tcp://10.0.0.9:31001"]
 
 
 def _announce(main_shared: bool) -> tuple[dict[str, list[ReadReadyBatch]], list[list[int]]]:
-    decode = RecordingDecode()
+    net = MemoryNetwork()
+    decode = ScriptedDecode(net, ENDPOINTS, CODEC)
     hashed: list[list[int]] = []
 
     def digest(addrs, sizes):
@@ -81,7 +39,7 @@ def _announce(main_shared: bool) -> tuple[dict[str, list[ReadReadyBatch]], list[
 
     container = bootstrap(Rd2hSettings(role="prefill"), clock=ManualClock(),
                           logger=RecordingLogger(), codec=CODEC,
-                          control_clients=lambda: decode)
+                          control_clients=net.clients)
     layout = SourceLayout(NAME, (MAIN,), indexer=INDEXER)
     sender = container.prefill_sender(p_session="p", layers={0: layout})
     worker = container.prefill_worker(sender=sender, layer_names={0: NAME}, layouts={0: layout},
@@ -92,12 +50,13 @@ def _announce(main_shared: bool) -> tuple[dict[str, list[ReadReadyBatch]], list[
             "a-0123abcd", "a", DecodeEndpoint("10.0.0.9", 31000, 2), (1, 2, 3, 4),
             (5, 6), 0, 0, True),)))
         worker.save_kv_layer(NAME)
-        deadline = time.monotonic() + 5
-        while sum(map(len, decode.batches.values())) < 2 and time.monotonic() < deadline:
-            time.sleep(0.01)
+        batches: dict[str, list[ReadReadyBatch]] = {}
+        for endpoint, batch in decode.wait_batches(2):
+            batches.setdefault(endpoint, []).append(batch)
     finally:
         worker.shutdown()
-    return decode.batches, hashed
+        decode.close()
+    return batches, hashed
 
 
 def _main(batches: dict[str, list[ReadReadyBatch]]) -> dict[int, tuple[int, ...]]:
