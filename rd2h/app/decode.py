@@ -48,6 +48,7 @@ from rd2h.ports.transfer import TransferEngine
 _RETRY_S = 0.05  # after a failed receive (a zmq error), wait this long before the next
 _IDLE_WAIT_S = 3600.0  # nothing due: only input wakes the loop (this bounds one wait)
 _BATCH = 64  # messages handled per wake at most (then deadlines and losses again)
+_SHED_LOG_S = 5.0  # at most one warning this often about messages dropped over budget
 
 
 class DecodeReceiver(LoopThread):
@@ -112,6 +113,8 @@ class DecodeReceiver(LoopThread):
         self._progress = threading.Event()
         self._server: ControlServer | None = None
         self._sleep_until = 0.0  # when the loop's wait ends (under the lock; ``_wait_s``)
+        self._shed_since: dict[bytes, int] = {}  # dropped per peer since the last warning
+        self._shed_logged_at = float("-inf")
         self.stats = DecodeStats()
         self._checks = ReadChecks(self.stats, log, wall, hold_margin_s, digest)
 
@@ -227,6 +230,7 @@ class DecodeReceiver(LoopThread):
             try:
                 items = self._receive(self._wait_s())
                 self._apply_losses()
+                self._report_shed()
             except Exception as exc:  # socket closed under us or a zmq error
                 if self._stop.is_set():
                     break
@@ -283,6 +287,28 @@ class DecodeReceiver(LoopThread):
             for peer in lost:
                 self._codec.forget(peer)
             self._report(outs)
+
+    def _report_shed(self) -> None:
+        """Count what the control server dropped over its receive budget; one warning
+        per ``_SHED_LOG_S`` at most, naming the peers (a flood must not flood the log)."""
+        assert self._server is not None
+        shed = self._server.shed()
+        if not shed:
+            return
+        for identity, messages, nbytes in shed:
+            self.stats.shed += messages
+            self.stats.shed_bytes += nbytes
+            self._shed_since[identity] = self._shed_since.get(identity, 0) + messages
+        now = self._clock.now()
+        if now - self._shed_logged_at < _SHED_LOG_S:
+            return
+        self._shed_logged_at = now
+        peers, self._shed_since = self._shed_since, {}
+        self._log.warning(
+            "peers send faster than this rank handles: messages over the receive budget "
+            "were dropped unread (their own deadlines fail what waited on them)",
+            messages=sum(peers.values()), peers=len(peers),
+            worst=max(peers, key=peers.__getitem__).hex()[:16], total_dropped=self.stats.shed)
 
     def _handle(self, identity: bytes, payload: bytes) -> None:
         try:

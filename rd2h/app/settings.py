@@ -28,6 +28,11 @@ MIN_SECRET_CHARS = 16
 SECRET_KEYS = ("auth_secret", "curve_secret_key")
 
 
+FRAME_SLACK_BYTES = 8192
+"""Room above ``max_frame_bytes`` on the Decode socket: a signature envelope (4 KiB) and
+what its receive budget counts per held message."""
+
+
 class ConnectorConfigError(Rd2hError, ValueError):
     """``kv_connector_extra_config`` is not valid; the message names the key."""
 
@@ -90,6 +95,13 @@ class Limits(BaseModel):
         4096, ge=1, description="Decode: ids of requests not admitted here that one "
         "connection may make this rank remember (each expires after request_s)")
     max_orphans: int = Field(65536, ge=1, description="Decode: the same, all peers together")
+    max_queued_bytes_per_peer: int = Field(
+        64 * 1024 * 1024, ge=1, description="Decode: bytes of received, not yet handled "
+        "control frames one connection may have waiting (a flood over it is dropped unread; "
+        "must hold one max_frame_bytes frame)")
+    max_queued_bytes: int = Field(
+        256 * 1024 * 1024, ge=1, description="Decode: the same, all connections together "
+        "(over it, the connection holding most gives way)")
 
 
 _Z85_KEY = re.compile(r"^[0-9a-zA-Z.\-:+=^!/*?&<>()\[\]{}@%$#]{40}$")
@@ -232,6 +244,15 @@ class Rd2hOptions(BaseModel):
                 f"auth_secret must have at least {MIN_SECRET_CHARS} characters "
                 f"(got {len(secret.get_secret_value())})"
             )
+        frame = self.max_frame_bytes + FRAME_SLACK_BYTES
+        if self.limits.max_queued_bytes_per_peer < frame:
+            raise ValueError(
+                f"limits.max_queued_bytes_per_peer ({self.limits.max_queued_bytes_per_peer}) "
+                f"must hold one frame of max_frame_bytes + {FRAME_SLACK_BYTES} ({frame})")
+        if self.limits.max_queued_bytes < self.limits.max_queued_bytes_per_peer:
+            raise ValueError(
+                f"limits.max_queued_bytes ({self.limits.max_queued_bytes}) is below "
+                f"limits.max_queued_bytes_per_peer ({self.limits.max_queued_bytes_per_peer})")
         wanted = "rank_local" if self.destinations == "vllm" else "shared_pool"
         if self.main_sharing is not None and self.main_sharing != wanted:
             raise ValueError(

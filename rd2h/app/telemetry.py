@@ -76,6 +76,8 @@ class DecodeStats:
     reads_past_hold: int = 0  # layers failed: the read would end after Prefill's hold
     blocks_verified: int = 0  # verify_kv: block digests checked after reads
     digest_mismatches: int = 0  # verify_kv: blocks whose bytes differed from Prefill's
+    shed: int = 0  # messages dropped unread: their peer sent past its receive budget
+    shed_bytes: int = 0
     first_ready_at: float | None = None
     last_read_end_at: float | None = None
     read_latencies_ms: list[float] = field(default_factory=list)

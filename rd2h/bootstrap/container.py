@@ -187,6 +187,8 @@ class Container(containers.DeclarativeContainer):
         max_frame_bytes=providers.Callable(lambda n: n + 4096, config.max_frame_bytes),
         heartbeat_ivl_s=deadlines.heartbeat_ivl_s,
         heartbeat_timeout_s=deadlines.heartbeat_timeout_s, recv_hwm=limits.recv_hwm,
+        max_queued_bytes_per_peer=limits.max_queued_bytes_per_peer,
+        max_queued_bytes=limits.max_queued_bytes,
         curve=providers.Callable(_server_keys, config.curve_secret_key,
                                  config.curve_allowed_keys),
     )

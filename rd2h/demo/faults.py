@@ -292,6 +292,9 @@ class _ServerDecorator:
     def wake(self) -> None:
         self._inner.wake()
 
+    def shed(self) -> list[tuple[bytes, int, int]]:
+        return self._inner.shed()
+
     def close(self) -> None:
         self._inner.close()
 

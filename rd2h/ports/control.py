@@ -40,6 +40,12 @@ class ControlServer(Protocol):
         """Make a concurrent or the next ``recv`` return None at once (thread-safe)."""
         ...
 
+    def shed(self) -> list[tuple[bytes, int, int]]:
+        """``(identity, messages, bytes)`` the server dropped since the last call, unread,
+        because that peer sent more than its receive budget (a flood faster than the
+        loop); empty for a server without one."""
+        ...
+
     def close(self) -> None: ...
 
 

@@ -149,6 +149,9 @@ class MemoryServer:
             self._woken = True
         self._inbox.put(None)
 
+    def shed(self) -> list[tuple[bytes, int, int]]:
+        return []  # an in-memory peer cannot outrun the loop's queue: nothing is dropped
+
     def close(self) -> None:
         with self._net._lock:
             if self._closed:

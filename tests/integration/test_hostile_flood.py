@@ -17,6 +17,7 @@ import time
 
 import msgpack
 import pytest
+import zmq
 from fakes.net import wait_until
 from fakes.rig import (
     WAIT,
@@ -153,3 +154,202 @@ def test_flood_of_hostile_ids_and_malformed_frames_leaves_no_state(capsys) -> No
                   f"{', '.join(f'{r:.0f}' for r in rss[1:])} MiB")
     finally:
         rig.close()
+
+
+# ---------------------------------------------------------------- a flood of full frames
+
+FRAME = 1 << 20  # the Decode's max_frame_bytes here
+PER_PEER_BUDGET, TOTAL_BUDGET = 4 * FRAME, 16 * FRAME
+FLOODERS = 8
+FLOOD_S = 6.0
+# Peak RSS over its level before the flood: the inbox's budget (16 MiB), one batch the
+# loop holds, what libzmq decodes between two drains (20 ms) or while the drain waits
+# for the GIL, and glibc's per-thread arenas keeping what libzmq's I/O threads freed.
+# Measured here: +41..+122 MiB, flat after the first second. Without the receive
+# budget the same flood grew Decode by 2 GiB in 5 s, still climbing (RESULTS.md).
+RSS_GROWTH_BOUND_MIB = 384
+
+FLOOD = r"""
+import os, sys, time, zmq, msgpack
+endpoint, conns, seconds, frame = sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), \
+    int(sys.argv[4])
+ctx = zmq.Context(4)
+socks = []
+for _ in range(conns):
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.setsockopt(zmq.SNDHWM, 4)
+    s.connect(endpoint)
+    socks.append(s)
+# Full-size frames of two kinds: bytes that are not msgpack (cheap to refuse) and a
+# READ_READY_BATCH naming ~100k ids (costly to decode): the loop falls behind either way.
+junk = b"\xc1" + os.urandom(frame - 1)
+ids = []
+n, size = 0, 40
+while size < frame - 64:
+    ids.append(f"flood-{n:010d}-pad-pad-pad")
+    size += len(ids[-1]) + 2
+    n += 1
+costly = msgpack.packb([1, 0, "model.layers.0.self_attn.attn", [], ids, 0, 2], use_bin_type=True)
+assert len(costly) <= frame, len(costly)
+print("ready", flush=True)
+sent = nbytes = 0
+t0 = time.monotonic()
+while time.monotonic() - t0 < seconds:
+    progressed = False
+    for i, s in enumerate(socks):
+        payload = costly if (sent + i) % 2 else junk
+        try:
+            s.send(payload, zmq.NOBLOCK)
+        except zmq.Again:
+            continue
+        sent += 1
+        nbytes += len(payload)
+        progressed = True
+    if not progressed:
+        time.sleep(0.0005)
+print(sent, nbytes, flush=True)
+for s in socks:
+    s.close(0)
+ctx.term()
+"""
+
+
+def peak_rss_mib() -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    raise AssertionError("no VmHWM in /proc/self/status")
+
+
+def reset_peak_rss() -> None:
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # VmHWM := VmRSS (Linux >= 4.0)
+
+
+def test_a_flood_of_full_frames_from_many_connections_keeps_decode_bounded(capsys) -> None:
+    """Eight connections send full-size frames as fast as TCP takes them while a valid
+    Prefill transfers: Decode's memory stays within its receive budget plus a fixed
+    margin, every valid transfer lands intact, and what was dropped is counted."""
+    import subprocess
+    import sys
+
+    rig = Rig()
+    try:
+        p = rig.prefill_memory(LAYERS, seed=13)
+        budget = {"max_queued_bytes_per_peer": PER_PEER_BUDGET,
+                  "max_queued_bytes": TOTAL_BUDGET}
+        d = rig.decode(LAYERS, settings={"max_frame_bytes": FRAME, "limits": budget})
+        sender = rig.start_sender(p)
+        warm = Transfer("warm", (1, 4, 6), (2, 0, 7), (3, 9, 12), (8, 1, 15))
+        assert run_transfer(p, d, sender, warm, [(0, 3)]).failed == frozenset()
+        flood = subprocess.Popen(
+            [sys.executable, "-c", FLOOD, d.endpoint, str(FLOODERS), str(FLOOD_S), str(FRAME)],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        assert flood.stdout is not None
+        try:
+            assert flood.stdout.readline().strip() == "ready"
+            before = rss_mib()
+            reset_peak_rss()
+            t0 = time.monotonic()
+            done = 0
+            while flood.poll() is None and time.monotonic() - t0 < FLOOD_S + 30:
+                t = Transfer(f"valid-{done}", (1, 4, 6), (2, 0, 7), (3, 9, 12), (8, 1, 15))
+                reset_blocks(d, t)
+                out = run_transfer(p, d, sender, t, [(0, 2), (2, 3)])
+                assert out.failed == frozenset(), (done, out)
+                assert_transfer_landed(p, d, t)
+                done += 1
+            out_text, _ = flood.communicate(timeout=30)
+        finally:
+            if flood.poll() is None:
+                flood.kill()
+                flood.wait()
+        peak = peak_rss_mib()
+        sent, nbytes = (int(v) for v in out_text.strip().splitlines()[-1].split())
+        figures = d.receiver._server.queue_figures()  # type: ignore[attr-defined]
+        wait_until(lambda: d.receiver.stats.shed > 0, "the drops to be reported", WAIT)
+        stats = d.receiver.stats
+        assert done >= 3, f"only {done} valid transfers during the flood"
+        assert figures["peak_bytes"] <= TOTAL_BUDGET
+        assert figures["dropped"] > 0 and stats.shed > 0
+        assert any("dropped unread" in line for line in d.log.lines("warning"))
+        assert peak - before <= RSS_GROWTH_BOUND_MIB, (before, peak)
+        assert d.receiver.running
+        assert_guarded(d, {"main": (3, 9, 12), "indexer": (8, 1, 15)})
+        with capsys.disabled():
+            print(f"\n[full-frame flood] {FLOODERS} connections sent {sent} frames "
+                  f"({nbytes / 2**20:.0f} MiB) of up to {FRAME >> 20} MiB in {FLOOD_S:g} s; "
+                  f"Decode dropped {figures['dropped']} unread "
+                  f"({figures['dropped_bytes'] / 2**20:.0f} MiB), its inbox held at most "
+                  f"{figures['peak_bytes'] / 2**20:.1f} MiB (budget {PER_PEER_BUDGET >> 20} MiB "
+                  f"per peer, {TOTAL_BUDGET >> 20} MiB in all); process RSS {before:.0f} MiB "
+                  f"before, peak {peak:.0f} MiB (+{peak - before:.0f}, bound "
+                  f"+{RSS_GROWTH_BOUND_MIB}); {done} valid transfers verified meanwhile")
+    finally:
+        rig.close()
+
+
+def test_while_the_loop_is_away_a_flood_is_drained_into_the_budget_and_a_valid_peer_kept(
+        capsys) -> None:
+    """The loop does not read at all for the whole flood (a long KV read): the drain
+    thread alone keeps libzmq empty, the inbox within its budget and the process
+    bounded; the valid peer's messages all wait in the inbox, in order, when the loop
+    comes back (the flooders gave way)."""
+    import subprocess
+    import sys
+
+    from fakes.net import free_port
+
+    from rd2h.adapters.zmq.channel import ZmqControlServer
+
+    port = free_port()
+    server = ZmqControlServer("127.0.0.1", port, max_frame_bytes=FRAME + 4096,
+                              max_queued_bytes_per_peer=PER_PEER_BUDGET,
+                              max_queued_bytes=TOTAL_BUDGET)
+    valid = zmq.Context.instance().socket(zmq.DEALER)
+    valid.setsockopt(zmq.LINGER, 0)
+    try:
+        endpoint = f"tcp://127.0.0.1:{port}"
+        valid.connect(endpoint)
+        flood = subprocess.Popen(
+            [sys.executable, "-c", FLOOD, endpoint, str(FLOODERS), "3", str(FRAME)],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        assert flood.stdout is not None
+        try:
+            assert flood.stdout.readline().strip() == "ready"
+            before = rss_mib()
+            reset_peak_rss()
+            sent_valid = 0
+            while flood.poll() is None:
+                valid.send(b"valid-%04d" % sent_valid)
+                sent_valid += 1
+                time.sleep(0.05)
+            out_text, _ = flood.communicate(timeout=30)
+        finally:
+            if flood.poll() is None:
+                flood.kill()
+                flood.wait()
+        peak = peak_rss_mib()
+        sent, nbytes = (int(v) for v in out_text.strip().splitlines()[-1].split())
+        figures = server.queue_figures()
+        got: list[bytes] = []
+        deadline = time.monotonic() + WAIT
+        while len(got) < sent_valid and time.monotonic() < deadline:
+            got += [p for ident, p in server.recv_many(0.2, 64) if p.startswith(b"valid-")]
+            server.disconnected()  # as the loop does: the flooders' losses
+        assert got == [b"valid-%04d" % n for n in range(sent_valid)]
+        assert figures["dropped"] > 0
+        assert figures["peak_bytes"] <= TOTAL_BUDGET
+        assert peak - before <= RSS_GROWTH_BOUND_MIB, (before, peak)
+        with capsys.disabled():
+            print(f"\n[flood, loop away] {FLOODERS} connections sent {sent} frames "
+                  f"({nbytes / 2**20:.0f} MiB) in 3 s to a loop that read nothing; the drain "
+                  f"thread dropped {figures['dropped']} and held at most "
+                  f"{figures['peak_bytes'] / 2**20:.1f} MiB; RSS {before:.0f} MiB before, peak "
+                  f"{peak:.0f} MiB (+{peak - before:.0f}); all {sent_valid} messages of the "
+                  f"valid peer kept, in order")
+    finally:
+        valid.close(0)
+        server.close()

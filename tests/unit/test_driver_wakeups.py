@@ -142,6 +142,9 @@ class SteppedServer:
     def wake(self) -> None:
         self.stepper.push(None)
 
+    def shed(self) -> list[tuple[bytes, int, int]]:
+        return []
+
     def close(self) -> None:
         pass
 

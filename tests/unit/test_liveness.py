@@ -373,6 +373,9 @@ class FakeServer:
     def wake(self) -> None:
         self.inbound.put(None)  # ``recv`` returns it: None, as after its timeout
 
+    def shed(self) -> list[tuple[bytes, int, int]]:
+        return []
+
     def close(self) -> None:
         pass
 

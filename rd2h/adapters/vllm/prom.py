@@ -52,6 +52,9 @@ COUNTERS: dict[str, tuple[str, str]] = {
                              "(each fails its layer)."),
     "kv_blocks_verified": ("kv_blocks_verified", "verify_kv: blocks this Decode engine "
                            "checked against Prefill's digests after reading them."),
+    "control_frames_shed": ("control_frames_shed", "Control frames this Decode engine "
+                            "dropped unread because their connection sent past its "
+                            "receive budget (limits.max_queued_bytes*): a flood."),
     "reads_past_hold": ("reads_past_hold", "Layers this Decode engine failed because the "
                         "read would have ended after Prefill's hold on the blocks (Decode "
                         "too slow: Prefill may have reused them)."),

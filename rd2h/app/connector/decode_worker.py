@@ -98,7 +98,7 @@ class DecodeWorker(ConnectorRole):
                 "refused_unauthenticated": s.refused_unauthenticated,
                 "refused_peer_cap": s.refused_capped, "reads_past_hold": s.reads_past_hold,
                 "kv_digest_mismatches": s.digest_mismatches,
-                "kv_blocks_verified": s.blocks_verified}
+                "kv_blocks_verified": s.blocks_verified, "control_frames_shed": s.shed}
 
     def start(self) -> str:
         return self._receiver.start()
