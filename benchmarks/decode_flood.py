@@ -37,7 +37,8 @@ port, frame, seconds = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
 kw = {}
 params = inspect.signature(ZmqControlServer).parameters
 if "max_queued_bytes_per_peer" in params:
-    kw = {"max_queued_bytes_per_peer": 4 * frame + 8192, "max_queued_bytes": 16 * frame}
+    kw = {"max_queued_bytes_per_peer": 4 * frame + 8192,
+          "max_queued_bytes": 16 * frame + 32768}
 server = ZmqControlServer("127.0.0.1", port, max_frame_bytes=frame + 4096, **kw)
 def rss():
     with open("/proc/self/statm") as f:
