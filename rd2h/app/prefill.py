@@ -93,6 +93,7 @@ class PrefillSender(LoopThread):
         self._events = DeviceEventWaiter(self._cond, clock, self._session.event_deadline,
                                          self._interrupt)
         self._jobs: deque[_Handshake] = deque()
+        self._sleeping = False  # the loop is (about to be) blocked in its poll: ``submit`` wakes it
         self._active: list[_Handshake] = []
         self._outbox: dict[str, deque[tuple[SendMeta | SendBatch, bytes]]] = {}
         self._clients: ControlClients | None = None
@@ -134,8 +135,8 @@ class PrefillSender(LoopThread):
                 refused=None if self.started else "prefill sender not started")
             if batches:
                 self._events.add(aid, event)
-        if batches and self._clients is not None:
-            self._clients.wake()
+        if batches and self._clients is not None and self._sleeping:
+            self._clients.wake()  # only a sleeping loop needs it (see ``_loop``)
         return len(batches)
 
     def prepare(self, endpoints: Iterable[str], timeout: float) -> dict[str, str]:
@@ -209,7 +210,17 @@ class PrefillSender(LoopThread):
         reason = "prefill sender stopped"
         try:
             while not self._stop.is_set():
-                self._feed(self._clients.poll(self._wait_s()))
+                wait = self._wait_s()
+                if wait > 0:
+                    # ``submit`` wakes the loop only while this is set: set it, then look
+                    # for work once more (a submit that saw it unset left its work to be
+                    # seen here), so no announcement waits for the poll's timeout.
+                    self._sleeping = True
+                    if self._events.has_done:
+                        wait = 0.0
+                frames = self._clients.poll(wait)
+                self._sleeping = False
+                self._feed(frames)
                 self._flush()
                 self._start_jobs()
                 self._take_events()

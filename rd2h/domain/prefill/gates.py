@@ -69,10 +69,14 @@ class StorageSlotGates:
         A new announcement starts afresh: the layer's old error is cleared."""
         slots = self.slots_of(layer_idx)
         self._errors.pop(layer_idx, None)
-        targets = Counter(endpoints)
+        targets = list(endpoints)
         if not targets:
             return False
-        self._pending.setdefault(layer_idx, Counter()).update(targets)
+        pending = self._pending.get(layer_idx)
+        if pending is None:
+            pending = self._pending[layer_idx] = Counter()
+        for endpoint in targets:  # Counter.update's generic path costs more per layer
+            pending[endpoint] += 1
         for slot in slots:
             self._closers.setdefault(slot, set()).add(layer_idx)
         return True

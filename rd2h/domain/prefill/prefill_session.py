@@ -21,7 +21,6 @@ endpoint come in send order: the oldest entry of (layer, endpoint) owns the next
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 from collections.abc import Iterable, Mapping, Sequence
 
@@ -121,7 +120,7 @@ class PrefillSession:
         ann = Announcement(layer_idx, bool(named))
         deadline = now + self.timeouts.device_event_s
         for ep, batch in batches.items():
-            ann.entries[ep] = Entry(aid, layer_idx, ep, dataclasses.replace(batch, seq=aid),
+            ann.entries[ep] = Entry(aid, layer_idx, ep, batch.numbered(aid),
                                     Phase.EVENT, deadline)
         self._announcements[aid] = ann
         return aid

@@ -91,6 +91,13 @@ class ReadReadyBatch:
     # (unless answered). A read that may end later must not complete a request.
     hold_until_ms: int | None = None
 
+    def numbered(self, seq: int) -> ReadReadyBatch:
+        """The same announcement with ``seq`` set (``dataclasses.replace`` without its
+        per-call field introspection: once per layer and endpoint on Prefill)."""
+        return ReadReadyBatch(self.layer_idx, self.layer_name, self.read_reqs,
+                              self.done_ext_ids, self.group_member_idx, self.tp_ratio, seq,
+                              self.hold_until_ms)
+
     @property
     def named_ext_ids(self) -> tuple[str, ...]:
         """Every request this message names (read entries, then done ids), no repeats."""
