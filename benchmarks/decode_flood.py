@@ -89,6 +89,7 @@ while size < frame - 64:
     n += 1
 costly = msgpack.packb([1, 0, "model.layers.0.self_attn.attn", [], ids, 0, 2],
                        use_bin_type=True)
+print("ready", flush=True)
 sent = nbytes = 0
 t0 = time.monotonic()
 while time.monotonic() - t0 < seconds:
@@ -142,7 +143,7 @@ def run(src: Path, args: argparse.Namespace) -> dict[str, object]:
             if proc.poll() is None:
                 proc.kill()
     figures: dict[str, object] = json.loads(out.strip().splitlines()[-1])
-    sent, nbytes = (int(v) for v in flood_out.split())
+    sent, nbytes = (int(v) for v in flood_out.strip().splitlines()[-1].split())
     figures.update(sent=sent, sent_mib=nbytes / 2**20)
     return figures
 

@@ -11,14 +11,20 @@ no state left at all, whatever the flood was.
 
 from __future__ import annotations
 
+import contextlib
+import importlib.util
 import os
 import random
+import subprocess
+import sys
 import time
+from collections.abc import Iterator
+from pathlib import Path
 
 import msgpack
 import pytest
 import zmq
-from fakes.net import wait_until
+from fakes.net import free_port, wait_until
 from fakes.rig import (
     WAIT,
     Rig,
@@ -32,6 +38,7 @@ from fakes.rig import (
     step,
 )
 
+from rd2h.adapters.zmq.channel import ZmqControlServer
 from rd2h.domain.wire.protocol import MF_META, READ_READY_BATCH
 
 pytestmark = pytest.mark.integration
@@ -169,50 +176,35 @@ FLOOD_S = 6.0
 # budget the same flood grew Decode by 2 GiB in 5 s, still climbing (RESULTS.md).
 RSS_GROWTH_BOUND_MIB = 384
 
-FLOOD = r"""
-import os, sys, time, zmq, msgpack
-endpoint, conns, seconds, frame = sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), \
-    int(sys.argv[4])
-ctx = zmq.Context(4)
-socks = []
-for _ in range(conns):
-    s = ctx.socket(zmq.DEALER)
-    s.setsockopt(zmq.LINGER, 0)
-    s.setsockopt(zmq.SNDHWM, 4)
-    s.connect(endpoint)
-    socks.append(s)
-# Full-size frames of two kinds: bytes that are not msgpack (cheap to refuse) and a
-# READ_READY_BATCH naming ~100k ids (costly to decode): the loop falls behind either way.
-junk = b"\xc1" + os.urandom(frame - 1)
-ids = []
-n, size = 0, 40
-while size < frame - 64:
-    ids.append(f"flood-{n:010d}-pad-pad-pad")
-    size += len(ids[-1]) + 2
-    n += 1
-costly = msgpack.packb([1, 0, "model.layers.0.self_attn.attn", [], ids, 0, 2], use_bin_type=True)
-assert len(costly) <= frame, len(costly)
-print("ready", flush=True)
-sent = nbytes = 0
-t0 = time.monotonic()
-while time.monotonic() - t0 < seconds:
-    progressed = False
-    for i, s in enumerate(socks):
-        payload = costly if (sent + i) % 2 else junk
-        try:
-            s.send(payload, zmq.NOBLOCK)
-        except zmq.Again:
-            continue
-        sent += 1
-        nbytes += len(payload)
-        progressed = True
-    if not progressed:
-        time.sleep(0.0005)
-print(sent, nbytes, flush=True)
-for s in socks:
-    s.close(0)
-ctx.term()
-"""
+def _flood_script() -> str:
+    """The flooder of ``benchmarks/decode_flood.py`` (one flood, measured both ways)."""
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "decode_flood.py"
+    spec = importlib.util.spec_from_file_location("decode_flood", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return str(module.FLOOD)
+
+
+@contextlib.contextmanager
+def flooding(endpoint: str, seconds: float) -> Iterator[subprocess.Popen[str]]:
+    """``FLOODERS`` connections sending ``FRAME``-byte frames to ``endpoint`` for
+    ``seconds``, from a child process, started (and killed if still running at exit);
+    its last line is ``"<frames> <bytes>"``."""
+    flood = subprocess.Popen(
+        [sys.executable, "-c", _flood_script(), endpoint, str(FLOODERS), str(seconds),
+         str(FRAME)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        yield flood
+    finally:
+        if flood.poll() is None:
+            flood.kill()
+            flood.wait()
+
+
+def flood_figures(out_text: str) -> tuple[int, int]:
+    sent, nbytes = (int(v) for v in out_text.strip().splitlines()[-1].split())
+    return sent, nbytes
 
 
 def peak_rss_mib() -> float:
@@ -232,9 +224,6 @@ def test_a_flood_of_full_frames_from_many_connections_keeps_decode_bounded(capsy
     """Eight connections send full-size frames as fast as TCP takes them while a valid
     Prefill transfers: Decode's memory stays within its receive budget plus a fixed
     margin, every valid transfer lands intact, and what was dropped is counted."""
-    import subprocess
-    import sys
-
     rig = Rig()
     try:
         p = rig.prefill_memory(LAYERS, seed=13)
@@ -244,11 +233,8 @@ def test_a_flood_of_full_frames_from_many_connections_keeps_decode_bounded(capsy
         sender = rig.start_sender(p)
         warm = Transfer("warm", (1, 4, 6), (2, 0, 7), (3, 9, 12), (8, 1, 15))
         assert run_transfer(p, d, sender, warm, [(0, 3)]).failed == frozenset()
-        flood = subprocess.Popen(
-            [sys.executable, "-c", FLOOD, d.endpoint, str(FLOODERS), str(FLOOD_S), str(FRAME)],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        assert flood.stdout is not None
-        try:
+        with flooding(d.endpoint, FLOOD_S) as flood:
+            assert flood.stdout is not None
             assert flood.stdout.readline().strip() == "ready"
             before = rss_mib()
             reset_peak_rss()
@@ -262,12 +248,8 @@ def test_a_flood_of_full_frames_from_many_connections_keeps_decode_bounded(capsy
                 assert_transfer_landed(p, d, t)
                 done += 1
             out_text, _ = flood.communicate(timeout=30)
-        finally:
-            if flood.poll() is None:
-                flood.kill()
-                flood.wait()
         peak = peak_rss_mib()
-        sent, nbytes = (int(v) for v in out_text.strip().splitlines()[-1].split())
+        sent, nbytes = flood_figures(out_text)
         figures = d.receiver._server.queue_figures()  # type: ignore[attr-defined]
         wait_until(lambda: d.receiver.stats.shed > 0, "the drops to be reported", WAIT)
         stats = d.receiver.stats
@@ -297,13 +279,6 @@ def test_while_the_loop_is_away_a_flood_is_drained_into_the_budget_and_a_valid_p
     thread alone keeps libzmq empty, the inbox within its budget and the process
     bounded; the valid peer's messages all wait in the inbox, in order, when the loop
     comes back (the flooders gave way)."""
-    import subprocess
-    import sys
-
-    from fakes.net import free_port
-
-    from rd2h.adapters.zmq.channel import ZmqControlServer
-
     port = free_port()
     server = ZmqControlServer("127.0.0.1", port, max_frame_bytes=FRAME + 4096,
                               max_queued_bytes_per_peer=PER_PEER_BUDGET,
@@ -313,11 +288,8 @@ def test_while_the_loop_is_away_a_flood_is_drained_into_the_budget_and_a_valid_p
     try:
         endpoint = f"tcp://127.0.0.1:{port}"
         valid.connect(endpoint)
-        flood = subprocess.Popen(
-            [sys.executable, "-c", FLOOD, endpoint, str(FLOODERS), "3", str(FRAME)],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        assert flood.stdout is not None
-        try:
+        with flooding(endpoint, 3.0) as flood:
+            assert flood.stdout is not None
             assert flood.stdout.readline().strip() == "ready"
             before = rss_mib()
             reset_peak_rss()
@@ -327,12 +299,8 @@ def test_while_the_loop_is_away_a_flood_is_drained_into_the_budget_and_a_valid_p
                 sent_valid += 1
                 time.sleep(0.05)
             out_text, _ = flood.communicate(timeout=30)
-        finally:
-            if flood.poll() is None:
-                flood.kill()
-                flood.wait()
         peak = peak_rss_mib()
-        sent, nbytes = (int(v) for v in out_text.strip().splitlines()[-1].split())
+        sent, nbytes = flood_figures(out_text)
         figures = server.queue_figures()
         got: list[bytes] = []
         deadline = time.monotonic() + WAIT

@@ -112,19 +112,21 @@ class Inbox:
     def _evict_from_largest(self, keep: bytes) -> None:
         victim = max((p for p in self._held if p != keep), key=self._held.__getitem__)
         payload, cost = self._queues[victim].pop()  # its newest
-        self._count -= 1
-        self._release(victim, cost)
+        if not self._release(victim, cost):
+            self._turns = deque(p for p in self._turns if p != victim)
         self.drop(victim, len(payload))
 
-    def _release(self, identity: bytes, cost: int) -> None:
+    def _release(self, identity: bytes, cost: int) -> bool:
+        """Count one message of ``identity`` out; False when it held no more."""
+        self._count -= 1
         self.nbytes -= cost
         left = self._held[identity] - cost
         if left:
             self._held[identity] = left
-        else:
-            del self._held[identity]
-            del self._queues[identity]
-            self._turns = deque(p for p in self._turns if p != identity)
+            return True
+        del self._held[identity]
+        del self._queues[identity]
+        return False
 
     def take(self, limit: int, max_bytes: int) -> list[tuple[bytes, bytes]]:
         """Up to ``limit`` messages, one per peer in turn, stopping once ``max_bytes``
@@ -137,17 +139,9 @@ class Inbox:
             queue = self._queues[identity]
             payload, cost = queue.popleft()
             out.append((identity, payload))
-            self._count -= 1
             taken += len(payload)
-            if queue:
+            if self._release(identity, cost):
                 turns.append(identity)
-            self.nbytes -= cost
-            left = self._held[identity] - cost
-            if left:
-                self._held[identity] = left
-            else:
-                del self._held[identity]
-                del self._queues[identity]
         return out
 
     def shed(self) -> list[Shed]:
