@@ -17,7 +17,6 @@ uvicorn with a recording logger, so "no error-level line" is checked exactly.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import socket
 import struct
@@ -30,9 +29,9 @@ import httpx
 import pytest
 import uvicorn
 import uvloop
+from fakes.http_engines import FakeEngines, sse
 from fakes.logs import RecordingLogger
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi import FastAPI
 from prometheus_client.parser import text_string_to_metric_families
 
 from rd2h.proxy.service import ProxyConfig, create_app
@@ -47,68 +46,6 @@ def bound_socket() -> socket.socket:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((HOST, 0))
     return sock
-
-
-def contact(request_id: str) -> dict[str, Any]:
-    return {"request_id": request_id, "do_remote_prefill": False, "do_remote_decode": True,
-            "remote_engine_id": "decode-0", "remote_host": HOST, "remote_port": 31501,
-            "remote_tp_size": 1, "remote_pcp_size": 1, "remote_dcp_size": 1,
-            "remote_cached_tokens": 0}
-
-
-def sse(request_id: str) -> list[str]:
-    return [*(f"data: {json.dumps({'id': request_id, 'delta': t})}\n\n" for t in "ab"),
-            "data: [DONE]\n\n"]
-
-
-class FakeEngines:
-    """A fake Decode and a fake Prefill engine; they share this object's event loop."""
-
-    def __init__(self) -> None:
-        self.kv: dict[str, asyncio.Event] = {}
-        self.prefill_rids: list[str] = []
-        self.decode_rids: list[str] = []
-        self.poster: httpx.AsyncClient | None = None
-        self.prefill = FastAPI()
-        self.decode = FastAPI()
-
-        async def prefill(request: Request) -> JSONResponse:
-            await request.json()
-            rid = request.headers["x-request-id"]
-            self.prefill_rids.append(rid)
-            self.kv_event(rid).set()
-            return JSONResponse({"id": rid, "choices": [{"text": "p"}]})
-
-        async def decode(request: Request) -> Any:
-            body = await request.json()
-            rid = request.headers["x-request-id"]
-            self.decode_rids.append(rid)
-            if request.url.path.endswith("/chat/completions"):
-                ids = [f"chatcmpl-{rid}"]
-            else:
-                prompt = body["prompt"]
-                ids = [f"cmpl-{rid}-{i}"
-                       for i in range(len(prompt) if isinstance(prompt, list) else 1)]
-            if self.poster is None:
-                self.poster = httpx.AsyncClient(timeout=10.0)
-            for request_id in ids:
-                r = await self.poster.post(body["kv_transfer_params"]["metaserver"],
-                                           json=contact(request_id))
-                r.raise_for_status()
-            await asyncio.wait_for(self.kv_event(rid).wait(), 30.0)
-            if body.get("stream"):
-                return StreamingResponse(iter(sse(ids[0])), media_type="text/event-stream")
-            return JSONResponse({"id": ids[0], "choices": [
-                {"index": i, "text": f"decoded {i}"} for i in range(len(ids))]})
-
-        for app, handler in ((self.prefill, prefill), (self.decode, decode)):
-            app.post("/v1/completions")(handler)
-            app.post("/v1/chat/completions")(handler)
-            app.get("/v1/models")(lambda: {"object": "list", "data": [{"id": "tiny"}]})
-            app.get("/health")(lambda: {})
-
-    def kv_event(self, rid: str) -> asyncio.Event:
-        return self.kv.setdefault(rid, asyncio.Event())
 
 
 class Gremlin:
