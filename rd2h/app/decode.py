@@ -23,6 +23,9 @@ from rd2h.app.read_checks import ReadChecks
 from rd2h.app.telemetry import DecodeStats, add_sample, report_decode
 from rd2h.domain.decode.decode_session import (
     DEFAULT_MAX_PEERS,
+    DEFAULT_PARK_S,
+    DEFAULT_PARKED_BYTES,
+    DEFAULT_PARKED_BYTES_PER_PEER,
     DecodeSession,
     Expired,
     Forget,
@@ -91,6 +94,9 @@ class DecodeReceiver(LoopThread):
         wall: Callable[[], float] = time.time,
         hold_margin_s: float = 0.25,
         digest: rt.Digest | None = None,
+        park_s: float = DEFAULT_PARK_S,
+        max_parked_bytes_per_peer: int = DEFAULT_PARKED_BYTES_PER_PEER,
+        max_parked_bytes: int = DEFAULT_PARKED_BYTES,
     ) -> None:
         self._timeline = timeline
         super().__init__(f"rd2h-decode-{d_rank}", start_timeout_s, stop_timeout_s)
@@ -108,7 +114,11 @@ class DecodeReceiver(LoopThread):
                                       max_orphans_per_peer=max_orphans_per_peer,
                                       max_orphans=max_orphans, compat=None if compat is None
                                       else compat.with_values(auth=codec.signing),
-                                      generation=secrets.randbits(63))
+                                      generation=secrets.randbits(63), park_s=park_s,
+                                      hold_margin_s=hold_margin_s,
+                                      max_parked_bytes_per_peer=max_parked_bytes_per_peer,
+                                      max_parked_bytes=max_parked_bytes)
+        self._wall = wall
         self._lock = threading.Lock()
         self._progress = threading.Event()
         self._server: ControlServer | None = None
@@ -237,6 +247,7 @@ class DecodeReceiver(LoopThread):
                 self._log.error("control socket receive failed", error=repr(exc))
                 self._stop.wait(_RETRY_S)
                 continue
+            self._release_parked()
             for identity, payload in items:
                 if self._stop.is_set():
                     break
@@ -310,6 +321,16 @@ class DecodeReceiver(LoopThread):
             messages=sum(peers.values()), peers=len(peers),
             worst=max(peers, key=peers.__getitem__).hex()[:16], total_dropped=self.stats.shed)
 
+    def _release_parked(self) -> None:
+        """Announcements kept for their requests' admission (parallel dispatch) that are
+        due now: admitted, or out of time. On the loop's thread: they may read."""
+        with self._lock:
+            if not self._session.parked_count:
+                return
+            outs = self._session.release(self._clock.now())
+        if outs:
+            self._perform(outs)
+
     def _handle(self, identity: bytes, payload: bytes) -> None:
         try:
             message = self._codec.decode(payload, identity)
@@ -325,7 +346,9 @@ class DecodeReceiver(LoopThread):
                                 requests=len(message.read_reqs),
                                 done=len(message.done_ext_ids))
             with self._lock:
-                outs = self._session.receive(identity, message, now)
+                outs = self._session.receive(identity, message, now,
+                                             wall_ms=int(self._wall() * 1000),
+                                             size=len(payload))
         self._perform(outs)
 
     def _perform(self, outs: list[Output]) -> None:

@@ -61,6 +61,11 @@ class Deadlines(BaseModel):
         "stated for the announced blocks (room for the two hosts' clocks to differ), else "
         "the layer fails instead of completing requests from blocks Prefill may reuse"
     )
+    admission_wait_s: float = Field(
+        5.0, ge=0, description="Decode, parallel dispatch: how long an announcement naming "
+        "requests this rank has not admitted yet is kept for their admission (at most its "
+        "hold, less hold_margin_s); then they are answered skipped (0 = never kept)"
+    )
     idle_link_s: float = Field(
         300.0, gt=0, description="Prefill: a Decode connection with nothing in flight "
         "for this long is closed (reopened on demand)"
@@ -102,6 +107,13 @@ class Limits(BaseModel):
     max_queued_bytes: int = Field(
         256 * 1024 * 1024, ge=1, description="Decode: the same, all connections together "
         "(over it, the connection holding most gives way)")
+    max_parked_bytes_per_peer: int = Field(
+        16 * 1024 * 1024, ge=1, description="Decode, parallel dispatch: bytes of "
+        "announcements one connection may have kept for their requests' admission (over "
+        "it, they are handled at once: not-yet-admitted requests are answered skipped)")
+    max_parked_bytes: int = Field(
+        64 * 1024 * 1024, ge=1, description="Decode, parallel dispatch: the same, all "
+        "connections together")
 
 
 _Z85_KEY = re.compile(r"^[0-9a-zA-Z.\-:+=^!/*?&<>()\[\]{}@%$#]{40}$")

@@ -76,6 +76,9 @@ class DecodeStats:
     reads_past_hold: int = 0  # layers failed: the read would end after Prefill's hold
     blocks_verified: int = 0  # verify_kv: block digests checked after reads
     digest_mismatches: int = 0  # verify_kv: blocks whose bytes differed from Prefill's
+    parked: int = 0  # announcements kept until their requests' admission (parallel dispatch)
+    parked_expired: int = 0  # of those, handled when their wait ended, not admitted
+    parked_wait_s: float = 0.0  # time they waited, in all
     shed: int = 0  # messages dropped unread: their peer sent past its receive budget
     shed_bytes: int = 0
     first_ready_at: float | None = None
@@ -105,6 +108,17 @@ def report_decode(outs: Iterable[d.Output], stats: DecodeStats, log: Logger) -> 
             stats.skipped += len(out.requests)
             log.info("announced requests not read: no longer known here (aborted)",
                      layer=out.layer_idx, **few(out.requests))
+        elif isinstance(out, d.Parked):
+            stats.parked += 1
+            log.debug("announcement kept until its requests are admitted",
+                      layer=out.layer_idx, **few(out.awaiting))
+        elif isinstance(out, d.Unparked):
+            stats.parked_wait_s += out.waited_s
+            if out.expired:
+                stats.parked_expired += 1
+                log.info("announcement waited its limit for requests never admitted here; "
+                         "they are answered skipped", layer=out.layer_idx,
+                         waited_ms=round(out.waited_s * 1000, 1))
         elif isinstance(out, d.PeerLost):
             if out.failed:
                 progress = True

@@ -222,6 +222,9 @@ class Container(containers.DeclarativeContainer):
         max_orphans=limits.max_orphans, timeline=timeline,
         on_read=providers.Callable(read_stamper, timeline),
         hold_margin_s=deadlines.hold_margin_s, digest=digest,
+        park_s=deadlines.admission_wait_s,
+        max_parked_bytes_per_peer=limits.max_parked_bytes_per_peer,
+        max_parked_bytes=limits.max_parked_bytes,
     )
     prefill_scheduler = providers.Factory(PrefillScheduler, p_tp=config.tp_size, log=logger,
                                           timeline=timeline)

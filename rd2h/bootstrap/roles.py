@@ -50,6 +50,7 @@ def build_scheduler_role(options: Rd2hOptions, facts: EngineFacts,
         metaserver=container.metaserver(log=log), base_port=settings.base_port,
         engine_id=options.engine_id or facts.engine_id, log=log, main_group=groups.main,
         indexer_group=groups.indexer, state_groups=facts.state_groups,
+        block_size=facts.block_size, group_block_sizes=facts.group_block_sizes,
     )
 
 

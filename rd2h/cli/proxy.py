@@ -189,6 +189,13 @@ def add_proxy_parser(sub: argparse._SubParsersAction) -> None:
                         "answer to Decode, told at once, which applies its "
                         "kv_load_failure_policy (recompute: it computes the prompt itself) "
                         "(default: %(default)s)")
+    g.add_argument("--dispatch", choices=["decode-first", "parallel"], default="decode-first",
+                   help="'decode-first' sends a request to Prefill once Decode admitted it and "
+                        "posted its contact; 'parallel' sends it to Prefill and Decode at once, "
+                        "with the contact that Decode instance posted last (its first request "
+                        "goes Decode-first; single prompts only; not with "
+                        "--local-prefill-tokens): Prefill's start no longer waits for "
+                        "Decode's queue (default: %(default)s)")
     g.add_argument("--prefiller-header", action="store_true",
                    help="sidecar mode: honour x-prefiller-host-port (one of --prefill)")
     h = p.add_argument_group("health")
@@ -273,6 +280,7 @@ def _run_proxy(args: argparse.Namespace) -> int:
             affinity_slack=args.affinity_slack, local_prefill_tokens=args.local_prefill_tokens,
             prefiller_header=args.prefiller_header,
             on_prefill_failure=args.on_prefill_failure, probe_interval_s=args.probe_interval,
+            dispatch=args.dispatch,
             probe_timeout_s=args.probe_timeout, eject_after=args.eject_after,
             eject_base_s=args.eject_backoff, eject_max_s=args.eject_backoff_max,
             admin_token=admin_token(args.admin_token, args.admin_token_file),

@@ -37,7 +37,8 @@ class DecodeLeg:
                 response = await self._p.upstream.send(
                     "POST", call.url, json=decode_body(
                         call.body, self._p.config.metaserver_url, traceparent=call.traceparent,
-                        local_prefill_tokens=self._p.config.local_prefill_tokens),
+                        local_prefill_tokens=self._p.config.local_prefill_tokens,
+                        awaits=bool(call.entry.early)),
                     headers=call.headers, stream=True, fresh=fresh)
             except UpstreamError as exc:
                 self._p.metrics.failure("decode", exc.label)
@@ -82,6 +83,8 @@ class DecodeLeg:
             self._p.router.begin(nxt)
             call.instance, call.decode = nxt, nxt.url
             call.tried.append(nxt.url)
+        if call.entry.early and call.prefill_task is not None:
+            call.prefill_task.cancel()  # Prefill computes for the old id: not needed now
         old = call.rid
         self._p.table.close(old)
         self._p.calls.pop(old, None)

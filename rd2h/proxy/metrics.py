@@ -71,6 +71,8 @@ class HealthCounters:
     decode_resent: int = 0
     prefill_resent: int = 0
     prefill_skipped: int = 0
+    prefill_parallel: int = 0  # sent to Prefill with Decode at once (parallel dispatch)
+    parallel_mismatch: int = 0  # of those, sent again: Decode posted another contact
 
 
 class ProxyMetrics:

@@ -28,6 +28,9 @@ def normalize_base_url(url: str, what: str) -> str:
     return f"{parts.scheme}://{parts.netloc}"
 
 
+DISPATCH_MODES = ("decode-first", "parallel")
+
+
 @dataclass(frozen=True)
 class ProxyConfig:
     """Validated at construction, so a bad flag fails before the server starts."""
@@ -73,6 +76,12 @@ class ProxyConfig:
     # client with Prefill's status; "decode" leaves the answer to Decode (told at once,
     # it applies its kv_load_failure_policy: "recompute" computes the prompt itself).
     on_prefill_failure: str = "fail"
+    # "decode-first": Prefill is sent a request once Decode posted its contact (spec
+    # 3.1). "parallel": Prefill and Decode at once, with the contact the Decode instance
+    # posted last (its first request goes Decode-first); Decode keeps announcements that
+    # arrive before its admission. Single-prompt requests only, and not with
+    # local_prefill_tokens.
+    dispatch: str = "decode-first"
 
     def __post_init__(self) -> None:
         for role in ("prefill", "decode"):
@@ -105,6 +114,9 @@ class ProxyConfig:
         if self.on_prefill_failure not in ("fail", "decode"):
             raise ValueError(f"on_prefill_failure must be 'fail' or 'decode', not "
                              f"{self.on_prefill_failure!r}")
+        if self.dispatch not in DISPATCH_MODES:
+            raise ValueError(f"dispatch must be one of {', '.join(DISPATCH_MODES)}, not "
+                             f"{self.dispatch!r}")
         if self.admin_token is not None and len(self.admin_token) < 16:
             raise ValueError("the admin token must be at least 16 characters")
         from rd2h.proxy.routing import HealthRules

@@ -77,13 +77,16 @@ class PrefillLeg:
 
     async def dispatch(self, entry: PendingRequest, headers: Mapping[str, str], posted: float,
                        pin: Instance | None = None,
-                       extra_params: Mapping[str, Any] | None = None) -> PrefillFailure | None:
+                       extra_params: Mapping[str, Any] | None = None,
+                       params: Mapping[str, Any] | None = None) -> PrefillFailure | None:
         """Send the request to Prefill (``pin``: that instance only); None once it
-        answered 2xx. ``posted``: when the last metaserver post arrived (monotonic)."""
+        answered 2xx. ``posted``: when the last metaserver post arrived (monotonic), or
+        the request did (parallel dispatch: ``params``, sent instead of the posts')."""
         started = time.monotonic()
         self._timeline.stamp(entry.rid, HopName.PROXY_PREFILL_SENT)
         self._counters.prefill_dispatched += 1
-        params = {**entry.prefill_params(), **(extra_params or {})}
+        params = {**(entry.prefill_params() if params is None else params),
+                  **(extra_params or {})}
         body = prefill_body(entry.body, entry.endpoint, params)
         failure = await self._send(entry, body, dict(headers), posted, pin)
         outcome = "ok" if failure is None else "failed"
@@ -93,7 +96,7 @@ class PrefillLeg:
             self._counters.prefill_failed += 1
             entry.prefill_failure = failure.reason  # before Decode can fail the request
             told = 0 if self._failures is None else self._failures.record(
-                entry.posts, f"prefill dispatch failed: {failure.reason}")
+                entry.posts or entry.early, f"prefill dispatch failed: {failure.reason}")
             self._log.error("prefill dispatch gave up; decode is told to fail the request now",
                             rid=entry.rid, error=failure.reason, status=failure.status,
                             decode_requests=told)

@@ -52,11 +52,15 @@ from rd2h.domain.wire.rendezvous import (
     ClientRequestError,
     Endpoint,
     MetaserverPostError,
+    PendingRequest,
     PostStatus,
     RendezvousTable,
     UnexpectedPost,
     UnknownRendezvous,
+    contact_of,
     count_prompts,
+    early_params,
+    predicted_request_id,
 )
 from rd2h.ports.runtime import NO_TIMELINE, SILENT_LOGGER, HopName, Logger, Timeline
 from rd2h.proxy.admin import add_routes
@@ -116,6 +120,8 @@ class RendezvousProxy:
             keepalive_expiry_s=config.engine_keepalive_s, transport=transport,
         )
         self.calls: dict[str, DecodeCall] = {}
+        # Parallel dispatch: each Decode instance's contact, as it posted it last.
+        self.contacts: dict[str, dict[str, Any]] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self.metrics = ProxyMetrics(pending=lambda: len(self.table),
                                     prefill_in_flight=lambda: len(self._tasks))
@@ -180,7 +186,22 @@ class RendezvousProxy:
         self.log.debug("request to decode", rid=rid, decode=decode.url, prompts=expected,
                        traceparent=trace)
         self.metrics.in_flight.labels(endpoint.path).inc()
+        if (self.config.dispatch == "parallel" and expected == 1
+                and not self.config.local_prefill_tokens
+                and (contact := self.contacts.get(decode.url)) is not None):
+            self._dispatch_early(call, contact)
         return DecodeRelay(self, call)
+
+    def _dispatch_early(self, call: DecodeCall, contact: dict[str, Any]) -> None:
+        """Parallel dispatch: send the request to Prefill now, with the contact its
+        Decode instance posted last; Decode's own post confirms it (``handle_post``)."""
+        entry = call.entry
+        request_id = predicted_request_id(call.endpoint, call.rid)
+        entry.early = {request_id: early_params(contact, request_id)}
+        entry.dispatched = True
+        self.counters.prefill_parallel += 1
+        call.prefill_task = self._spawn(self._prefill(entry, call, time.monotonic(),
+                                                      entry.early[request_id]))
 
     async def open_decode(self, call: DecodeCall) -> httpx.Response:
         return await self.decode.open(call)
@@ -245,7 +266,13 @@ class RendezvousProxy:
             return self._reject_post(409, "unexpected", str(exc))
         entry = outcome.request
         self.metrics.posts.labels(outcome.status.value).inc()
-        if outcome.status is PostStatus.LOCAL:
+        call = self.calls.get(entry.rid)
+        if call is not None and call.instance is not None and (
+                contact := contact_of(post)) is not None:
+            self.contacts[call.instance.url] = contact  # the next request's early dispatch
+        if entry.early:
+            self._early_posted(entry, call, outcome.status, post, received)
+        elif outcome.status is PostStatus.LOCAL:
             self.counters.prefill_skipped += 1
             self.metrics.prefill_skipped.labels("decode_holds_prompt").inc()
             self.log.info("decode computes the prompt itself; no prefill dispatch",
@@ -254,7 +281,6 @@ class RendezvousProxy:
         elif outcome.status is PostStatus.DISPATCH:
             self.timeline.stamp(entry.rid, HopName.PROXY_POST)
             self.metrics.decode_admission.observe(received - entry.created)
-            call = self.calls.get(entry.rid)
             task = self._spawn(self._prefill(entry, call, received))
             if call is not None:
                 call.prefill_task = task
@@ -263,14 +289,49 @@ class RendezvousProxy:
             "received": len(entry.posts), "expected": entry.expected,
         })
 
-    async def _prefill(self, entry: Any, call: DecodeCall | None, posted: float) -> None:
+    def _early_posted(self, entry: PendingRequest, call: DecodeCall | None,
+                      status: PostStatus, post: Any, received: float) -> None:
+        """Decode posted a request Prefill already has (parallel dispatch). The same
+        contact: nothing to do. A local notice: Prefill's work is not needed (its
+        announcements end skipped). Another contact (the instance restarted, or vLLM named
+        the request otherwise): the early dispatch is cancelled and the request sent again
+        with what Decode posted."""
+        self.metrics.decode_admission.observe(received - entry.created)
+        if status is PostStatus.DUPLICATE or status is PostStatus.CONFIRMED:
+            return
+        task = call.prefill_task if call is not None else None
+        if task is not None and not task.done():
+            task.cancel()
+        entry.early = {}
+        if status is PostStatus.LOCAL:
+            self.counters.prefill_skipped += 1
+            self.metrics.prefill_skipped.labels("decode_holds_prompt").inc()
+            self.log.info("decode computes the prompt itself; the parallel prefill dispatch "
+                          "is cancelled", rid=entry.rid)
+            return
+        self.counters.parallel_mismatch += 1
+        self.log.warning("decode posted another contact than the one its parallel prefill "
+                         "dispatch used; sending the request to prefill again",
+                         rid=entry.rid, request_id=post.get("request_id"),
+                         engine=post.get("remote_engine_id"))
+        self.timeline.stamp(entry.rid, HopName.PROXY_POST)
+        task = self._spawn(self._prefill(entry, call, received))
+        if call is not None:
+            call.prefill_task = task
+
+    async def _prefill(self, entry: Any, call: DecodeCall | None, posted: float,
+                       params: dict[str, Any] | None = None) -> None:
+        """One Prefill dispatch; ``params``: the early (parallel) dispatch's own."""
         if call is None:
             headers, pin, extra = {"X-Request-Id": entry.rid}, None, {}
         else:
             headers, pin = call.headers, call.prefill_pin
             extra = {"traceparent": call.traceparent} if call.traceparent else {}
         failure: PrefillFailure | None = await self.prefill.dispatch(
-            entry, headers, posted, pin, extra)
+            entry, headers, posted, pin, extra, params=params)
+        if params is not None and (call is None or call.entry is not entry
+                                   or entry.early.get(params.get("request_id")) is not params):
+            return  # an early dispatch since replaced: its outcome is not the request's
         if failure is not None and call is not None and call.prefill_failed is not None \
                 and not call.prefill_failed.done() and self.config.on_prefill_failure == "fail":
             call.prefill_failed.set_result(failure)

@@ -960,3 +960,77 @@ def test_upstream_spreads_requests_in_flight_over_small_pools(streams: int) -> N
         await upstream.aclose()
 
     run(scenario())
+
+
+# ---------------------------------------------------------------- parallel dispatch
+
+
+def test_parallel_dispatch_sends_prefill_at_once_with_the_instance_contact() -> None:
+    async def scenario() -> None:
+        s = Setup(config_kw={"dispatch": "parallel"})
+        body = {"model": "m", "prompt": "hello", "max_tokens": 5}
+        # The instance's first request goes Decode-first: its contact is not known yet.
+        assert (await s.client.post("/v1/completions", json=body)).status_code == 200
+        await s.settle()
+        assert s.decodes[0].posts[0][1].json()["status"] == "dispatched"
+        r = await s.client.post("/v1/completions", json=body)
+        await s.settle()
+        assert r.status_code == 200
+        rid = s.decodes[0].received[1][1]["x-request-id"]
+        d_params = s.decodes[0].received[1][2]["kv_transfer_params"]
+        assert d_params["awaits_admission"] is True
+        (_, p_headers, p_body) = s.prefills[0].received[1]
+        assert p_headers["x-request-id"] == rid
+        expected = {k: v for k, v in contact(f"cmpl-{rid}-0", 30000).items()
+                    if k != "remote_cached_tokens"}  # unknown before Decode posts
+        assert p_body["kv_transfer_params"] == {**expected, "awaits_admission": True,
+                                                "traceparent": d_params["traceparent"]}
+        assert s.decodes[0].posts[1][1].json()["status"] == "confirmed"
+        counters = (await s.health())["counters"]
+        assert counters["prefill_parallel"] == 1 and counters["prefill_dispatched"] == 2
+        assert counters["parallel_mismatch"] == 0 and counters["prefill_ok"] == 2
+        # Chat gets vLLM's chat id; a prompt list is never dispatched early.
+        await s.client.post("/v1/chat/completions", json={
+            "model": "m", "messages": [{"role": "user", "content": "hi"}]})
+        await s.client.post("/v1/completions", json={"model": "m", "prompt": ["a", "b"]})
+        await s.settle()
+        chat_rid = s.decodes[0].received[2][1]["x-request-id"]
+        assert s.prefills[0].received[2][2]["kv_transfer_params"]["request_id"] == \
+            f"chatcmpl-{chat_rid}"
+        assert "awaits_admission" not in s.prefills[0].received[3][2]["kv_transfer_params"][
+            "batch_kv_transfer_params"][f"cmpl-{s.decodes[0].received[3][1]['x-request-id']}-0"]
+        assert (await s.health())["counters"]["prefill_parallel"] == 2
+
+    run(scenario())
+
+
+def test_parallel_dispatch_with_a_stale_contact_is_sent_again_with_the_posted_one() -> None:
+    async def scenario() -> None:
+        s = Setup(config_kw={"dispatch": "parallel"})
+        body = {"model": "m", "prompt": "hello", "max_tokens": 5}
+        await s.client.post("/v1/completions", json=body)
+        await s.settle()
+        # The instance restarted elsewhere: what the proxy knows is stale.
+        s.proxy.contacts["http://d0:8200"]["remote_port"] = 1
+        r = await s.client.post("/v1/completions", json=body)
+        await s.settle()
+        assert r.status_code == 200
+        assert s.decodes[0].posts[1][1].json()["status"] == "mismatch"
+        ports = [b["kv_transfer_params"]["remote_port"] for _, _, b in s.prefills[0].received]
+        assert ports[0] == 30000 and sorted(ports[1:]) == [1, 30000]
+        counters = (await s.health())["counters"]
+        assert counters["parallel_mismatch"] == 1
+        # The contact is learned again: the next one goes early, right.
+        await s.client.post("/v1/completions", json=body)
+        await s.settle()
+        assert s.decodes[0].posts[2][1].json()["status"] == "confirmed"
+
+    run(scenario())
+
+
+def test_parallel_dispatch_is_validated_and_off_by_default() -> None:
+    assert ProxyConfig(prefill=("http://p:1",), decode=("http://d:2",),
+                       public_url=PROXY).dispatch == "decode-first"
+    with pytest.raises(ValueError, match="dispatch must be one of"):
+        ProxyConfig(prefill=("http://p:1",), decode=("http://d:2",), public_url=PROXY,
+                    dispatch="both")

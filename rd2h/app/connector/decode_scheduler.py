@@ -18,7 +18,7 @@ from rd2h.app.connector.plans import DecodeLoad, StepPlan
 from rd2h.app.connector.roles import BlockIds, ConnectorRole, RequestFacts, ScheduledRequest
 from rd2h.domain.planning.chunks import external_request_id
 from rd2h.domain.planning.kv_groups import NO_BLOCK, STATE_BACKOFF, state_slot
-from rd2h.domain.wire.rendezvous import sampled, traceparent
+from rd2h.domain.wire.rendezvous import AWAITS_ADMISSION, sampled, traceparent
 from rd2h.ports.metaserver import MetaserverPoster
 from rd2h.ports.runtime import NO_TIMELINE, HopName, Logger, Timeline
 
@@ -54,8 +54,14 @@ class DecodeScheduler(ConnectorRole):
         stop_timeout_s: float = 5.0,
         timeline: Timeline = NO_TIMELINE,
         state_groups: Iterable[int] = (),
+        block_size: int = 0,
+        group_block_sizes: Sequence[int] = (),
     ) -> None:
         self._state = frozenset(state_groups)
+        # Tokens per block (per group where vLLM states them): what a prefix-cache hit
+        # covers of each destination list (``_own_prefix``).
+        self._bs = int(block_size)
+        self._group_bs = tuple(int(b) for b in group_block_sizes)
         self._metaserver = metaserver
         self._timeline = timeline
         self._main_group = main_group
@@ -117,10 +123,12 @@ class DecodeScheduler(ConnectorRole):
             self._remote.pop(request_id, None)
             return
         num_computed_tokens = max(int(request.num_computed_tokens), self._remote[request_id])
-        main = tuple(int(b) for b in block_ids[self._main_group])
-        indexer = tuple(int(b) for b in block_ids[self._indexer_group])
+        own = self._own_prefix if params.get(AWAITS_ADMISSION) is True else _as_is
+        main = own(block_ids[self._main_group], self._main_group, num_computed_tokens)
+        indexer = own(block_ids[self._indexer_group], self._indexer_group,
+                      num_computed_tokens)
         groups = tuple(self._state_destination(i, g) if i in self._state
-                       else tuple(int(b) for b in g) for i, g in enumerate(block_ids))
+                       else own(g, i, num_computed_tokens) for i, g in enumerate(block_ids))
         self._loads.append(DecodeLoad(request_id, main, indexer, groups))
         self._timeline.stamp(request_id, HopName.DECODE_ALLOCATED)
         ext = external_request_id(request_id)
@@ -190,6 +198,15 @@ class DecodeScheduler(ConnectorRole):
         return False
 
     # -- the rules
+    def _own_prefix(self, ids: Sequence[int], group: int, cached: int) -> tuple[int, ...]:
+        """A destination list with the blocks this engine's prefix cache already held
+        marked ``NO_BLOCK``: nothing is read into them. Under parallel dispatch Prefill
+        did not learn ``remote_cached_tokens`` and announces every block; those blocks
+        may be shared with other requests and must never be written."""
+        bs = self._group_bs[group] if group < len(self._group_bs) else self._bs
+        held = cached // bs if bs > 0 and cached > 0 else 0
+        return tuple(NO_BLOCK if i < held else int(b) for i, b in enumerate(ids))
+
     @staticmethod
     def _state_destination(group: int, ids: Sequence[int]) -> tuple[int, ...]:
         """A state group's destination: its running-state block, where the state after
@@ -240,6 +257,10 @@ class DecodeScheduler(ConnectorRole):
     def counters(self) -> dict[str, int]:
         return {"remote": len(self._remote), "waiting_post": len(self._waiting),
                 "queued_loads": len(self._loads)}
+
+
+def _as_is(ids: Sequence[int], group: int, cached: int) -> tuple[int, ...]:
+    return tuple(int(b) for b in ids)
 
 
 def _computes_locally(params: dict[str, Any], missing: int) -> bool:

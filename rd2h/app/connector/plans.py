@@ -43,6 +43,8 @@ class PrefillSend:
     # block table, positions a sliding window dropped left out (the start moves past
     # them); a layer announces its own group's part.
     groups: tuple[tuple[int, tuple[int, ...]], ...] = ()
+    # Dispatched before Decode admitted it: its announcements name it in ``awaits``.
+    awaits: bool = False
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,7 @@ from rd2h.domain.errors import ChunkError, Rd2hError
 from rd2h.domain.planning.chunks import chunk_block_range, external_request_id
 from rd2h.domain.planning.kv_groups import NO_BLOCK, STATE_BACKOFF, leading_gap, state_slot
 from rd2h.domain.planning.topology import MAX_PORT, check_topology
-from rd2h.domain.wire.rendezvous import sampled, traceparent
+from rd2h.domain.wire.rendezvous import AWAITS_ADMISSION, sampled, traceparent
 from rd2h.ports.runtime import NO_TIMELINE, HopName, Logger, Timeline
 
 
@@ -88,6 +88,14 @@ def decode_endpoint(params: Mapping[str, Any], p_tp: int) -> tuple[DecodeEndpoin
     return DecodeEndpoint(host, port, d_tp, str(engine or "")), cached
 
 
+def awaits_admission(params: Mapping[str, Any]) -> bool:
+    """The proxy dispatched this request to Prefill and Decode at once
+    (``AWAITS_ADMISSION``): Decode may not have admitted it when its first layer is
+    announced, and ``remote_cached_tokens`` is unknown (every block is announced; Decode
+    leaves alone what its own prefix cache holds)."""
+    return params.get(AWAITS_ADMISSION) is True
+
+
 def _held_part(ids: list[int], start: int, end: int) -> tuple[int, tuple[int, ...]]:
     """Blocks ``[start, end)`` of one group's table as ``(first position, ids)``, without
     the head a sliding window already dropped (``NO_BLOCK``: Decode holds nothing there
@@ -112,6 +120,7 @@ class _Tracked:
     group_transferred: list[int] = field(default_factory=list)
     final_sent: bool = False
     sent_any: bool = False
+    awaits: bool = False  # dispatched before Decode admitted it (``AWAITS_ADMISSION``)
 
 
 class PrefillScheduler(ConnectorRole):
@@ -175,7 +184,8 @@ class PrefillScheduler(ConnectorRole):
             self._log.error("request cannot be transferred to decode", request=request_id,
                             error=str(exc))
             return
-        self._tracked[request_id] = _Tracked(ext, decode, request.num_prompt_tokens, cached)
+        self._tracked[request_id] = _Tracked(ext, decode, request.num_prompt_tokens, cached,
+                                             awaits=awaits_admission(own))
         trace = traceparent(request.params)
         self._timeline.stamp(request_id, HopName.PREFILL_TRACKED, trace)
         if trace:
@@ -261,7 +271,7 @@ class PrefillScheduler(ConnectorRole):
         idx_start, idx = groups[self._indexer] if groups else (start, ())
         return PrefillSend(
             request_id, t.ext_id, t.decode, main, idx, main_start, idx_start, final,
-            groups=groups,
+            groups=groups, awaits=t.awaits,
         )
 
     def _group_ranges(self, t: _Tracked, computed: int, final: bool

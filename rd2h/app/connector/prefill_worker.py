@@ -217,7 +217,8 @@ class PrefillWorker(ConnectorRole):
                         ask = stated[owner] = dataclasses.replace(req, digests=stated_digests(
                             layout, req, self._digest, member=m.member, ratio=m.ratio,
                             main_owner=owner))
-                targets.append(LayerTarget(endpoint, ask, done, m.member, m.ratio, s.ext_id))
+                targets.append(LayerTarget(endpoint, ask, done, m.member, m.ratio, s.ext_id,
+                                           s.awaits))
                 names.setdefault(endpoint, []).append((s.internal_id, s.ext_id))
         if not targets:
             return

@@ -79,6 +79,26 @@ class Skipped:
 
 
 @dataclass(frozen=True)
+class Parked:
+    """A layer's announcement kept until this rank admits the requests it ``awaits``
+    (parallel dispatch), at most until ``until`` (monotonic seconds)."""
+
+    layer_idx: int
+    awaiting: tuple[str, ...]
+    until: float
+
+
+@dataclass(frozen=True)
+class Unparked:
+    """A kept announcement handled now: its requests were admitted (``expired``
+    False), or its wait ended first (the requests still unknown are answered skipped)."""
+
+    layer_idx: int
+    waited_s: float
+    expired: bool
+
+
+@dataclass(frozen=True)
 class PeerLost:
     p_session: str
     failed: tuple[str, ...]
@@ -129,4 +149,5 @@ class Forget:
 
 
 Output = (SendAck | SendRefusal | Reply | Read | MetaStored | LayerDone | LayerFailed | Skipped
+          | Parked | Unparked
           | PeerLost | Expired | Rejected | Capped | Forget)

@@ -27,6 +27,7 @@ from rd2h.domain.decode.decode_events import (
     LayerFailed,
     MetaStored,
     Output,
+    Parked,
     Peer,
     PeerLost,
     Read,
@@ -36,8 +37,14 @@ from rd2h.domain.decode.decode_events import (
     SendAck,
     SendRefusal,
     Skipped,
+    Unparked,
 )
-from rd2h.domain.decode.orphans import DEFAULT_ORPHANS_PER_PEER, DEFAULT_ORPHANS_TOTAL, CapHit
+from rd2h.domain.decode.orphans import (
+    ALL_OWNERS,
+    DEFAULT_ORPHANS_PER_PEER,
+    DEFAULT_ORPHANS_TOTAL,
+    CapHit,
+)
 from rd2h.domain.decode.request_book import DecodeRequestBook, RankReport, StepOutcome
 from rd2h.domain.errors import (
     AuthenticationError,
@@ -52,6 +59,15 @@ from rd2h.domain.wire.compat import Compat, compare
 from rd2h.domain.wire.protocol import Message, MfMeta, ReadDone, ReadFailed, ReadReadyBatch, clip
 
 DEFAULT_MAX_PEERS = 1024
+ALL_PEERS = ALL_OWNERS
+# Parallel dispatch: how long an announcement may wait for its requests' admission here
+# (also bounded by its hold), and how many bytes of such announcements are kept.
+DEFAULT_PARK_S = 5.0
+DEFAULT_PARKED_BYTES_PER_PEER = 16 << 20
+DEFAULT_PARKED_BYTES = 64 << 20
+# A kept announcement is handled this long before its hold's margin, so its read ends in
+# time (a layer's read takes milliseconds).
+_PARK_READ_ALLOWANCE_S = 0.05
 
 
 # ---------------------------------------------------------------- state
@@ -74,6 +90,18 @@ class _PendingRead:
     skipped: tuple[str, ...] = ()
 
 
+@dataclass
+class _Parked:
+    """An announcement waiting for this rank to admit the requests it ``awaits``."""
+
+    peer: Peer
+    batch: ReadReadyBatch
+    since: float
+    until: float
+    size: int
+    waiting: set[str]
+
+
 class DecodeSession:
     def __init__(
         self,
@@ -88,6 +116,10 @@ class DecodeSession:
         max_orphans: int = DEFAULT_ORPHANS_TOTAL,
         compat: Compat | None = None,
         generation: int | None = None,
+        park_s: float = DEFAULT_PARK_S,
+        hold_margin_s: float = 0.25,
+        max_parked_bytes_per_peer: int = DEFAULT_PARKED_BYTES_PER_PEER,
+        max_parked_bytes: int = DEFAULT_PARKED_BYTES,
     ) -> None:
         self.generation = generation  # stated in the ACK to peers that state theirs
         if max_peers < 1:
@@ -108,15 +140,35 @@ class DecodeSession:
         self._book = DecodeRequestBook(max_orphans_per_peer, max_orphans)
         self._reads: dict[int, _PendingRead] = {}
         self._tokens = itertools.count()
+        # Parallel dispatch: announcements kept until their requests are admitted here,
+        # in arrival order; which of them wait for each id; bytes kept per peer.
+        self.park_s = park_s
+        self.hold_margin_s = hold_margin_s
+        self.max_parked_bytes_per_peer = max_parked_bytes_per_peer
+        self.max_parked_bytes = max_parked_bytes
+        self._parked: dict[int, _Parked] = {}
+        self._parked_for: dict[str, set[int]] = {}
+        self._parked_bytes: dict[Peer, int] = {}
+        self._parked_total = 0
+        self._parked_due = False  # some kept announcement's requests were all admitted
+        self._parked_capped: set[Peer | None] = set()
 
     # ------------------------------------------------------------ control inputs
-    def receive(self, peer: Peer, message: Message, now: float) -> list[Output]:
+    def receive(self, peer: Peer, message: Message, now: float, *,
+                wall_ms: int | None = None, size: int = 0) -> list[Output]:
+        """``wall_ms`` (Unix milliseconds, this host's clock) and ``size`` (the frame's
+        bytes): for an announcement that waits for its requests' admission (``awaits``),
+        how long its hold lets it wait and what it costs to keep."""
         if isinstance(message, MfMeta):
             return self._meta(peer, message, now)
         if isinstance(message, ReadReadyBatch):
             if (known := self._peers.get(peer)) is not None:
                 known.proven = True  # no longer evictable by a newcomer (``_meta``)
-            return self._ready(peer, message, now) + self._cap_hits()
+            capped: list[Output] = []
+            if (message.awaits or self._parked_for) and (
+                    parked := self._park(peer, message, now, wall_ms, size, capped)):
+                return parked
+            return self._ready(peer, message, now) + self._cap_hits() + capped
         return [Rejected(RejectKind.UNEXPECTED, type(message).__name__)]
 
     def reject(self, peer: Peer, error: ProtocolError) -> list[Output]:
@@ -169,6 +221,8 @@ class DecodeSession:
         for pending in self._reads.values():
             if pending.peer == peer:
                 pending.lost = True
+        for token in [t for t, p in self._parked.items() if p.peer == peer]:
+            self._unpark(token)  # no reply can reach it; Prefill's deadline ends it
         failed = self._book.fail_peer(
             peer, f"prefill peer {session} {how} before announcing the final layer", now
         )
@@ -185,14 +239,26 @@ class DecodeSession:
     def next_deadline(self) -> float | None:
         """When ``tick`` next has something to do: an admitted request reaches
         ``request_timeout_s``, or an orphan goes stale (None: nothing is held)."""
-        return self._book.next_deadline(self.request_timeout_s)
+        due = self._book.next_deadline(self.request_timeout_s)
+        if self._parked_due:
+            return float("-inf")
+        if self._parked:
+            first = min(p.until for p in self._parked.values())
+            due = first if due is None else min(due, first)
+        return due
 
     # ------------------------------------------------------------ engine inputs
     def admit(self, internal_id: str, main_block_ids: Iterable[int],
               indexer_block_ids: Iterable[int], now: float,
               group_block_ids: Sequence[Sequence[int]] = ()) -> str:
-        return self._book.admit(internal_id, list(main_block_ids), list(indexer_block_ids), now,
-                                group_block_ids)
+        ext = self._book.admit(internal_id, list(main_block_ids), list(indexer_block_ids), now,
+                               group_block_ids)
+        for token in self._parked_for.get(ext, ()):
+            parked = self._parked[token]
+            parked.waiting.discard(ext)
+            if not parked.waiting:
+                self._parked_due = True  # ``release`` handles it (the loop's thread)
+        return ext
 
     def local_report(self) -> RankReport:
         return self._book.local_report()
@@ -201,6 +267,7 @@ class DecodeSession:
                     now: float) -> StepOutcome:
         # A request a planned read names may still get bytes written into its blocks.
         busy = {r.ext_req_id for p in self._reads.values() for r in p.batch.read_reqs}
+        busy.update(self._parked_for)  # kept announcements still to be read
         return self._book.finish_step(reports, finished_by_vllm, now=now, busy=busy)
 
     def drop(self, internal_ids: Iterable[str]) -> None:
@@ -214,6 +281,8 @@ class DecodeSession:
     def counters(self) -> dict[str, int]:
         out = self._book.counters()
         out["peers"] = len(self._peers)
+        out["parked"] = len(self._parked)
+        out["parked_bytes"] = self._parked_total
         return out
 
     @property
@@ -221,8 +290,96 @@ class DecodeSession:
         return self._book.admitted_count
 
     @property
+    def parked_count(self) -> int:
+        """Announcements kept for their requests' admission (parallel dispatch)."""
+        return len(self._parked)
+
+    @property
     def reads_in_flight(self) -> int:
         return len(self._reads)
+
+    # ------------------------------------------------------------ parallel dispatch
+    def release(self, now: float) -> list[Output]:
+        """Handle the kept announcements whose requests are all admitted, and those whose
+        wait ended (their requests still unknown here are answered skipped), in arrival
+        order. The receive loop calls it on its own thread: it may ask for reads."""
+        out: list[Output] = []
+        self._parked_due = False
+        blocked: set[str] = set()  # named by an earlier announcement that still waits
+        for token, parked in list(self._parked.items()):
+            if token not in self._parked:
+                continue
+            named = parked.batch.named_ext_ids
+            expired = now >= parked.until
+            if not expired and (parked.waiting or not blocked.isdisjoint(named)):
+                blocked.update(named)
+                continue
+            self._unpark(token)
+            out.append(Unparked(parked.batch.layer_idx, now - parked.since,
+                                bool(parked.waiting)))
+            if parked.peer in self._peers:
+                out += self._ready(parked.peer, parked.batch, now)
+            # else: the peer's metadata is gone; its deadline ends the announcement
+        return out
+
+    def _park(self, peer: Peer, batch: ReadReadyBatch, now: float, wall_ms: int | None,
+              size: int, capped: list[Output]) -> list[Output]:
+        """Keep ``batch`` if requests it ``awaits`` are not admitted here yet (or an
+        earlier kept announcement names one of its requests: order is kept), within
+        its hold and the byte budgets; [] when it is to be handled now (a budget that
+        refused it adds its ``Capped`` to ``capped``, once per episode)."""
+        book = self._book
+        named = batch.named_ext_ids
+        waiting = {e for e in batch.awaits if e in named and book.destination(e) is None
+                   and not book.is_terminal(e)}
+        if not waiting and not any(e in self._parked_for for e in named):
+            return []
+        if self._peers.get(peer) is None:
+            return []  # answered at once (no MF_META on this connection)
+        until = now + self.park_s
+        if batch.hold_until_ms is not None and wall_ms is not None:
+            left = (batch.hold_until_ms - wall_ms) / 1000.0
+            until = min(until, now + left - self.hold_margin_s - _PARK_READ_ALLOWANCE_S)
+        if until <= now:
+            return []
+        size = max(size, 1)
+        held = self._parked_bytes.get(peer, 0)
+        over = (peer if held + size > self.max_parked_bytes_per_peer else None
+                if self._parked_total + size <= self.max_parked_bytes else ALL_PEERS)
+        if over is not None:
+            if over not in self._parked_capped:
+                self._parked_capped.add(over)
+                limit = (self.max_parked_bytes_per_peer if over == peer
+                         else self.max_parked_bytes)
+                capped.append(Capped("parked announcements", _label(CapHit(over, limit)),
+                                     limit))
+            return []
+        token = next(self._tokens)
+        self._parked[token] = _Parked(peer, batch, now, until, size, waiting)
+        for ext in named:
+            self._parked_for.setdefault(ext, set()).add(token)
+        self._parked_bytes[peer] = held + size
+        self._parked_total += size
+        return [Parked(batch.layer_idx, tuple(sorted(waiting)), until)]
+
+    def _unpark(self, token: int) -> None:
+        parked = self._parked.pop(token)
+        for ext in parked.batch.named_ext_ids:
+            tokens = self._parked_for.get(ext)
+            if tokens is not None:
+                tokens.discard(token)
+                if not tokens:
+                    del self._parked_for[ext]
+        left = self._parked_bytes[parked.peer] - parked.size
+        if left > 0:
+            self._parked_bytes[parked.peer] = left
+        else:
+            del self._parked_bytes[parked.peer]
+        self._parked_total -= parked.size
+        if left <= self.max_parked_bytes_per_peer // 2:
+            self._parked_capped.discard(parked.peer)
+        if self._parked_total <= self.max_parked_bytes // 2:
+            self._parked_capped.discard(ALL_PEERS)
 
     # ------------------------------------------------------------ rules
     def _cap_hits(self) -> list[Output]:

@@ -19,6 +19,9 @@ class LayerTarget:
     member: int = 0
     ratio: int = 1
     ext_req_id: str = ""
+    # Prefill got the request before Decode admitted it (the proxy's parallel
+    # dispatch): the message names it in ``awaits`` so that Decode waits for it.
+    awaits: bool = False
 
 
 def group_batches(
@@ -28,6 +31,7 @@ def group_batches(
     reqs: dict[str, list[ReadRequest]] = {}
     done: dict[str, list[str]] = {}
     group: dict[str, tuple[int, int]] = {}
+    awaits: dict[str, dict[str, None]] = {}
     for t in targets:
         prev = group.setdefault(t.endpoint, (t.member, t.ratio))
         if prev != (t.member, t.ratio):
@@ -41,7 +45,11 @@ def group_batches(
             if not ext:
                 raise ValueError("a done target needs its external request id")
             done[t.endpoint].append(ext)
+        if t.awaits:
+            ext = t.ext_req_id or (t.request.ext_req_id if t.request else "")
+            awaits.setdefault(t.endpoint, {})[ext] = None
     return {
-        ep: ReadReadyBatch(layer_idx, layer_name, tuple(reqs[ep]), tuple(done[ep]), *group[ep])
+        ep: ReadReadyBatch(layer_idx, layer_name, tuple(reqs[ep]), tuple(done[ep]), *group[ep],
+                           awaits=tuple(awaits.get(ep, ())))
         for ep in reqs
     }

@@ -90,13 +90,18 @@ class ReadReadyBatch:
     # epoch on Prefill's clock, Prefill keeps the announced blocks whatever happens
     # (unless answered). A read that may end later must not complete a request.
     hold_until_ms: int | None = None
+    # Extension (field 9, only after ``hold_until_ms``): requests of this message that
+    # Prefill was given before Decode admitted them (the proxy's parallel dispatch):
+    # Decode keeps the message, within its hold, until it admits them, instead of
+    # answering them skipped. Older peers ignore the field.
+    awaits: tuple[str, ...] = ()
 
     def numbered(self, seq: int) -> ReadReadyBatch:
         """The same announcement with ``seq`` set (``dataclasses.replace`` without its
         per-call field introspection: once per layer and endpoint on Prefill)."""
         return ReadReadyBatch(self.layer_idx, self.layer_name, self.read_reqs,
                               self.done_ext_ids, self.group_member_idx, self.tp_ratio, seq,
-                              self.hold_until_ms)
+                              self.hold_until_ms, self.awaits)
 
     @property
     def named_ext_ids(self) -> tuple[str, ...]:
@@ -282,7 +287,12 @@ def _decode_read_ready(fields: Sequence[Any],
         raise ProtocolError("READ_READY_BATCH carries a member index without its ratio", layer_idx)
     seq = _seq_field(fields, 7, layer_idx)
     hold = None if seq is None else _seq_field(fields, 8, layer_idx, "announcement hold")
-    return ReadReadyBatch(layer_idx, layer_name, reqs, done, member, ratio, seq, hold)
+    awaits: tuple[str, ...] = ()
+    # Only after a hold; anything but a list there (a signing envelope read without the
+    # secret) is not this field.
+    if hold is not None and len(fields) > 9 and isinstance(fields[9], (list, tuple)):
+        awaits = tuple(_str(e, "awaited request id", layer_idx) for e in fields[9])
+    return ReadReadyBatch(layer_idx, layer_name, reqs, done, member, ratio, seq, hold, awaits)
 
 
 def message_from_fields(
@@ -357,6 +367,8 @@ def fields_of(message: Message, encode_nested_metadata: Any = None) -> list[Any]
             message.tp_ratio,
             *_opt(message.seq),
             *_opt(None if message.seq is None else message.hold_until_ms),
+            *([list(message.awaits)] if message.awaits and message.seq is not None
+              and message.hold_until_ms is not None else []),
         ]
     if isinstance(message, MfMeta):
         layer_map = {name: meta.to_map() for name, meta in message.layers.items()}

@@ -29,6 +29,13 @@ from rd2h.domain.errors import Rd2hError
 
 _RID_RUN = re.compile(r"(?<![0-9a-f])([0-9a-f]{32})(?![0-9a-f])")
 
+# Prefill's ``kv_transfer_params`` key under parallel dispatch (``--dispatch parallel``):
+# true when the proxy sent the request to Prefill and Decode at once, so Decode may not
+# have admitted it yet when Prefill announces its first layer (Prefill names it in each
+# READ_READY_BATCH's ``awaits``), and Decode's prefix-cache hit is unknown (no
+# ``remote_cached_tokens``: every block is announced, Decode writes none it holds).
+AWAITS_ADMISSION = "awaits_admission"
+
 
 class Endpoint(str, Enum):
     """The two OpenAI endpoints the proxy serves."""
@@ -105,7 +112,7 @@ def count_prompts(body: Mapping[str, Any], endpoint: Endpoint) -> int:
 
 
 def decode_body(body: Mapping[str, Any], metaserver_url: str, *, local_prefill_tokens: int = 0,
-                traceparent: str | None = None) -> dict[str, Any]:
+                traceparent: str | None = None, awaits: bool = False) -> dict[str, Any]:
     """The client's body for Decode: unchanged but for ``kv_transfer_params``.
 
     ``local_prefill_tokens`` > 0: Decode computes the prompt itself when its prefix
@@ -118,6 +125,8 @@ def decode_body(body: Mapping[str, Any], metaserver_url: str, *, local_prefill_t
         params["local_prefill_tokens"] = local_prefill_tokens
     if traceparent:
         params["traceparent"] = traceparent
+    if awaits:  # Prefill already has it (parallel dispatch): see ``AWAITS_ADMISSION``
+        params[AWAITS_ADMISSION] = True
     out["kv_transfer_params"] = params
     return out
 
@@ -137,6 +146,7 @@ def sampled(trace: str | None) -> bool:
         return bool(int(trace.rsplit("-", 1)[1], 16) & 1)
     except (ValueError, IndexError):
         return False
+
 
 
 # A post's ``prefill`` value when Decode computes the prompt itself: no KV is pulled.
@@ -183,6 +193,40 @@ class PostStatus(str, Enum):
     WAITING = "waiting"  # a prompt list still waits for other children
     DUPLICATE = "duplicate"  # the same id posted again (a retry): nothing to do
     LOCAL = "local"  # every prompt is computed by Decode itself: no Prefill dispatch
+    # Parallel dispatch: Prefill already has the request with the contact the proxy
+    # predicted. CONFIRMED: the post says the same; MISMATCH: it does not (the early
+    # dispatch must be cancelled and the request sent again with the posted params).
+    CONFIRMED = "confirmed"
+    MISMATCH = "mismatch"
+
+
+# What identifies a Decode engine's contact in its posts: the same for every request it
+# posts, so the proxy can send Prefill the next request of that instance before Decode
+# posts it (parallel dispatch).
+CONTACT_KEYS = ("remote_engine_id", "remote_host", "remote_port", "remote_tp_size",
+                "remote_pcp_size", "remote_dcp_size")
+
+
+def contact_of(post: Mapping[str, Any]) -> dict[str, Any] | None:
+    """A post's engine contact (None: a local notice, or a post without one)."""
+    if is_local(post) or not isinstance(post.get("remote_host"), str) or not isinstance(
+            post.get("remote_port"), int):
+        return None
+    return {k: post[k] for k in CONTACT_KEYS if k in post}
+
+
+def predicted_request_id(endpoint: Endpoint, rid: str) -> str:
+    """The external id vLLM's OpenAI server gives the one prompt of a request sent with
+    ``X-Request-Id: rid`` (see the module doc): what Decode will post, and what Prefill
+    announces."""
+    return f"chatcmpl-{rid}" if endpoint is Endpoint.CHAT else f"cmpl-{rid}-0"
+
+
+def early_params(contact: Mapping[str, Any], request_id: str) -> dict[str, Any]:
+    """Prefill's ``kv_transfer_params`` for a request sent before Decode posted: the
+    instance's known contact, no ``remote_cached_tokens``, ``AWAITS_ADMISSION``."""
+    return {**contact, "request_id": request_id, "do_remote_prefill": False,
+            "do_remote_decode": True, AWAITS_ADMISSION: True}
 
 
 @dataclass
@@ -198,6 +242,9 @@ class PendingRequest:
     dispatched: bool = False
     # Why the Prefill dispatch failed for good (None: it did not), for the client's answer.
     prefill_failure: str | None = None
+    # Parallel dispatch: request id -> the params Prefill was sent before Decode posted
+    # (empty: Prefill waits for the posts, as usual).
+    early: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def prefill_params(self) -> dict[str, Any]:
         """``kv_transfer_params`` for the one Prefill dispatch (spec 3.2 prompt lists).
@@ -262,6 +309,16 @@ class RendezvousTable:
         if request_id in entry.posts:
             entry.posts[request_id] = dict(post)
             return PostOutcome(PostStatus.DUPLICATE, entry, request_id)
+        if entry.early and not entry.posts:
+            entry.posts[request_id] = dict(post)
+            if is_local(post):
+                return PostOutcome(PostStatus.LOCAL, entry, request_id)
+            sent = entry.early.get(request_id)
+            contact = contact_of(post)
+            same = sent is not None and contact is not None and all(
+                sent.get(k) == v for k, v in contact.items())
+            return PostOutcome(PostStatus.CONFIRMED if same else PostStatus.MISMATCH, entry,
+                               request_id)
         if entry.dispatched or len(entry.posts) >= entry.expected:
             raise UnexpectedPost(
                 f"request_id {request_id!r}: proxy request {entry.rid} expected "
