@@ -55,6 +55,13 @@ COUNTERS: dict[str, tuple[str, str]] = {
     "control_frames_shed": ("control_frames_shed", "Control frames this Decode engine "
                             "dropped unread because their connection sent past its "
                             "receive budget (limits.max_queued_bytes*): a flood."),
+    "announcements_parked": ("announcements_parked", "Parallel dispatch: layer "
+                             "announcements this Decode engine kept until it admitted the "
+                             "requests they name (per TP rank)."),
+    "announcements_parked_expired": ("announcements_parked_expired", "Parallel dispatch: "
+                                     "kept announcements whose wait ended before their "
+                                     "requests were admitted here (those were answered "
+                                     "skipped)."),
     "reads_past_hold": ("reads_past_hold", "Layers this Decode engine failed because the "
                         "read would have ended after Prefill's hold on the blocks (Decode "
                         "too slow: Prefill may have reused them)."),

@@ -23,7 +23,8 @@ _SUMS = ("bytes_pulled", "layers_done", "layers_failed", "reads_failed", "read_s
          "requests_skipped", "failed_dispatch", "failed_prefill_lost", "failed_deadline",
          "refused_incompatible", "refused_unauthenticated", "refused_peer_cap",
          "held_requests", "held_blocks", "reads_past_hold",
-         "kv_digest_mismatches", "kv_blocks_verified", "control_frames_shed")
+         "kv_digest_mismatches", "kv_blocks_verified", "control_frames_shed",
+         "announcements_parked", "announcements_parked_expired")
 
 LATENCIES = "read_latency_ms"
 OVERFLOW = "read_latency_overflow"

@@ -98,7 +98,9 @@ class DecodeWorker(ConnectorRole):
                 "refused_unauthenticated": s.refused_unauthenticated,
                 "refused_peer_cap": s.refused_capped, "reads_past_hold": s.reads_past_hold,
                 "kv_digest_mismatches": s.digest_mismatches,
-                "kv_blocks_verified": s.blocks_verified, "control_frames_shed": s.shed}
+                "kv_blocks_verified": s.blocks_verified, "control_frames_shed": s.shed,
+                "announcements_parked": s.parked,
+                "announcements_parked_expired": s.parked_expired}
 
     def start(self) -> str:
         return self._receiver.start()

@@ -15,6 +15,7 @@ checked too.
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -31,6 +32,7 @@ from rd2h.demo.tiny_model import NUM_LAYERS, VOCAB
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(1500)]
 
+SEAMS = Path(__file__).parent / "seams"
 REQUEST_DEADLINE_S = 25.0
 MAX_TOKENS = 8
 
@@ -67,19 +69,28 @@ def cluster(tmp_path_factory, llama_model, llama_reference):
     extra = {"transport": "cma", "log_level": "INFO",
              "deadlines": {"request_s": REQUEST_DEADLINE_S, "layer_ack_s": 10.0,
                            "meta_ack_s": 5.0}}
+    admit_delay = root / "admit-delay"  # absent: Decode admits at its own pace
     p_cfg = rd2h_kv("kv_producer", kv_port, extra)
     d_cfg = rd2h_kv("kv_consumer", kv_port, extra)
     servers = {
         "prefill": vllm_server("prefill engine", model, free_port(), root / "prefill.log",
                                kv=p_cfg),
         "decode": vllm_server("decode engine", model, free_port(), root / "decode.log",
-                              kv=d_cfg, log_stats=True),  # rd2h's /metrics series
+                              kv=d_cfg, log_stats=True,  # rd2h's /metrics series
+                              # A test seam: admissions slowed while this file exists.
+                              env={"PYTHONPATH": str(SEAMS),
+                                   "RD2H_TEST_ADMIT_DELAY_FLAG": str(admit_delay)}),
     }
     servers["proxy"] = proxy_server(
         free_port(), [servers["prefill"].url], [servers["decode"].url], root / "proxy.log"
     )
+    # The same engines behind a second proxy that dispatches Prefill and Decode at once.
+    servers["parallel"] = proxy_server(
+        free_port(), [servers["prefill"].url], [servers["decode"].url],
+        root / "parallel-proxy.log", args=["--dispatch", "parallel"])
     with running(*servers.values()):
-        yield {"model": str(model), "base": llama_reference, "kv_port": kv_port, **servers}
+        yield {"model": str(model), "base": llama_reference, "kv_port": kv_port,
+               "admit_delay": admit_delay, **servers}
 
 
 def _logs(cluster) -> str:
@@ -102,6 +113,48 @@ def test_prompt_list_goes_to_prefill_once_and_matches(cluster):
     assert got == want, _logs(cluster)
     health = httpx.get(proxy.url + "/healthcheck", timeout=10).json()
     assert health["pending"] == 0, health
+
+
+def test_parallel_dispatch_matches_a_single_engine_with_and_without_a_prefix_hit(cluster):
+    """``--dispatch parallel``: after the instance's first request, Prefill gets each
+    request with Decode at once and announces before Decode admitted it; Decode keeps
+    those announcements until its admission. A prompt Decode's prefix cache holds part
+    of (sent twice, and one extending an earlier one) is announced whole, and Decode
+    must not write the blocks it holds: tokens equal the single engine's either way."""
+    model, proxy, base = cluster["model"], cluster["parallel"], cluster["base"]
+    before = _rd2h_metrics(cluster["decode"].url)
+    extended = PROMPTS[2] + _prompt(70, 9)  # 150 tokens Decode has seen, then new ones
+    prompts = [*PROMPTS, PROMPTS[3], extended]
+    wants = [_tokens(_complete(base.url, model, p)) for p in prompts]
+    # On an idle host Decode admits before Prefill's first layer is out; slowed down
+    # (as under load), it admits after: both orders must give the same tokens.
+    for slow, (prompt, want) in [(i % 2 == 1, pw) for i, pw in enumerate(zip(prompts, wants))]:
+        if slow:
+            cluster["admit_delay"].write_text("0.3")
+        try:
+            got = _tokens(_complete(proxy.url, model, prompt))
+        finally:
+            cluster["admit_delay"].unlink(missing_ok=True)
+        assert got == want, f"prompt of {len(prompt)} tokens\n{_logs(cluster)}\n" + \
+            cluster["parallel"].tail(40)
+    counters = httpx.get(proxy.url + "/healthcheck", timeout=10).json()["counters"]
+    assert counters["prefill_parallel"] == len(PROMPTS) + 1, counters  # all but the first
+    assert counters["parallel_mismatch"] == 0 and counters["prefill_failed"] == 0, counters
+    # The stats reach the frontend with later steps' outputs: wait for this run's.
+    deadline = time.monotonic() + 30
+    while True:
+        after = _rd2h_metrics(cluster["decode"].url)
+        if after["layers_done_total"] - before["layers_done_total"] >= 7 * NUM_LAYERS or (
+                time.monotonic() > deadline):
+            break
+        time.sleep(0.5)
+    grew = {k: after[k] - before.get(k, 0.0) for k in after}
+    for name in FAILURES:
+        assert grew[name] == 0, (name, grew, _logs(cluster))
+    # Announcements did arrive before Decode's admission (what the change is for), and
+    # every one of them was admitted in time.
+    assert grew["announcements_parked_total"] > 0, grew
+    assert grew["announcements_parked_expired_total"] == 0, grew
 
 
 def test_streaming_through_the_proxy(cluster):

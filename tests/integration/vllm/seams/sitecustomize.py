@@ -29,3 +29,27 @@ if _FLAG:
         return None
 
     CmaTransferEngine.batch_read = _misplacing
+
+# With ``RD2H_TEST_ADMIT_DELAY_FLAG`` naming a file: while it exists, a Decode worker
+# waits that file's number of seconds before admitting a step's loads (a Decode engine
+# slow to admit, as under load): announcements of a parallel dispatch then arrive
+# before the admission. ``test_disaggregated_e2e`` uses it.
+_ADMIT_FLAG = os.environ.get("RD2H_TEST_ADMIT_DELAY_FLAG")
+
+if _ADMIT_FLAG:
+    import time
+
+    from rd2h.app.connector.decode_worker import DecodeWorker
+
+    _bind = DecodeWorker.bind_connector_metadata
+
+    def _slow_admission(self, plan):
+        if plan.loads:
+            try:
+                with open(_ADMIT_FLAG) as f:
+                    time.sleep(float(f.read().strip() or 0))
+            except (OSError, ValueError):
+                pass
+        return _bind(self, plan)
+
+    DecodeWorker.bind_connector_metadata = _slow_admission
