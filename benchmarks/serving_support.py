@@ -268,10 +268,11 @@ def rd2h_kv(role: str, kv_port: int, options: dict | None = None) -> dict:
                                           **(options or {})}}
 
 
-def proxy(prefill: Proc, decode: Proc, log: Path, env: dict[str, str]) -> Proc:
+def proxy(prefill: Proc, decode: Proc, log: Path, env: dict[str, str],
+          args: tuple[str, ...] = ()) -> Proc:
     port = free_port()
     cmd = [PYTHON, "-m", "rd2h", "proxy", "--port", str(port), "--prefill", prefill.url,
-           "--decode", decode.url]
+           "--decode", decode.url, *args]
     return Proc("rd2h proxy", cmd, port, log, env, ready_path="/health")
 
 
