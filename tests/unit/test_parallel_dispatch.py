@@ -193,6 +193,13 @@ def test_a_lost_peer_takes_its_kept_announcements_with_it() -> None:
     s.admit("a" + X9, [7], [], 0.2)
     assert s.release(0.3) == [] and s.parked_count == 0
     assert s.counters()["parked_bytes"] == 0
+    # Admitted, then lost before the loop released it: nothing is left due (the loop
+    # would otherwise never sleep).
+    recv(s, Q, ready(2, ReadRequest("b", (1,), (), 0, 0)), 0.4)
+    s.admit("b" + X9, [8], [], 0.5)
+    assert s.next_deadline() == float("-inf")
+    s.peer_lost(Q, 0.6)
+    assert s.next_deadline() != float("-inf")
 
 
 def _facts(rid: str, params: dict[str, Any], prompt: int = 64, cached: int = 0

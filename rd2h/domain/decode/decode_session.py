@@ -240,7 +240,7 @@ class DecodeSession:
         """When ``tick`` next has something to do: an admitted request reaches
         ``request_timeout_s``, or an orphan goes stale (None: nothing is held)."""
         due = self._book.next_deadline(self.request_timeout_s)
-        if self._parked_due:
+        if self._parked_due and self._parked:
             return float("-inf")
         if self._parked:
             first = min(p.until for p in self._parked.values())
@@ -376,6 +376,8 @@ class DecodeSession:
         else:
             del self._parked_bytes[parked.peer]
         self._parked_total -= parked.size
+        if not self._parked:
+            self._parked_due = False  # nothing left to release (e.g. its peer was lost)
         if left <= self.max_parked_bytes_per_peer // 2:
             self._parked_capped.discard(parked.peer)
         if self._parked_total <= self.max_parked_bytes // 2:
