@@ -12,7 +12,7 @@ from typing import Any
 
 import httpx
 
-from rd2h.domain.wire.rendezvous import decode_body
+from rd2h.domain.wire.rendezvous import contact_of, decode_body
 from rd2h.ports.runtime import HopName
 from rd2h.proxy.prefill_leg import transport_cause
 from rd2h.proxy.relay import DecodeCall
@@ -38,7 +38,7 @@ class DecodeLeg:
                     "POST", call.url, json=decode_body(
                         call.body, self._p.config.metaserver_url, traceparent=call.traceparent,
                         local_prefill_tokens=self._p.config.local_prefill_tokens,
-                        awaits=bool(call.entry.early)),
+                        sent_contact=next(map(contact_of, call.entry.early.values()), None)),
                     headers=call.headers, stream=True, fresh=fresh)
             except UpstreamError as exc:
                 self._p.metrics.failure("decode", exc.label)

@@ -33,7 +33,7 @@ from rd2h.domain.wire.protocol import (
     fields_of,
     message_from_fields,
 )
-from rd2h.domain.wire.rendezvous import AWAITS_ADMISSION
+from rd2h.domain.wire.rendezvous import AWAITS_ADMISSION, SENT_CONTACT
 from rd2h.ports.runtime import SILENT_LOGGER
 
 X9 = "-abcdefgh"
@@ -208,12 +208,6 @@ def _facts(rid: str, params: dict[str, Any], prompt: int = 64, cached: int = 0
 
 
 def test_decode_never_writes_the_blocks_its_own_prefix_cache_held() -> None:
-    class Poster:
-        def post(self, *a: Any) -> None: ...
-        def cancel(self, *a: Any) -> None: ...
-        def take_failed(self) -> dict[str, str]:
-            return {}
-
     sched = DecodeScheduler(metaserver=Poster(), host="h", base_port=1, tp_size=1,
                             engine_id="e", log=SILENT_LOGGER, block_size=16)
     params = {"do_remote_prefill": True, "metaserver": "http://m", AWAITS_ADMISSION: True}
@@ -227,6 +221,36 @@ def test_decode_never_writes_the_blocks_its_own_prefix_cache_held() -> None:
     sched.get_num_new_matched_tokens(plain, 32)
     sched.update_state_after_alloc(plain, ([3, 4, 5, 6],), 32)
     assert sched.build_connector_meta(()).loads[0].main_block_ids == (3, 4, 5, 6)
+
+
+class Poster:
+    def __init__(self) -> None:
+        self.posted: list[str] = []
+
+    def post(self, request_id: str, url: str, payload: dict[str, Any]) -> None:
+        self.posted.append(request_id)
+
+    def cancel(self, *a: Any) -> None: ...
+
+    def take_failed(self) -> dict[str, str]:
+        return {}
+
+
+def test_decode_posts_under_parallel_dispatch_only_when_prefill_got_another_contact() -> None:
+    poster = Poster()
+    sched = DecodeScheduler(metaserver=poster, host="h", base_port=7000, tp_size=1,
+                            engine_id="e", log=SILENT_LOGGER, block_size=16)
+    mine = {"remote_engine_id": "e", "remote_host": "h", "remote_port": 7000,
+            "remote_tp_size": 1, "remote_pcp_size": 1, "remote_dcp_size": 1}
+    for name, sent in (("same", mine), ("stale", {**mine, "remote_port": 7100})):
+        params = {"do_remote_prefill": True, "metaserver": "http://m", AWAITS_ADMISSION: True,
+                  SENT_CONTACT: sent}
+        req = _facts(f"{name}" + X9, params)
+        sched.get_num_new_matched_tokens(req, 0)
+        sched.update_state_after_alloc(req, ([3, 4, 5, 6],), 64)
+        sched.build_connector_meta(())
+        sched.update_connector_output({f"{name}" + X9: 1})
+    assert poster.posted == ["stale"] and sched.posts_skipped == 1 and sched.posts == 1
 
 
 def test_prefill_announces_every_block_and_names_the_request_in_awaits() -> None:

@@ -980,6 +980,9 @@ def test_parallel_dispatch_sends_prefill_at_once_with_the_instance_contact() -> 
         d_params = s.decodes[0].received[1][2]["kv_transfer_params"]
         assert d_params["awaits_admission"] is True
         (_, p_headers, p_body) = s.prefills[0].received[1]
+        # Decode is told the contact Prefill got (it posts only if its own differs).
+        assert d_params["sent_contact"] == {
+            k: v for k, v in p_body["kv_transfer_params"].items() if k.startswith("remote_")}
         assert p_headers["x-request-id"] == rid
         expected = {k: v for k, v in contact(f"cmpl-{rid}-0", 30000).items()
                     if k != "remote_cached_tokens"}  # unknown before Decode posts

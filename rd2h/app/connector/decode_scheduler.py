@@ -18,7 +18,13 @@ from rd2h.app.connector.plans import DecodeLoad, StepPlan
 from rd2h.app.connector.roles import BlockIds, ConnectorRole, RequestFacts, ScheduledRequest
 from rd2h.domain.planning.chunks import external_request_id
 from rd2h.domain.planning.kv_groups import NO_BLOCK, STATE_BACKOFF, state_slot
-from rd2h.domain.wire.rendezvous import AWAITS_ADMISSION, sampled, traceparent
+from rd2h.domain.wire.rendezvous import (
+    AWAITS_ADMISSION,
+    SENT_CONTACT,
+    same_contact,
+    sampled,
+    traceparent,
+)
 from rd2h.ports.metaserver import MetaserverPoster
 from rd2h.ports.runtime import NO_TIMELINE, HopName, Logger, Timeline
 
@@ -83,6 +89,7 @@ class DecodeScheduler(ConnectorRole):
         self._waiting: dict[str, _Waiting] = {}
         self._received: dict[str, bool] = {}  # KV received, not yet scheduled (timeline)
         self.posts = 0
+        self.posts_skipped = 0  # parallel dispatch with the right contact: nothing to post
         self.failed_fast = 0  # requests failed because their Prefill dispatch failed
 
     # -- the connector role's hooks
@@ -136,7 +143,7 @@ class DecodeScheduler(ConnectorRole):
         if url is not None and not isinstance(url, str):
             self._log.warning("ignoring a metaserver that is not a URL", request=request_id)
             url = None
-        self._waiting[request_id] = _Waiting(url, {
+        payload = {
             "request_id": ext,
             "do_remote_prefill": False,
             "do_remote_decode": True,
@@ -147,7 +154,12 @@ class DecodeScheduler(ConnectorRole):
             "remote_pcp_size": 1,
             "remote_dcp_size": 1,
             "remote_cached_tokens": int(num_computed_tokens),
-        })
+        }
+        sent = params.get(SENT_CONTACT)
+        if url is not None and isinstance(sent, dict) and same_contact(sent, payload):
+            url = None  # parallel dispatch: Prefill has this contact already, no post
+            self.posts_skipped += 1
+        self._waiting[request_id] = _Waiting(url, payload)
 
     def build_connector_meta(self, scheduled: Sequence[ScheduledRequest]) -> StepPlan:
         """This step's new loads (every worker admits them, once) and failed loads."""

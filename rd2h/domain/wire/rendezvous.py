@@ -35,6 +35,10 @@ _RID_RUN = re.compile(r"(?<![0-9a-f])([0-9a-f]{32})(?![0-9a-f])")
 # READ_READY_BATCH's ``awaits``), and Decode's prefix-cache hit is unknown (no
 # ``remote_cached_tokens``: every block is announced, Decode writes none it holds).
 AWAITS_ADMISSION = "awaits_admission"
+# Decode's ``kv_transfer_params`` key under parallel dispatch: the contact Prefill was
+# given for it (``CONTACT_KEYS``). Decode posts only when its own differs (a mismatch the
+# proxy then repairs); the same contact needs no post.
+SENT_CONTACT = "sent_contact"
 
 
 class Endpoint(str, Enum):
@@ -112,7 +116,8 @@ def count_prompts(body: Mapping[str, Any], endpoint: Endpoint) -> int:
 
 
 def decode_body(body: Mapping[str, Any], metaserver_url: str, *, local_prefill_tokens: int = 0,
-                traceparent: str | None = None, awaits: bool = False) -> dict[str, Any]:
+                traceparent: str | None = None,
+                sent_contact: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """The client's body for Decode: unchanged but for ``kv_transfer_params``.
 
     ``local_prefill_tokens`` > 0: Decode computes the prompt itself when its prefix
@@ -125,8 +130,9 @@ def decode_body(body: Mapping[str, Any], metaserver_url: str, *, local_prefill_t
         params["local_prefill_tokens"] = local_prefill_tokens
     if traceparent:
         params["traceparent"] = traceparent
-    if awaits:  # Prefill already has it (parallel dispatch): see ``AWAITS_ADMISSION``
+    if sent_contact is not None:  # Prefill already has it (parallel dispatch)
         params[AWAITS_ADMISSION] = True
+        params[SENT_CONTACT] = dict(sent_contact)
     out["kv_transfer_params"] = params
     return out
 
@@ -222,6 +228,12 @@ def predicted_request_id(endpoint: Endpoint, rid: str) -> str:
     return f"chatcmpl-{rid}" if endpoint is Endpoint.CHAT else f"cmpl-{rid}-0"
 
 
+def same_contact(sent: Mapping[str, Any], post: Mapping[str, Any]) -> bool:
+    """A post (or the payload Decode would post) names the contact Prefill was given."""
+    contact = contact_of(post)
+    return contact is not None and all(sent.get(k) == v for k, v in contact.items())
+
+
 def early_params(contact: Mapping[str, Any], request_id: str) -> dict[str, Any]:
     """Prefill's ``kv_transfer_params`` for a request sent before Decode posted: the
     instance's known contact, no ``remote_cached_tokens``, ``AWAITS_ADMISSION``."""
@@ -314,9 +326,7 @@ class RendezvousTable:
             if is_local(post):
                 return PostOutcome(PostStatus.LOCAL, entry, request_id)
             sent = entry.early.get(request_id)
-            contact = contact_of(post)
-            same = sent is not None and contact is not None and all(
-                sent.get(k) == v for k, v in contact.items())
+            same = sent is not None and same_contact(sent, post)
             return PostOutcome(PostStatus.CONFIRMED if same else PostStatus.MISMATCH, entry,
                                request_id)
         if entry.dispatched or len(entry.posts) >= entry.expected:
