@@ -55,6 +55,7 @@ import re
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import httpx
 import pytest
 import stall
 from fakes.net import free_port, quiet_ports
@@ -186,6 +187,9 @@ def cluster(request, tmp_path_factory):
     }
     servers["proxy"] = proxy_server(
         free_port(), [servers["prefill"].url], [servers["decode"].url], root / "proxy.log")
+    servers["parallel"] = proxy_server(
+        free_port(), [servers["prefill"].url], [servers["decode"].url],
+        root / "parallel-proxy.log", args=["--dispatch", "parallel"])
     with running(*servers.values()):
         groups = _groups(servers["decode"].log.read_text(errors="replace"))
         yield {"name": name, "model": str(model), "dtype": dtype, "elem": elem,
@@ -279,6 +283,39 @@ def test_second_turn(cluster):
     pulled = settled_bytes_pulled(decode, before, expected) - before
     assert pulled == expected, (f"{cluster['name']}: second turn of {len(second)} tokens: "
                                 f"pulled {pulled:.0f}, expected {expected} (hit {hit})")
+
+
+def test_parallel_dispatch_moves_the_state(cluster):
+    """``--dispatch parallel`` with state groups: fresh prompts pull exactly what Decode
+    holds (N-1 tokens, the state after them), a one-token prompt is computed by Decode
+    (its local notice cancels the early Prefill dispatch), a second turn leaves Decode's
+    prefix hit alone; tokens agree with the reference and no digest differs."""
+    model, proxy, decode = cluster["model"], cluster["parallel"], cluster["decode"]
+    ((block, _),) = set(cluster["groups"]["full"])
+    first = _prompt(block + 1, 501)
+    for prompt in [_prompt(40, 500), first, _prompt(1, 502), _prompt(130, 503)]:
+        (ref,) = _reference(cluster, prompt)
+        before = bytes_pulled(decode)
+        out = _post(proxy.url, model, prompt)
+        expected = _expected_bytes(cluster, len(prompt))
+        pulled = settled_bytes_pulled(decode, before, expected) - before
+        why = _agrees(cluster, _choices(out)[0]["token_ids"], ref, len(prompt))
+        assert why is None, f"{cluster['name']}: {len(prompt)} tokens: {why}\n{_logs(cluster)}"
+        assert pulled == expected, (cluster["name"], len(prompt), pulled, expected)
+    second = first + _prompt(60, 504)
+    (ref,) = _reference(cluster, second)
+    before = bytes_pulled(decode)
+    out = _post(proxy.url, model, second)
+    why = _agrees(cluster, _choices(out)[0]["token_ids"], ref, len(second))
+    assert why is None, f"{cluster['name']}: second turn: {why}\n{_logs(cluster)}"
+    hit = block if cluster["prefix_caching"] else 0
+    expected = _expected_bytes(cluster, len(second), hit=hit)
+    pulled = settled_bytes_pulled(decode, before, expected) - before
+    assert pulled == expected, (cluster["name"], "second turn", pulled, expected, hit)
+    counters = httpx.get(proxy.url + "/healthcheck", timeout=10).json()["counters"]
+    assert counters["prefill_parallel"] == 4, counters  # all but the first
+    assert counters["parallel_mismatch"] == 0 and counters["prefill_failed"] == 0, counters
+    assert metric(decode, "vllm:rd2h_kv_digest_mismatches_total") == 0
 
 
 @pytest.mark.parametrize("cluster", ["nemotron_h"], indirect=True)

@@ -90,6 +90,9 @@ def cluster(tmp_path_factory, mla_model, mla_reference):
     servers["proxy"] = proxy_server(
         free_port(), [servers["prefill"].url], [servers["decode"].url], root / "proxy.log"
     )
+    servers["parallel"] = proxy_server(
+        free_port(), [servers["prefill"].url], [servers["decode"].url],
+        root / "parallel-proxy.log", args=["--dispatch", "parallel"])
     with running(*servers.values()):
         yield {"model": str(mla_model), "base": mla_reference, **servers}
 
@@ -130,3 +133,17 @@ def test_mla_prompt_list_matches_and_nothing_is_left_pending(cluster):
     assert got == want, _logs(cluster)
     health = httpx.get(proxy.url + "/healthcheck", timeout=10).json()
     assert health["pending"] == 0, health
+
+
+def test_parallel_dispatch_mla_tokens_equal_the_reference(cluster):
+    """``--dispatch parallel`` on MLA (one latent cache per layer): tokens equal the
+    plain engine's and the whole prompt came from the connector."""
+    model, proxy, base = cluster["model"], cluster["parallel"], cluster["base"]
+    for prompt in PROMPTS:
+        out = _post(proxy.url, model, prompt)
+        assert _tokens(out) == _complete(base.url, model, prompt), \
+            f"prompt of {len(prompt)} tokens\n{_logs(cluster)}"
+        assert out["usage"]["prompt_tokens_details"]["cached_tokens"] == len(prompt)
+    counters = httpx.get(proxy.url + "/healthcheck", timeout=10).json()["counters"]
+    assert counters["prefill_parallel"] == len(PROMPTS) - 1, counters
+    assert counters["parallel_mismatch"] == 0 and counters["prefill_failed"] == 0, counters

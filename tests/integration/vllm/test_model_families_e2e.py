@@ -27,6 +27,7 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import httpx
 import pytest
 import stall
 from fakes.net import free_port, quiet_ports
@@ -130,6 +131,9 @@ def cluster(request, tmp_path_factory):
     }
     servers["proxy"] = proxy_server(
         free_port(), [servers["prefill"].url], [servers["decode"].url], root / "proxy.log")
+    servers["parallel"] = proxy_server(
+        free_port(), [servers["prefill"].url], [servers["decode"].url],
+        root / "parallel-proxy.log", args=["--dispatch", "parallel"])
     with running(*servers.values()):
         yield {"name": name, "model": str(model), "kinds": kinds, "elem": elem, **servers}
 
@@ -199,6 +203,33 @@ def test_second_turn_hits_decodes_prefix_cache(cluster):
     assert 0 < pulled <= full, (pulled, full)
     if "full" in cluster["kinds"]:
         assert pulled < full, (pulled, full)
+
+
+def test_parallel_dispatch_moves_every_group_and_leaves_decodes_prefix_hit_alone(cluster):
+    """``--dispatch parallel``: Prefill announces every block (it does not know Decode's
+    prefix hit) and Decode reads only into blocks it lacks, group by group: the same
+    bytes as Decode-first for fresh prompts, the hit not pulled again, tokens equal."""
+    model, proxy, decode = cluster["model"], cluster["parallel"], cluster["decode"]
+    first = _prompt(100, 401)
+    prompts = [_prompt(20, 400), first, _prompt(150, 402), first + _prompt(90, 403)]
+    for i, prompt in enumerate(prompts):
+        want = _reference(cluster, prompt)
+        before = bytes_pulled(decode)
+        out = _post(proxy.url, model, prompt)
+        assert _tokens(out) == want, f"{cluster['name']}: {len(prompt)} tokens\n" + \
+            _logs(cluster) + cluster["parallel"].tail(30)
+        full = _expected_bytes(cluster["kinds"], cluster["elem"], len(prompt))
+        if i < 3:  # fresh: exactly what Decode holds
+            pulled = settled_bytes_pulled(decode, before, full) - before
+            assert pulled == full, (cluster["name"], len(prompt), pulled, full)
+        else:  # the second turn: the first turn's blocks come from Decode's cache
+            pulled = settled_bytes_pulled(decode, before, 1) - before
+            assert 0 < pulled <= full, (pulled, full)
+            if "full" in cluster["kinds"]:
+                assert pulled < full, (pulled, full)
+    counters = httpx.get(proxy.url + "/healthcheck", timeout=10).json()["counters"]
+    assert counters["prefill_parallel"] == len(prompts) - 1, counters  # all but the first
+    assert counters["parallel_mismatch"] == 0 and counters["prefill_failed"] == 0, counters
 
 
 def test_matrix_covers_each_kind(cluster):
