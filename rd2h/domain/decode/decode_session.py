@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from collections.abc import Collection, Iterable, Mapping, Sequence
+from collections.abc import Collection, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from rd2h.domain.decode.decode_events import (
@@ -151,7 +151,7 @@ class DecodeSession:
         self._parked_bytes: dict[Peer, int] = {}
         self._parked_total = 0
         self._parked_due = False  # some kept announcement's requests were all admitted
-        self._parked_capped: set[Peer | None] = set()
+        self._parked_capped: set[Hashable] = set()
 
     # ------------------------------------------------------------ control inputs
     def receive(self, peer: Peer, message: Message, now: float, *,
@@ -344,13 +344,14 @@ class DecodeSession:
             return []
         size = max(size, 1)
         held = self._parked_bytes.get(peer, 0)
-        over = (peer if held + size > self.max_parked_bytes_per_peer else None
-                if self._parked_total + size <= self.max_parked_bytes else ALL_PEERS)
+        over: Hashable | None = None
+        if held + size > self.max_parked_bytes_per_peer:
+            over, limit = peer, self.max_parked_bytes_per_peer
+        elif self._parked_total + size > self.max_parked_bytes:
+            over, limit = ALL_PEERS, self.max_parked_bytes
         if over is not None:
-            if over not in self._parked_capped:
+            if over not in self._parked_capped:  # reported once per episode
                 self._parked_capped.add(over)
-                limit = (self.max_parked_bytes_per_peer if over == peer
-                         else self.max_parked_bytes)
                 capped.append(Capped("parked announcements", _label(CapHit(over, limit)),
                                      limit))
             return []
