@@ -358,7 +358,7 @@ class DecodeReceiver(LoopThread):
         self._report(outs)
         for out in outs:
             if isinstance(out, SendAck):
-                frame = self._codec.encode(MetaAck(out.generation), out.peer)
+                frame = self._codec.encode(MetaAck(out.generation, out.layer_runs), out.peer)
                 self._server.send(out.peer, frame)  # type: ignore[arg-type]
             elif isinstance(out, SendRefusal):
                 frame = self._codec.encode(out.refusal, out.peer)

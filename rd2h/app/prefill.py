@@ -36,7 +36,17 @@ from rd2h.domain.prefill.announce import LayerTarget, group_batches
 from rd2h.domain.prefill.prefill_events import Connect, Disconnect, Output, SendBatch, SendMeta
 from rd2h.domain.prefill.prefill_session import Named, PrefillSession, PrefillTimeouts
 from rd2h.domain.wire.compat import Compat, MetaRefused, compat_of
-from rd2h.domain.wire.protocol import MetaAck, MfMeta, ReadDone, ReadFailed, ReadReadyBatch
+from rd2h.domain.wire.protocol import (
+    FEATURE_LAYER_RUNS,
+    MAX_RUN_LAYERS,
+    MetaAck,
+    MfMeta,
+    ReadDone,
+    ReadFailed,
+    ReadReadyBatch,
+    RunLayer,
+    answered,
+)
 from rd2h.ports.codec import WireCodec
 from rd2h.ports.control import ControlClients
 from rd2h.ports.runtime import Clock, DeviceEvent, Logger
@@ -44,6 +54,20 @@ from rd2h.ports.runtime import Clock, DeviceEvent, Logger
 __all__ = ["LayerTarget", "PrefillSender", "SenderStats", "group_batches"]
 
 _IDLE_WAIT_S = 3600.0  # nothing due: only input wakes the loop (this bounds one wait)
+# Layer runs: with this many frames to an endpoint unanswered, its next announcements
+# wait in the outbox (Decode is behind: it has the next frame queued already) and go
+# together, in one frame, when a reply comes.
+FRAMES_AHEAD = 2
+DEFAULT_MAX_LAYERS_PER_FRAME = 64
+
+
+@dataclass
+class _Outgoing:
+    """An outbox item: what it sends, and its frame once encoded (a frame that could not
+    go yet is kept as it is: a signing codec numbered it)."""
+
+    actions: list[SendMeta | SendBatch]
+    frame: bytes | None = None
 
 
 @dataclass
@@ -74,8 +98,15 @@ class PrefillSender(LoopThread):
         stop_timeout_s: float = 5.0,
         compat: Compat | None = None,  # MF_META's compat map (the codec adds ``auth``)
         wall: Callable[[], float] = time.time,  # Unix seconds: each announcement's hold
+        max_layers_per_frame: int = DEFAULT_MAX_LAYERS_PER_FRAME,
     ) -> None:
         super().__init__("rd2h-prefill-sender", start_timeout_s, stop_timeout_s)
+        if not 1 <= max_layers_per_frame <= MAX_RUN_LAYERS:
+            raise ValueError(f"max_layers_per_frame must be in [1, {MAX_RUN_LAYERS}], got "
+                             f"{max_layers_per_frame}")
+        # Layer runs (1: one layer per frame, the feature not stated).
+        self._max_run = max_layers_per_frame
+        self._frames = 0  # frames sent, numbering each for ``PrefillSession.sent``
         self._clients_factory = clients_factory
         self._codec = codec
         self._clock = clock
@@ -88,14 +119,15 @@ class PrefillSender(LoopThread):
         # Always a compat map (the generation, a nonce of this sender, follows it).
         stated = (compat or compat_of()).with_values(auth=codec.signing)
         layer_map = {lay.layer_name: lay.to_metadata() for lay in layers.values()}
-        self._meta = MfMeta(p_session, layer_map, stated, secrets.randbits(63))
+        self._meta = MfMeta(p_session, layer_map, stated, secrets.randbits(63),
+                            (FEATURE_LAYER_RUNS,) if max_layers_per_frame > 1 else ())
         self._cond = threading.Condition()  # guards the session, the queues and the jobs
         self._events = DeviceEventWaiter(self._cond, clock, self._session.event_deadline,
                                          self._interrupt)
         self._jobs: deque[_Handshake] = deque()
         self._sleeping = False  # the loop is (about to be) blocked in its poll: ``submit`` wakes it
         self._active: list[_Handshake] = []
-        self._outbox: dict[str, deque[tuple[SendMeta | SendBatch, bytes]]] = {}
+        self._outbox: dict[str, deque[_Outgoing]] = {}
         self._clients: ControlClients | None = None
         self.stats = SenderStats()
         # The session's request book, for the vLLM role (under the same lock).
@@ -287,7 +319,7 @@ class PrefillSender(LoopThread):
             self._log.warning("malformed reply", endpoint=endpoint, error=exc.detail)
             return []
         if isinstance(msg, MetaAck):
-            return self._session.ack_received(endpoint, now, msg.generation)
+            return self._session.ack_received(endpoint, now, msg.generation, msg.layer_runs)
         if isinstance(msg, MetaRefused):  # Decode refused our MF_META: what waits on it fails
             self._log.error("decode refused the handshake", endpoint=endpoint,
                             reason=msg.describe())
@@ -296,7 +328,12 @@ class PrefillSender(LoopThread):
         if not isinstance(msg, ReadDone | ReadFailed):
             self._log.warning("unexpected message from decode", endpoint=endpoint)
             return []
-        return self._session.reply(endpoint, msg, now)
+        outs: list[Output] = []
+        # One per layer of a layer run (a pair naming no announcement of this endpoint
+        # that waits for its reply changes nothing, as a stray reply).
+        for one in answered(msg):
+            outs += self._session.reply(endpoint, one, now)
+        return outs
 
     def _start_jobs(self) -> None:
         with self._cond:
@@ -338,9 +375,7 @@ class PrefillSender(LoopThread):
                 if out.endpoint in unreachable:
                     self._send_failed(out, unreachable[out.endpoint])
                     continue
-                message = self._meta if isinstance(out, SendMeta) else self._held(out.batch)
-                frame = self._codec.encode(message, out.endpoint)
-                self._outbox.setdefault(out.endpoint, deque()).append((out, frame))
+                self._outbox.setdefault(out.endpoint, deque()).append(_Outgoing([out]))
         self._flush()
         with self._cond:
             self._cond.notify_all()
@@ -352,26 +387,71 @@ class PrefillSender(LoopThread):
 
     def _flush(self) -> None:
         """Send what waits in the outbox, in order per endpoint; what cannot go yet stays
-        (the session's deadline ends it, and its ``Disconnect`` empties the outbox)."""
+        (the session's deadline ends it, and its ``Disconnect`` empties the outbox). To a
+        Decode that reads layer runs, announcements wait while ``FRAMES_AHEAD`` frames are
+        unanswered, and consecutive ones with the same read entries go in one frame."""
         assert self._clients is not None
         for endpoint in list(self._outbox):
             box = self._outbox.get(endpoint)
             while box:
-                action, frame = box[0]
+                item = box[0]
+                if item.frame is None and not self._encode(endpoint, box):
+                    break  # Decode is behind: wait for a reply
+                assert item.frame is not None
                 try:
-                    self._clients.send(endpoint, frame, timeout=0.0)
+                    self._clients.send(endpoint, item.frame, timeout=0.0)
                 except ConnectionError:
                     break
                 box.popleft()
-                if isinstance(action, SendBatch):
+                if isinstance(item.actions[0], SendBatch):
+                    self._frames += 1
                     with self._cond:
-                        self._session.sent(endpoint, action.announcement, self._clock.now())
-                        self.stats.layers_sent += 1
-                    self._log.debug("layer announced", layer=action.batch.layer_idx,
-                                    endpoint=endpoint, requests=len(action.batch.read_reqs),
-                                    done=len(action.batch.done_ext_ids))
+                        now = self._clock.now()
+                        for action in item.actions:
+                            self._session.sent(endpoint, action.announcement, now,  # type: ignore[union-attr]
+                                               self._frames)
+                        self.stats.layers_sent += len(item.actions)
+                        self.stats.frames_sent += 1
+                    first = item.actions[0].batch
+                    self._log.debug("layers announced", layer=first.layer_idx,
+                                    layers=len(item.actions), endpoint=endpoint,
+                                    requests=len(first.read_reqs))
             if not self._outbox.get(endpoint):
                 self._outbox.pop(endpoint, None)
+
+    def _encode(self, endpoint: str, box: deque[_Outgoing]) -> bool:
+        """Encode the head of ``box``: MF_META, or an announcement with the ones after
+        it that can share its frame (a layer run); False when it must wait for a reply."""
+        head = box[0]
+        action = head.actions[0]
+        if isinstance(action, SendMeta):
+            head.frame = self._codec.encode(self._meta, endpoint)
+            return True
+        first = action.batch
+        held = self._held(first)
+        # A run rides after the hold (fields 9 and 10): none without one.
+        runs = (self._max_run > 1 and held.seq is not None and held.hold_until_ms is not None
+                and not _has_digests(first))
+        if runs:
+            with self._cond:
+                runs = self._session.layer_runs(endpoint)
+                if runs and self._session.frames_on_wire(endpoint) >= FRAMES_AHEAD:
+                    return False
+        while runs and len(head.actions) < self._max_run and len(box) > 1:
+            nxt = box[1]
+            other = nxt.actions[0]
+            if nxt.frame is not None or not isinstance(other, SendBatch) or not _same_entries(
+                    first, other.batch):
+                break
+            head.actions.append(other)
+            del box[1]
+        if len(head.actions) > 1:
+            held = dataclasses.replace(held, also=tuple(
+                RunLayer(a.batch.layer_idx, a.batch.layer_name, a.batch.seq or 0,
+                         a.batch.done_ext_ids)
+                for a in head.actions[1:] if isinstance(a, SendBatch)))
+        head.frame = self._codec.encode(held, endpoint)
+        return True
 
     def _send_failed(self, action: SendMeta | SendBatch, reason: str) -> None:
         with self._cond:
@@ -392,3 +472,14 @@ class PrefillSender(LoopThread):
                 if not job.left:
                     self._active.remove(job)
                     job.done.set()
+
+
+def _has_digests(batch: ReadReadyBatch) -> bool:
+    return any(r.digests is not None for r in batch.read_reqs)
+
+
+def _same_entries(a: ReadReadyBatch, b: ReadReadyBatch) -> bool:
+    """Whether ``b`` can ride in ``a``'s frame as a layer run: the same read entries (no
+    digests: those are per layer), contributor position, ratio and awaited requests."""
+    return (a.group_member_idx == b.group_member_idx and a.tp_ratio == b.tp_ratio
+            and a.awaits == b.awaits and a.read_reqs == b.read_reqs and not _has_digests(b))

@@ -25,6 +25,7 @@ def add_sample(samples: list[float], value: float) -> None:
 @dataclass
 class SenderStats:
     layers_sent: int = 0
+    frames_sent: int = 0  # READ_READY_BATCH frames (a layer run carries several layers)
     layers_failed: int = 0
     handshakes_refused: int = 0  # Decode refused our MF_META (incompatible builds)
     ack_latencies_ms: list[float] = field(default_factory=list)

@@ -316,7 +316,8 @@ class DroppingServer(_ServerDecorator):
 
     def send(self, identity: bytes, payload: bytes) -> bool:
         msg = self._decoded(payload)
-        if isinstance(msg, ReadDone | ReadFailed) and msg.layer_idx == self._layer:
+        if isinstance(msg, ReadDone | ReadFailed) and self._layer in (
+                msg.layer_idx, *(idx for idx, _ in msg.also)):  # a layer run's too
             self.dropped += 1
             return True  # "delivered" as far as Decode can tell
         return self._inner.send(identity, payload)
@@ -336,7 +337,8 @@ class DyingServer(_ServerDecorator):
         item = self._inner.recv(timeout)
         if item is not None:
             msg = self._decoded(item[1])
-            if isinstance(msg, ReadReadyBatch) and msg.layer_idx == self._layer:
+            if isinstance(msg, ReadReadyBatch) and self._layer in (
+                    msg.layer_idx, *(lay.layer_idx for lay in msg.also)):
                 self._die()
         return item
 

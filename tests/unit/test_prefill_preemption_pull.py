@@ -248,7 +248,9 @@ def test_preempted_while_decode_reads_then_resumed(rig, settle) -> None:
         t0 = time.monotonic()
         r.forward(plan)  # handle_preemptions returns once Decode answered both layers
         assert time.monotonic() - t0 >= 0.15
-        assert r.transfer.reads == LAYERS  # Decode finished reading before B's KV landed
+        # Decode finished reading before B's KV landed (both layers: one layer run).
+        assert r.transfer.reads >= 1 and not r.transfer.waiting
+        assert r.sender.stats.layers_sent == LAYERS
         opener.join()
     else:
         r.forward(plan, settle=False)  # B's KV lands in blocks Decode is reading

@@ -441,10 +441,12 @@ def test_non_message_values_are_rejected(value):
 def test_raw_ack_is_the_acknowledgement_and_nothing_else_is():
     """``b"ACK"`` is a message of its own (``MetaAck``, in the union since #44; before,
     it was read apart and ``decode`` refused it); anything longer that is not the
-    generation extension is malformed."""
+    generation extension (with or without its flag byte) is malformed."""
     assert CODEC.decode(ACK) == MetaAck()
     assert CODEC.decode(ACK + (7).to_bytes(8, "big")) == MetaAck(7)
-    for frame in (ACK + b"x", ACK + bytes(9)):
+    assert CODEC.decode(ACK + (7).to_bytes(8, "big") + b"\x01") == MetaAck(7, layer_runs=True)
+    assert CODEC.decode(ACK + bytes(9)) == MetaAck(0)  # flags without layer runs
+    for frame in (ACK + b"x", ACK + bytes(10)):
         with pytest.raises(ProtocolError) as info:
             CODEC.decode(frame)
         assert not info.value.handshake

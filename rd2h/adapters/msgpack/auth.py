@@ -59,7 +59,7 @@ from dataclasses import dataclass, field
 from rd2h.adapters.msgpack.codec import MsgpackCodec
 from rd2h.domain.errors import AuthenticationError, ProtocolError
 from rd2h.domain.wire.compat import NAK, MetaRefused
-from rd2h.domain.wire.protocol import ACK, Message, MetaAck, ReadReadyBatch, parse_ack
+from rd2h.domain.wire.protocol import ACK, Message, MetaAck, ReadReadyBatch, meta_ack, parse_ack
 
 DIGEST_BYTES = 32
 NONCE_BYTES = 16
@@ -280,14 +280,14 @@ class AuthenticatedCodec:
                 f"MF_META acknowledgement is not signed (the decode endpoint has no shared "
                 f"secret); {_HINT}", handshake=True)
         plain = raw[:-ENVELOPE_BYTES] if len(raw) > ENVELOPE_BYTES else b""
-        is_ack, generation = parse_ack(plain)
-        if not is_ack:
+        ack = meta_ack(plain)
+        if ack is None:
             return None
         reason = self._verify(plain, raw[len(plain):], conn, first=False)
         if reason is not None:
             raise AuthenticationError(f"MF_META acknowledgement refused: {reason}; {_HINT}",
                                       handshake=True)
-        return MetaAck(generation)
+        return ack
 
     signing = _CONTEXT.decode()  # the envelope version MF_META's compat map states
 

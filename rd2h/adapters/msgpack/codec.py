@@ -50,6 +50,7 @@ from rd2h.domain.errors import ProtocolError
 from rd2h.domain.wire.compat import NAK, MetaRefused, refusal_fields, refusal_from_fields
 from rd2h.domain.wire.protocol import (
     ACK,
+    ACK_FLAG_LAYER_RUNS,
     READ_READY_BATCH,
     Message,
     MetaAck,
@@ -57,7 +58,7 @@ from rd2h.domain.wire.protocol import (
     ack_plain,
     fields_of,
     message_from_fields,
-    parse_ack,
+    meta_ack,
 )
 
 DEFAULT_MAX_FRAME_BYTES = 64 * 1024 * 1024
@@ -241,7 +242,8 @@ class MsgpackCodec:
         """The message's frame: its positional array; the handshake's answers as raw
         ``b"ACK"`` (+ generation) and ``b"NAK"`` + the refusal's array."""
         if isinstance(message, MetaAck):
-            return ack_plain(message.generation)
+            return ack_plain(message.generation,
+                             ACK_FLAG_LAYER_RUNS if message.layer_runs else None)
         if isinstance(message, MetaRefused):
             return NAK + self._pack(refusal_fields(message))
         return self._pack(fields_of(message, encode_nested_metadata=self._pack))
@@ -253,9 +255,9 @@ class MsgpackCodec:
         """The acknowledgement or refusal ``raw`` holds, None when it is neither (then it
         is an array message). A malformed refusal is a ``ProtocolError`` that fails the
         handshake (bounded like any frame)."""
-        is_ack, generation = parse_ack(raw)
-        if is_ack:
-            return MetaAck(generation)
+        ack = meta_ack(raw)
+        if ack is not None:
+            return ack
         if not raw.startswith(NAK):
             return None
         try:

@@ -20,6 +20,7 @@ Peer = Hashable  # a control connection (the ROUTER identity)
 class SendAck:
     peer: Peer
     generation: int | None = None  # this Decode's, to a Prefill that stated its own
+    layer_runs: bool = False  # it reads layer runs (to a Prefill that stated the feature)
 
 
 @dataclass(frozen=True)

@@ -54,9 +54,17 @@ from rd2h.domain.errors import (
     UnknownMessageType,
 )
 from rd2h.domain.planning.layout import DestinationLayout, SourceLayout
-from rd2h.domain.planning.planning import PlanMemo, plan_reads
+from rd2h.domain.planning.planning import Destination, PlanMemo, ReadPlan, merge_plans, plan_reads
 from rd2h.domain.wire.compat import Compat, compare
-from rd2h.domain.wire.protocol import Message, MfMeta, ReadDone, ReadFailed, ReadReadyBatch, clip
+from rd2h.domain.wire.protocol import (
+    FEATURE_LAYER_RUNS,
+    Message,
+    MfMeta,
+    ReadDone,
+    ReadFailed,
+    ReadReadyBatch,
+    clip,
+)
 
 DEFAULT_MAX_PEERS = 1024
 ALL_PEERS = ALL_OWNERS
@@ -88,6 +96,9 @@ class _PendingRead:
     started: bool = False
     lost: bool = False
     skipped: tuple[str, ...] = ()
+    # The layers this read covers, each a single-layer announcement (a layer run's that
+    # were planned; one for a plain message).
+    layers: tuple[ReadReadyBatch, ...] = ()
 
 
 @dataclass
@@ -202,14 +213,14 @@ class DecodeSession:
         if pending is None:
             return []
         if error is not None:
-            return self._fail(pending.peer, pending.batch, f"read failed: {error}", now)
+            return self._fail_layers(pending.peer, pending.layers, f"read failed: {error}", now)
         if pending.lost:
             # A peer that vanished (or reset the connection after its acknowledgement
             # deadline) may have reused the source: do not trust what was read.
             when = "during" if pending.started else "before"
-            return self._fail(pending.peer, pending.batch,
-                              f"prefill peer disconnected {when} the read", now)
-        return self._finish(pending.peer, pending.batch, now, pending.skipped)
+            return self._fail_layers(pending.peer, pending.layers,
+                                     f"prefill peer disconnected {when} the read", now)
+        return self._finish_layers(pending.peer, pending.layers, now, pending.skipped)
 
     def peer_lost(self, peer: Peer, now: float, how: str = "disconnected") -> list[Output]:
         """The connection closed (or, ``how``, its process restarted): forget its metadata
@@ -437,7 +448,8 @@ class DecodeSession:
                 layers[name] = exc
         self._peers[peer] = _Peer(meta.p_session, layers, known is not None and known.proven,
                                   meta.generation)
-        ack = SendAck(peer, None if meta.generation is None else self.generation)
+        ack = SendAck(peer, None if meta.generation is None else self.generation,
+                      meta.generation is not None and FEATURE_LAYER_RUNS in meta.features)
         return [*out, ack, MetaStored(peer, meta.p_session, len(layers))]
 
     def _ready(self, peer: Peer, batch: ReadReadyBatch, now: float) -> list[Output]:
@@ -445,6 +457,8 @@ class DecodeSession:
         if known is None:
             return self._fail(peer, batch, "READ_READY_BATCH before MF_META on this connection",
                               now)
+        if batch.also:
+            return self._ready_run(peer, known, batch, now)
         src = known.layers.get(batch.layer_name)
         dst = self._destinations.get(batch.layer_name)
         if src is None or dst is None:
@@ -453,6 +467,64 @@ class DecodeSession:
                               now)
         if isinstance(src, LayoutMismatch):
             return self._fail(peer, batch, str(src), now)
+        batch, dests, skipped = self._readable(batch)
+        try:
+            plan = self._plan(peer, batch, src, dst, dests)
+        except (LayoutMismatch, PlanningError) as exc:
+            return self._fail(peer, batch, str(exc), now)
+        except Exception as exc:  # a planner bug must still answer, or Prefill waits it out
+            return self._fail(peer, batch, f"cannot plan the layer: {type(exc).__name__}: "
+                              f"{exc}", now, unexpected=True)
+        return self._to_read(peer, known, (batch,), plan, now, skipped)
+
+    def _ready_run(self, peer: Peer, known: _Peer, batch: ReadReadyBatch,
+                   now: float) -> list[Output]:
+        """A layer run (field 10): each layer is checked and planned on its own (one that
+        fails is answered alone), the rest are read in one batched read and answered by
+        one reply."""
+        if any(r.digests is not None for r in batch.read_reqs):
+            return self._fail(peer, batch, "a layer run carries no digests (digests are per "
+                              "layer: announce one layer per message)", now)
+        out: list[Output] = []
+        announced = batch
+        batch, dests, skipped = self._readable(announced)
+        layers = batch.layers()
+        plans: list[ReadPlan] = []
+        good: list[ReadReadyBatch] = []
+        for i in range(len(layers)):
+            if out:  # a layer failed: its requests failed, the next layers skip them
+                batch, dests, skipped = self._readable(announced)
+                layers = batch.layers()
+            lay = layers[i]
+            src = known.layers.get(lay.layer_name)
+            dst = self._destinations.get(lay.layer_name)
+            if src is None or dst is None:
+                side = "decode destinations" if dst is None else "prefill metadata"
+                out += self._fail(peer, lay, f"layer {lay.layer_name!r} is unknown to {side}",
+                                  now)
+                continue
+            if isinstance(src, LayoutMismatch):
+                out += self._fail(peer, lay, str(src), now)
+                continue
+            try:
+                plans.append(self._plan(peer, lay, src, dst, dests))
+            except (LayoutMismatch, PlanningError) as exc:
+                out += self._fail(peer, lay, str(exc), now)
+                continue
+            except Exception as exc:  # a planner bug must still answer
+                out += self._fail(peer, lay, f"cannot plan the layer: {type(exc).__name__}: "
+                                  f"{exc}", now, unexpected=True)
+                continue
+            good.append(lay)
+        if not good:
+            return out
+        return out + self._to_read(peer, known, tuple(good), merge_plans(plans), now, skipped)
+
+    def _readable(self, batch: ReadReadyBatch
+                  ) -> tuple[ReadReadyBatch, dict[str, Destination], tuple[str, ...]]:
+        """The announcement without the requests this rank no longer reads (aborted,
+        never admitted, or already ended here, e.g. failed: not read, named in the reply
+        as skipped; the rest is read as usual), their destinations, and the skipped."""
         book = self._book
         dests = {
             r.ext_req_id: d
@@ -462,56 +534,81 @@ class DecodeSession:
         }
         skipped: tuple[str, ...] = ()
         if len(dests) < len(batch.read_reqs):
-            # Requests this rank no longer reads (aborted, never admitted, or already
-            # ended here, e.g. failed): not read, named in the reply; the rest of the
-            # layer is read as usual.
             skipped = tuple(dict.fromkeys(r.ext_req_id for r in batch.read_reqs
                                           if r.ext_req_id not in dests))
             batch = dataclasses.replace(
                 batch, read_reqs=tuple(r for r in batch.read_reqs if r.ext_req_id in dests))
-        try:
-            plan = plan_reads(batch, src, dst, dests, d_rank=self.d_rank, d_tp=self.d_tp,
-                              main_shared=self.main_shared, memo=self._memo, owner=peer)
-        except (LayoutMismatch, PlanningError) as exc:
-            return self._fail(peer, batch, str(exc), now)
-        except Exception as exc:  # a planner bug must still answer, or Prefill waits it out
-            return self._fail(peer, batch, f"cannot plan the layer: {type(exc).__name__}: "
-                              f"{exc}", now, unexpected=True)
+        return batch, dests, skipped
+
+    def _plan(self, peer: Peer, batch: ReadReadyBatch, src: SourceLayout,
+              dst: DestinationLayout, dests: Mapping[str, Destination]) -> ReadPlan:
+        return plan_reads(batch, src, dst, dests, d_rank=self.d_rank, d_tp=self.d_tp,
+                          main_shared=self.main_shared, memo=self._memo, owner=peer)
+
+    def _to_read(self, peer: Peer, known: _Peer, layers: tuple[ReadReadyBatch, ...],
+                 plan: ReadPlan, now: float, skipped: tuple[str, ...]) -> list[Output]:
+        first = layers[0]
         # These requests now depend on this peer until it reports their final layer.
-        self._book.note_contribution(peer, (r.ext_req_id for r in batch.read_reqs))
+        self._book.note_contribution(peer, (r.ext_req_id for r in first.read_reqs))
         if not plan.num_descriptors:
-            return self._finish(peer, batch, now, skipped)
+            return self._finish_layers(peer, layers, now, skipped)
         token = next(self._tokens)
-        self._reads[token] = _PendingRead(peer, batch, skipped=skipped)
-        return [Read(token, peer, known.session, plan, batch.hold_until_ms, batch.layer_idx)]
+        self._reads[token] = _PendingRead(peer, first, skipped=skipped, layers=layers)
+        return [Read(token, peer, known.session, plan, first.hold_until_ms, first.layer_idx)]
+
+    def _finish_layers(self, peer: Peer, layers: Sequence[ReadReadyBatch], now: float,
+                       skipped: tuple[str, ...] = ()) -> list[Output]:
+        """The layers were read: record each one's done ids, answer them in one reply
+        (READ_DONE, the run's other layers in ``also``); a layer whose done ids break
+        the rules fails alone."""
+        gone = set(skipped)  # no orphan state for a request this rank already forgot
+        failed: list[Output] = []
+        events: list[Output] = []
+        answered: list[ReadReadyBatch] = []
+        for lay in layers:
+            done_ids = lay.done_ext_ids
+            if gone:
+                done_ids = tuple(e for e in done_ids if e not in gone)
+            try:
+                completed = self._book.record_done(
+                    done_ids, lay.group_member_idx, lay.tp_ratio, peer=peer, now=now)
+            except ProtocolError as exc:
+                failed += self._fail_layers(peer, (lay,), exc.detail, now)
+                continue
+            answered.append(lay)
+            events.append(LayerDone(lay.layer_idx, tuple(completed)))
+        if not answered:
+            return failed
+        first = answered[0]
+        also = tuple((lay.layer_idx, lay.seq) for lay in answered[1:] if lay.seq is not None)
+        out: list[Output] = [Reply(peer, ReadDone(first.layer_idx, first.seq, skipped, also)),
+                             *events]
+        if skipped:
+            out.append(Skipped(first.layer_idx, skipped))
+        return out + failed
 
     def _finish(self, peer: Peer, batch: ReadReadyBatch, now: float,
                 skipped: tuple[str, ...] = ()) -> list[Output]:
-        done_ids = batch.done_ext_ids
-        if skipped:  # no orphan state for a request this rank has already forgotten
-            gone = set(skipped)
-            done_ids = tuple(e for e in done_ids if e not in gone)
-        try:
-            completed = self._book.record_done(
-                done_ids, batch.group_member_idx, batch.tp_ratio, peer=peer, now=now
-            )
-        except ProtocolError as exc:
-            return self._fail(peer, batch, exc.detail, now)
-        out: list[Output] = [Reply(peer, ReadDone(batch.layer_idx, batch.seq, skipped)),
-                             LayerDone(batch.layer_idx, tuple(completed))]
-        if skipped:
-            out.append(Skipped(batch.layer_idx, skipped))
-        return out
+        return self._finish_layers(peer, batch.layers(), now, skipped)
 
     def _fail(self, peer: Peer, batch: ReadReadyBatch, reason: str, now: float | None,
               *, unexpected: bool = False) -> list[Output]:
+        return self._fail_layers(peer, batch.layers(), reason, now, unexpected=unexpected)
+
+    def _fail_layers(self, peer: Peer, layers: Sequence[ReadReadyBatch], reason: str,
+                     now: float | None, *, unexpected: bool = False) -> list[Output]:
+        """The layers failed: their requests fail, one READ_FAILED answers them all (a
+        layer run's other layers in ``also``)."""
         reason = clip(reason)  # names and ids in it come from the peer
+        named = dict.fromkeys(e for lay in layers for e in lay.named_ext_ids)
         # A connection that never sent MF_META may fail admitted requests it names (a
         # Prefill that reconnected) but leaves no state for ids unknown here.
-        self._book.record_failed(batch.named_ext_ids, reason, now, peer,
+        self._book.record_failed(tuple(named), reason, now, peer,
                                  admitted_only=peer not in self._peers)
-        return [Reply(peer, ReadFailed(batch.layer_idx, reason, batch.seq)),
-                LayerFailed(batch.layer_idx, reason, unexpected)]
+        first = layers[0]
+        also = tuple((lay.layer_idx, lay.seq) for lay in layers[1:] if lay.seq is not None)
+        return [Reply(peer, ReadFailed(first.layer_idx, reason, first.seq, also)),
+                *(LayerFailed(lay.layer_idx, reason, unexpected) for lay in layers)]
 
 
 def _label(hit: CapHit) -> str:

@@ -41,7 +41,7 @@ from rd2h.domain.wire.digests import BlockChecks, block_checks
 from rd2h.domain.wire.protocol import ReadReadyBatch, ReadRequest
 
 __all__ = ["BlockPlan", "Destination", "PlanMemo", "ReadPlan", "RequestOwnership", "coalesce",
-           "plan_reads"]
+           "merge_plans", "plan_reads"]
 
 _EMPTY = np.zeros(0, dtype=np.int64)
 _EMPTY.setflags(write=False)
@@ -153,6 +153,36 @@ class ReadPlan:
     @property
     def owns_nothing(self) -> bool:
         return not (self.main_blocks.any() or self.indexer_blocks.any())
+
+
+def merge_plans(plans: Sequence[ReadPlan]) -> ReadPlan:
+    """One batched read for the plans of a layer run's layers (each planned and checked
+    on its own): their descriptors one after the other, each request's owned blocks and
+    built descriptors summed over the layers. Plans with digest checks are not merged
+    (a layer run carries no digests)."""
+    if len(plans) == 1:
+        return plans[0]
+    if any(p.checks is not None for p in plans):
+        raise ValueError("plans with digest checks are not merged")
+    order: dict[str, int] = {}
+    for plan in plans:
+        for ext in plan.ext_req_ids:
+            order.setdefault(ext, len(order))
+    main = np.zeros(len(order), dtype=np.int64)
+    index = np.zeros(len(order), dtype=np.int64)
+    built = np.zeros(len(order), dtype=np.int64)
+    for plan in plans:
+        at = np.fromiter(map(order.__getitem__, plan.ext_req_ids), dtype=np.int64,
+                         count=len(plan.ext_req_ids))
+        np.add.at(main, at, plan.main_blocks)
+        np.add.at(index, at, plan.indexer_blocks)
+        np.add.at(built, at, plan.descriptors_built)
+    return ReadPlan(
+        np.concatenate([p.local_addrs for p in plans]),
+        np.concatenate([p.remote_addrs for p in plans]),
+        np.concatenate([p.lengths for p in plans]),
+        tuple(order), main, index, built, sum(p.blocks for p in plans), None,
+        sum(p.total_bytes for p in plans))
 
 
 # ====================================================================== its memo

@@ -152,14 +152,16 @@ class PrefillSession:
         return out
 
     def ack_received(self, endpoint: str, now: float,
-                     generation: int | None = None) -> list[Output]:
+                     generation: int | None = None, layer_runs: bool = False) -> list[Output]:
         """Decode acknowledged MF_META; an ACK outside a handshake is stray. A new Decode
         ``generation`` behind the endpoint: the process we announced to is gone, so what
-        is held for it (``HELD``) is given back now, not at its hold."""
+        is held for it (``HELD``) is given back now, not at its hold. ``layer_runs``: the
+        ACK said Decode reads layer runs (``layer_runs``)."""
         link = self._links.get(endpoint)
         if link is None or link.state != LinkState.HANDSHAKING:
             return []
         link.move(LinkEvent.ACK)
+        link.layer_runs = layer_runs
         out: list[Output] = [HandshakeDone(endpoint, None)]
         if generation is not None and link.generation not in (None, generation):
             for entry in [e for a in list(self._announcements.values())
@@ -206,12 +208,13 @@ class PrefillSession:
             link.move(LinkEvent.READ_FAILED)
         return self._end(entry, error, latency=now - entry.sent_at)
 
-    def sent(self, endpoint: str, aid: int, now: float) -> None:
-        """A ``SendBatch`` went out: its reply deadline runs from now."""
+    def sent(self, endpoint: str, aid: int, now: float, frame: int = -1) -> None:
+        """A ``SendBatch`` went out (in ``frame``, a number the caller gives each frame):
+        its reply deadline runs from now."""
         ann = self._announcements.get(aid)
         entry = None if ann is None else ann.entries.get(endpoint)
         if entry is not None and entry.phase == Phase.SENT:
-            entry.sent_at, entry.on_wire = now, True
+            entry.sent_at, entry.on_wire, entry.frame = now, True, frame
             entry.deadline = now + self.timeouts.layer_ack_s
 
     def send_failed(self, action: SendMeta | SendBatch, reason: str, now: float) -> list[Output]:
@@ -273,7 +276,7 @@ class PrefillSession:
             if late is not None and late.deadline <= now:
                 # Reset the connection too, so that Decode fails the requests this rank was
                 # contributing to: it must not complete them from storage we may now reuse.
-                out += self._reset(ep, f"no acknowledgement of layer {late.layer_idx} "
+                out += self._reset(ep, f"no acknowledgement of {_frame_layers(link, late)} "
                                    f"from decode endpoint {ep} within {t.layer_ack_s:g} s",
                                    now, close=True)
         return out + [Disconnect(ep) for ep in self._links.close_idle(
@@ -294,6 +297,19 @@ class PrefillSession:
         return out + [HandshakeDone(ep, reason) for ep in self._links.stop()]
 
     # ------------------------------------------------------------ queries
+    def layer_runs(self, endpoint: str) -> bool:
+        """Whether the endpoint's Decode acknowledged it reads layer runs (on the current
+        connection: a new handshake asks again)."""
+        link = self._links.get(endpoint)
+        return link is not None and link.state == LinkState.READY and link.layer_runs
+
+    def frames_on_wire(self, endpoint: str) -> int:
+        """Frames sent to the endpoint whose layers are not all answered yet."""
+        link = self._links.get(endpoint)
+        if link is None:
+            return 0
+        return len({e.frame for e in link.inflight if e.on_wire})
+
     def gate(self, layer_idx: int) -> GateState:
         return self._gates.state(layer_idx)
 
@@ -381,6 +397,7 @@ class PrefillSession:
     def _start_handshake(self, endpoint: str, link: Link, now: float) -> list[Output]:
         link.move(LinkEvent.HANDSHAKE)
         link.deadline = now + self.timeouts.meta_ack_s
+        link.layer_runs = False  # until this handshake's ACK says so
         return [Connect(endpoint), SendMeta(endpoint)]
 
     def _send(self, entry: Entry, link: Link, now: float) -> list[Output]:
@@ -466,3 +483,13 @@ class PrefillSession:
         if not ann.entries:
             del self._announcements[entry.aid]
         return []
+
+
+def _frame_layers(link: Link, late: Entry) -> str:
+    """``layer N``, or the layers of the layer run that carried ``late`` (one reply
+    answers them all)."""
+    run = [e.layer_idx for e in link.inflight if e.on_wire and e.frame == late.frame] if (
+        late.on_wire and late.frame >= 0) else []
+    if len(run) < 2:
+        return f"layer {late.layer_idx}"
+    return f"layers {', '.join(map(str, run))} (one layer run)"

@@ -160,6 +160,7 @@ class Entry:
     deadline: float
     sent_at: float = 0.0
     on_wire: bool = False  # the frame went out (``PrefillSession.sent``)
+    frame: int = -1  # which frame carried it (a layer run carries several entries)
     held_error: str = ""  # HELD: the failure its storage release will report
 
     def move(self, event: EntryEvent, deadline: float | None = None) -> Phase:
@@ -204,6 +205,7 @@ class Link:
     transport: Transport = Transport.CONNECTED
     lost_reason: str = ""
     generation: int | None = None  # the Decode process's, from its ACK (None: unknown)
+    layer_runs: bool = False  # its ACK said it reads layer runs (READ_READY_BATCH field 10)
 
     @property
     def notify(self) -> bool:

@@ -13,7 +13,7 @@ from array import array
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import chain
-from typing import Any
+from typing import Any, NamedTuple
 
 from rd2h.domain.errors import ProtocolError, UnknownMessageType
 from rd2h.domain.wire.compat import Compat, MetaRefused, compat_at, compat_field
@@ -41,6 +41,14 @@ READ_DONE = b"read_done"
 READ_FAILED = b"read_failed"
 # The MF_META acknowledgement is these raw bytes, not a msgpack value.
 ACK = b"ACK"
+# Extension (MF_META field 5, the ACK's flag byte): what a Prefill can send and a Decode
+# acknowledges it reads. ``layer runs``: several layers that announce the same read
+# entries in one READ_READY_BATCH (field 10), answered by one reply (field 4).
+FEATURE_LAYER_RUNS = "layer_runs"
+ACK_FLAG_LAYER_RUNS = 0x01
+# Most layers one READ_READY_BATCH may carry (the first and field 10's); Decode fails
+# every layer of a longer run.
+MAX_RUN_LAYERS = 256
 
 _INT_ONLY = {int}
 _STR_ONLY = {str}
@@ -59,6 +67,19 @@ class MfMeta:
     # Extension (field 4, only after ``compat``): the sender's generation, a nonce drawn
     # when it starts. A new one under a known ``p_session`` is a restarted peer.
     generation: int | None = None
+    # Extension (field 5, only after ``generation``): protocol features this Prefill can
+    # use (``FEATURE_LAYER_RUNS``); Decode states in its ACK which it reads.
+    features: tuple[str, ...] = ()
+
+
+class RunLayer(NamedTuple):
+    """One more layer of a layer run (READ_READY_BATCH field 10): it announces the same
+    read entries, member, ratio, hold and awaited requests as the message's first layer."""
+
+    layer_idx: int
+    layer_name: str
+    seq: int
+    done_ext_ids: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -95,22 +116,41 @@ class ReadReadyBatch:
     # Decode keeps the message, within its hold, until it admits them, instead of
     # answering them skipped. Older peers ignore the field.
     awaits: tuple[str, ...] = ()
+    # Extension (field 10, only after field 9, to a Decode that acknowledged
+    # ``FEATURE_LAYER_RUNS``): more layers announcing the same read entries, each with
+    # its own announcement id and done ids; one batched read and one reply for them all.
+    also: tuple[RunLayer, ...] = ()
 
     def numbered(self, seq: int) -> ReadReadyBatch:
         """The same announcement with ``seq`` set (``dataclasses.replace`` without its
         per-call field introspection: once per layer and endpoint on Prefill)."""
         return ReadReadyBatch(self.layer_idx, self.layer_name, self.read_reqs,
                               self.done_ext_ids, self.group_member_idx, self.tp_ratio, seq,
-                              self.hold_until_ms, self.awaits)
+                              self.hold_until_ms, self.awaits, self.also)
+
+    def layers(self) -> tuple[ReadReadyBatch, ...]:
+        """One single-layer announcement per layer of this message (itself without
+        ``also``, then each ``RunLayer``), sharing the read entries and the rest."""
+        first = self if not self.also else ReadReadyBatch(
+            self.layer_idx, self.layer_name, self.read_reqs, self.done_ext_ids,
+            self.group_member_idx, self.tp_ratio, self.seq, self.hold_until_ms, self.awaits)
+        return (first, *(ReadReadyBatch(
+            lay.layer_idx, lay.layer_name, self.read_reqs, lay.done_ext_ids,
+            self.group_member_idx, self.tp_ratio, lay.seq, self.hold_until_ms, self.awaits)
+            for lay in self.also))
 
     @property
     def named_ext_ids(self) -> tuple[str, ...]:
-        """Every request this message names (read entries, then done ids), no repeats."""
+        """Every request this message names (read entries, then done ids of each of its
+        layers), no repeats."""
         seen: dict[str, None] = {}
         for req in self.read_reqs:
             seen.setdefault(req.ext_req_id, None)
         for ext in self.done_ext_ids:
             seen.setdefault(ext, None)
+        for lay in self.also:
+            for ext in lay.done_ext_ids:
+                seen.setdefault(ext, None)
         return tuple(seen)
 
 
@@ -122,6 +162,9 @@ class ReadDone:
     # did not read because it no longer knows them (aborted, finished, never admitted
     # here); every other request of the layer was read as usual.
     skipped: tuple[str, ...] = ()
+    # Extension (field 4, only after ``skipped``): the other layers of a layer run this
+    # reply answers, as (layer index, announcement id); ``skipped`` is theirs too.
+    also: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -129,15 +172,32 @@ class ReadFailed:
     layer_idx: int
     error: str = field(default="")
     seq: int | None = None  # extension (field 3): the answered announcement's ``seq``
+    # Extension (field 4, only after ``seq``): the other layers of a layer run that
+    # failed with it, as (layer index, announcement id).
+    also: tuple[tuple[int, int], ...] = ()
+
+
+def answered(message: ReadDone | ReadFailed) -> tuple[ReadDone | ReadFailed, ...]:
+    """One single-layer reply per layer a reply answers (itself without ``also``, then
+    one per ``also`` pair), for a Prefill that tracks its announcements one by one."""
+    if not message.also:
+        return (message,)
+    if isinstance(message, ReadDone):
+        return (ReadDone(message.layer_idx, message.seq, message.skipped),
+                *(ReadDone(idx, seq, message.skipped) for idx, seq in message.also))
+    return (ReadFailed(message.layer_idx, message.error, message.seq),
+            *(ReadFailed(idx, message.error, seq) for idx, seq in message.also))
 
 
 @dataclass(frozen=True)
 class MetaAck:
     """Decode stored the MF_META: the raw bytes ``b"ACK"`` on the wire (not a msgpack
     array), then (extension, only to a Prefill that stated its own generation) Decode's
-    generation, 8 bytes big-endian."""
+    generation, 8 bytes big-endian, then (extension, only to a Prefill that stated
+    features) one byte of flags: what of them Decode reads (``ACK_FLAG_LAYER_RUNS``)."""
 
     generation: int | None = None
+    layer_runs: bool = False
 
 
 # Every control message, each direction. The handshake's answers (``MetaAck``, and
@@ -151,19 +211,36 @@ Message = MfMeta | ReadReadyBatch | ReadDone | ReadFailed | MetaAck | MetaRefuse
 GENERATION_BYTES = 8
 
 
-def ack_plain(generation: int | None) -> bytes:
+def ack_plain(generation: int | None, flags: int | None = None) -> bytes:
     """The MF_META acknowledgement: ``b"ACK"``, then (extension, only to a Prefill that
-    stated its own generation) Decode's generation, 8 bytes big-endian."""
-    return ACK if generation is None else ACK + generation.to_bytes(GENERATION_BYTES, "big")
+    stated its own generation) Decode's generation, 8 bytes big-endian, then (extension,
+    only to a Prefill that stated features; needs the generation) one byte of flags."""
+    if generation is None:
+        return ACK
+    tail = b"" if flags is None else bytes((flags,))
+    return ACK + generation.to_bytes(GENERATION_BYTES, "big") + tail
 
 
-def parse_ack(raw: bytes) -> tuple[bool, int | None]:
-    """``(is an acknowledgement, the generation it states)`` of unsigned bytes."""
+def parse_ack(raw: bytes) -> tuple[bool, int | None, int]:
+    """``(is an acknowledgement, the generation it states, its flags)`` of unsigned
+    bytes (flags 0 when it states none)."""
     if raw == ACK:
-        return True, None
-    if len(raw) == len(ACK) + GENERATION_BYTES and raw.startswith(ACK):
-        return True, int.from_bytes(raw[len(ACK):], "big")
-    return False, None
+        return True, None, 0
+    if len(raw) in (_ACK_GEN, _ACK_GEN + 1) and raw.startswith(ACK):
+        flags = raw[_ACK_GEN] if len(raw) > _ACK_GEN else 0
+        return True, int.from_bytes(raw[len(ACK):_ACK_GEN], "big"), flags
+    return False, None, 0
+
+
+_ACK_GEN = len(ACK) + GENERATION_BYTES
+
+
+def meta_ack(raw: bytes) -> MetaAck | None:
+    """The acknowledgement unsigned bytes hold (None: they are none)."""
+    is_ack, generation, flags = parse_ack(raw)
+    if not is_ack:
+        return None
+    return MetaAck(generation, bool(flags & ACK_FLAG_LAYER_RUNS))
 
 
 # ---------------------------------------------------------------- helpers
@@ -288,11 +365,58 @@ def _decode_read_ready(fields: Sequence[Any],
     seq = _seq_field(fields, 7, layer_idx)
     hold = None if seq is None else _seq_field(fields, 8, layer_idx, "announcement hold")
     awaits: tuple[str, ...] = ()
+    also: tuple[RunLayer, ...] = ()
     # Only after a hold; anything but a list there (a signing envelope read without the
     # secret) is not this field.
     if hold is not None and len(fields) > 9 and isinstance(fields[9], (list, tuple)):
         awaits = tuple(_str(e, "awaited request id", layer_idx) for e in fields[9])
-    return ReadReadyBatch(layer_idx, layer_name, reqs, done, member, ratio, seq, hold, awaits)
+        if len(fields) > 10 and isinstance(fields[10], (list, tuple)):
+            also = _run_layers(fields[10], layer_idx)
+    return ReadReadyBatch(layer_idx, layer_name, reqs, done, member, ratio, seq, hold, awaits,
+                          also)
+
+
+def _run_layers(value: Sequence[Any], layer_idx: int) -> tuple[RunLayer, ...]:
+    """READ_READY_BATCH field 10: ``[layer_idx, layer_name, seq, done ids]`` per layer."""
+    if len(value) + 1 > MAX_RUN_LAYERS:
+        raise ProtocolError(f"a layer run of {len(value) + 1} layers exceeds the limit of "
+                            f"{MAX_RUN_LAYERS}", layer_idx)
+    out = []
+    for item in value:
+        parts = _seq(item, "run layer", layer_idx)
+        if len(parts) < 4:
+            raise ProtocolError(f"run layer must have 4 fields, got {len(parts)}", layer_idx)
+        out.append(RunLayer(
+            _int(parts[0], "run layer index", layer_idx, minimum=0, maximum=MAX_WIRE_INT),
+            _str(parts[1], "run layer name", layer_idx),
+            _int(parts[2], "run layer announcement id", layer_idx, minimum=0,
+                 maximum=MAX_WIRE_INT),
+            tuple(_str(e, "run layer done id", layer_idx)
+                  for e in _seq(parts[3], "run layer done ids", layer_idx))))
+    return tuple(out)
+
+
+def _answered_also(fields: Sequence[Any], index: int, layer_idx: int
+                   ) -> tuple[tuple[int, int], ...]:
+    """A reply's optional ``[[layer_idx, seq], ...]`` at ``index`` (a layer run's other
+    layers); anything but a list there (a signing envelope) is not this field."""
+    if len(fields) <= index or not isinstance(fields[index], (list, tuple)):
+        return ()
+    value = fields[index]
+    if len(value) + 1 > MAX_RUN_LAYERS:
+        raise ProtocolError(f"a reply for {len(value) + 1} layers exceeds the limit of "
+                            f"{MAX_RUN_LAYERS}", layer_idx)
+    out = []
+    for item in value:
+        pair = _seq(item, "answered run layer", layer_idx)
+        if len(pair) < 2:
+            raise ProtocolError("answered run layer must be [layer index, announcement id]",
+                                layer_idx)
+        out.append((_int(pair[0], "run layer index", layer_idx, minimum=0,
+                         maximum=MAX_WIRE_INT),
+                    _int(pair[1], "run layer announcement id", layer_idx, minimum=0,
+                         maximum=MAX_WIRE_INT)))
+    return tuple(out)
 
 
 def message_from_fields(
@@ -324,16 +448,22 @@ def message_from_fields(
             raw = decode_nested_metadata(raw)
         compat = compat_at(fields)
         generation = None if compat is None else _seq_field(fields, 4, None, "generation")
-        return MfMeta(session, decode_layer_map(raw), compat, generation)
+        features: tuple[str, ...] = ()
+        if generation is not None and len(fields) > 5 and isinstance(fields[5], (list, tuple)):
+            features = tuple(
+                _str(e, "MF_META feature") for e in _seq(fields[5], "MF_META features"))
+        return MfMeta(session, decode_layer_map(raw), compat, generation, features)
     if tag == READ_DONE:
         if len(fields) < 2:
             raise ProtocolError("READ_DONE needs a layer index")
         layer_idx = _int(fields[1], "layer index", minimum=0)
         seq = _seq_field(fields, 2, layer_idx)
         skipped: tuple[str, ...] = ()
+        also: tuple[tuple[int, int], ...] = ()
         if seq is not None and len(fields) > 3 and isinstance(fields[3], (list, tuple)):
             skipped = tuple(_str(e, "skipped request id", layer_idx) for e in fields[3])
-        return ReadDone(layer_idx, seq, skipped)
+            also = _answered_also(fields, 4, layer_idx)
+        return ReadDone(layer_idx, seq, skipped, also)
     if tag == READ_FAILED:
         if len(fields) < 2:
             raise ProtocolError("READ_FAILED needs a layer index")
@@ -341,8 +471,9 @@ def message_from_fields(
         error = "" if len(fields) < 3 else fields[2]
         if isinstance(error, bytes):
             error = error.decode("utf-8", "replace")
-        return ReadFailed(layer_idx, _str(error, "READ_FAILED error", layer_idx),
-                          _seq_field(fields, 3, layer_idx))
+        seq = _seq_field(fields, 3, layer_idx)
+        return ReadFailed(layer_idx, _str(error, "READ_FAILED error", layer_idx), seq,
+                          () if seq is None else _answered_also(fields, 4, layer_idx))
     raise UnknownMessageType(tag)
 
 
@@ -367,21 +498,38 @@ def fields_of(message: Message, encode_nested_metadata: Any = None) -> list[Any]
             message.tp_ratio,
             *_opt(message.seq),
             *_opt(None if message.seq is None else message.hold_until_ms),
-            *([list(message.awaits)] if message.awaits and message.seq is not None
-              and message.hold_until_ms is not None else []),
+            *_tail(message),
         ]
     if isinstance(message, MfMeta):
         layer_map = {name: meta.to_map() for name, meta in message.layers.items()}
         payload = layer_map if encode_nested_metadata is None else encode_nested_metadata(layer_map)
+        stated = message.compat is not None and message.generation is not None
         return [MF_META, message.p_session, payload, *compat_field(message.compat),
-                *_opt(None if message.compat is None else message.generation)]
+                *_opt(None if message.compat is None else message.generation),
+                *([list(message.features)] if stated and message.features else [])]
     if isinstance(message, ReadDone):
+        if message.seq is not None and message.also:
+            return [READ_DONE, message.layer_idx, message.seq, list(message.skipped),
+                    [list(pair) for pair in message.also]]
         if message.skipped and message.seq is not None:
             return [READ_DONE, message.layer_idx, message.seq, list(message.skipped)]
         return [READ_DONE, message.layer_idx, *_opt(message.seq)]
     if isinstance(message, ReadFailed):
-        return [READ_FAILED, message.layer_idx, message.error, *_opt(message.seq)]
+        also = [[list(pair) for pair in message.also]] if (
+            message.also and message.seq is not None) else []
+        return [READ_FAILED, message.layer_idx, message.error, *_opt(message.seq), *also]
     raise TypeError(f"not an rd2h message: {message!r}")
+
+
+def _tail(message: ReadReadyBatch) -> list[Any]:
+    """Fields 9 and 10 (both only after a hold): the awaited requests, then the layer
+    run's other layers (field 9 is then present, if empty)."""
+    if message.seq is None or message.hold_until_ms is None:
+        return []
+    if message.also:
+        return [list(message.awaits), [[lay.layer_idx, lay.layer_name, lay.seq,
+                                        list(lay.done_ext_ids)] for lay in message.also]]
+    return [list(message.awaits)] if message.awaits else []
 
 
 def _opt(value: int | None) -> list[int]:
