@@ -256,18 +256,50 @@ def _session(instance: int, member: int) -> str:
 # ------------------------------------------------------------------ Decode side
 
 
-def _feeder(endpoint: str, case: Case, conn: Any) -> None:
-    """Child: one DEALER per contributor; MF_META on each, then every frame at once."""
+def _meta(session: str, meta_map: Any, runs: int) -> Any:
+    """MF_META as rd2h's Prefill sends it (a compat map, a generation); stating layer runs
+    when ``runs`` > 1 and the tree knows them (an older tree's MfMeta has no features)."""
+    from rd2h.domain.wire.compat import compat_of
+    from rd2h.domain.wire.protocol import MfMeta
+    try:
+        from rd2h.domain.wire.protocol import FEATURE_LAYER_RUNS
+    except ImportError:  # a tree before layer runs
+        return MfMeta(session, meta_map, compat_of(), 1)
+    return MfMeta(session, meta_map, compat_of(), 1, (FEATURE_LAYER_RUNS,) if runs > 1 else ())
+
+
+def _runs(batches: list[Any], runs: int) -> list[Any]:
+    """What a Prefill that is ahead of Decode sends one contributor's ``batches`` as: up to
+    ``runs`` consecutive layers with the same read entries in one frame (a layer run)."""
+    from dataclasses import replace
+
+    from rd2h.domain.wire.protocol import RunLayer
+    out: list[Any] = []
+    for b in batches:
+        head = out[-1] if out else None
+        if (head is not None and runs > 1 and len(head[1]) < runs
+                and head[0].read_reqs == b.read_reqs):
+            head[1].append(RunLayer(b.layer_idx, b.layer_name, b.seq, b.done_ext_ids))
+        else:
+            out.append((b, []))
+    return [replace(b, also=tuple(also)) if also else b for b, also in out]
+
+
+def _feeder(endpoint: str, case: Case, conn: Any, runs: int) -> None:
+    """Child: one DEALER per contributor; MF_META on each, then every frame at once (up
+    to ``runs`` layers per frame where Decode's ACK says it reads layer runs)."""
+    from dataclasses import replace
+
     import zmq
 
     from rd2h.adapters.msgpack import MsgpackCodec
-    from rd2h.domain.wire.protocol import MfMeta
     w = workload(case)
     src, _ = _layouts(case, w.pool)
     meta_map = {lay.layer_name: lay.to_metadata() for lay in src.values()}
     codec = MsgpackCodec()
     ctx = zmq.Context()
     socks = {}
+    reads_runs = True
     for i in range(case.fan_in):
         for m in range(RATIO):
             s = ctx.socket(zmq.DEALER)
@@ -275,13 +307,35 @@ def _feeder(endpoint: str, case: Case, conn: Any) -> None:
             s.setsockopt(zmq.SNDHWM, 0)
             s.setsockopt(zmq.RCVHWM, 0)
             s.connect(endpoint)
-            s.send(codec.encode(MfMeta(_session(i, m), meta_map)))
+            s.send(codec.encode(_meta(_session(i, m), meta_map, runs)))
             assert s.poll(10000), "no ACK"
-            s.recv_multipart()
+            ack = codec.decode(s.recv_multipart()[-1])
+            reads_runs = reads_runs and bool(getattr(ack, "layer_runs", False))
             socks[(i, m)] = s
-    frames = [((i, m), codec.encode(b, "ep")) for i, m, b in interleaved(w)]
+    per: dict[tuple[int, int], list[Any]] = {}
+    order: list[tuple[int, int]] = []
+    hold = int((time.time() + 3600) * 1000)  # as Prefill states: announcement id and hold
+    for k, (i, m, b) in enumerate(interleaved(w)):
+        per.setdefault((i, m), []).append(replace(b.numbered(k), hold_until_ms=hold))
+        order.append((i, m))
+    layers = len(order)
+    if reads_runs and runs > 1:  # each contributor's frames, contributors taking turns
+        grouped = {k: _runs(v, runs) for k, v in per.items()}
+        order = []
+        left = {k: len(v) for k, v in grouped.items()}
+        while any(left.values()):
+            for k in grouped:
+                if left[k]:
+                    order.append(k)
+                    left[k] -= 1
+        per = grouped
+    pos = dict.fromkeys(per, 0)
+    frames = []
+    for key in order:
+        frames.append((key, codec.encode(per[key][pos[key]], "ep")))
+        pos[key] += 1
     wire = sum(len(f) for _, f in frames)
-    conn.send(("ready", len(frames), wire))
+    conn.send(("ready", len(frames), layers, wire))
     conn.recv()  # go
     for key, frame in frames:
         socks[key].send(frame)
@@ -289,19 +343,20 @@ def _feeder(endpoint: str, case: Case, conn: Any) -> None:
     for s in socks.values():
         poller.register(s, zmq.POLLIN)
     got, failed, deadline = 0, 0, time.monotonic() + 600
-    while got < len(frames) and time.monotonic() < deadline:
+    while got < layers and time.monotonic() < deadline:
         for s, _ in poller.poll(1000):
             while s.poll(0):
                 reply = codec.decode(s.recv_multipart()[-1], "x")
-                got += 1
-                failed += type(reply).__name__ != "ReadDone"
+                answered = 1 + len(getattr(reply, "also", ()))
+                got += answered
+                failed += answered * (type(reply).__name__ != "ReadDone")
     conn.send(("done", got, failed))
     for s in socks.values():
         s.close(0)
     ctx.term()
 
 
-def decode_side(case: Case) -> dict[str, Any]:
+def decode_side(case: Case, runs: int) -> dict[str, Any]:
     import multiprocessing as mp
 
     from rd2h.adapters.logging import configure_logging
@@ -310,9 +365,9 @@ def decode_side(case: Case) -> dict[str, Any]:
     _, dst = _layouts(case, w.pool)
     engine, receiver, endpoint = _receiver(w, dst)
     parent, child = mp.get_context("fork").Pipe()
-    feeder = mp.get_context("fork").Process(target=_feeder, args=(endpoint, case, child))
+    feeder = mp.get_context("fork").Process(target=_feeder, args=(endpoint, case, child, runs))
     feeder.start()
-    _, n, wire = parent.recv()
+    _, frames, n, wire = parent.recv()
     gc.collect()
     time.sleep(0.2)
     ident = receiver._thread.ident
@@ -328,6 +383,7 @@ def decode_side(case: Case) -> dict[str, Any]:
         "messages": n, "replies": got, "replies_failed": failed,
         "layers_done": stats.layers_done, "layers_failed": stats.layers_failed,
         "requests": case.requests, "messages_per_request": n / case.requests,
+        "frames": frames, "frames_per_request": frames / case.requests,
         "wire_bytes_per_message": wire / n, "kv_bytes_per_message": stats.bytes_read / n,
         "kv_bytes_per_request": stats.bytes_read / case.requests,
         "descriptors_per_message": stats.descriptors / n,
@@ -360,8 +416,10 @@ def _decode_server(case: Case, conn: Any) -> None:
     engine.close()
 
 
-def prefill_side(case: Case) -> dict[str, Any]:
-    """One Prefill rank (member 0 of instance 0) sending every layer of its requests."""
+def prefill_side(case: Case, runs: int) -> dict[str, Any]:
+    """One Prefill rank (member 0 of instance 0) sending every layer of its requests (up
+    to ``runs`` layers per frame, where the tree knows layer runs)."""
+    import inspect
     import multiprocessing as mp
 
     from rd2h.adapters.logging import configure_logging, make_logger
@@ -379,9 +437,11 @@ def prefill_side(case: Case) -> dict[str, Any]:
     server = mp.get_context("fork").Process(target=_decode_server, args=(one, child))
     server.start()
     endpoint = parent.recv()
+    extra = ({"max_layers_per_frame": runs} if "max_layers_per_frame" in
+             inspect.signature(PrefillSender).parameters else {})
     sender = PrefillSender(clients_factory=ZmqControlClients, codec=MsgpackCodec(),
                            p_session=_session(0, 0), layers=src, clock=MonotonicClock(),
-                           log=make_logger("prefill", 0), layer_ack_timeout_s=600.0)
+                           log=make_logger("prefill", 0), layer_ack_timeout_s=600.0, **extra)
     sender.start()
     assert not sender.prepare([endpoint], 10.0)
     steps = []
@@ -410,7 +470,9 @@ def prefill_side(case: Case) -> dict[str, Any]:
     done, failed = parent.recv()
     server.join(30)
     sender.stop()
+    frames = getattr(sender.stats, "frames_sent", 0) or sender.stats.layers_sent
     return {"layers": layers, "decode_layers_done": done, "decode_layers_failed": failed,
+            "frames": frames, "layers_per_frame": layers / max(frames, 1),
             "submit_us_per_layer": submit / layers * 1e6,
             "sender_thread_us_per_layer": (s1 - s0) / layers * 1e6,
             "process_us_per_layer": (p1 - p0) / layers * 1e6}
@@ -419,24 +481,25 @@ def prefill_side(case: Case) -> dict[str, Any]:
 # ------------------------------------------------------------------ driver
 
 
-def run_case(case: Case) -> dict[str, Any]:
-    d = decode_side(case)
-    p = prefill_side(case)
+def run_case(case: Case, runs: int) -> dict[str, Any]:
+    d = decode_side(case, runs)
+    p = prefill_side(case, runs)
     return {"case": asdict(case), "decode": d, "prefill": p}
 
 
 def _child(args: argparse.Namespace) -> int:
     case = SMOKE if args.child == "smoke" else CASES[args.child]
-    print(json.dumps(run_case(case)))
+    print(json.dumps(run_case(case, args.layers_per_frame)))
     return 0
 
 
-def _spawn(name: str, src: str | None) -> dict[str, Any]:
+def _spawn(name: str, src: str | None, runs: int) -> dict[str, Any]:
     env = dict(os.environ)
     if src is not None:
         env["PYTHONPATH"] = os.pathsep.join([src, env.get("PYTHONPATH", "")])
     env.setdefault("OMP_NUM_THREADS", "1")
-    out = subprocess.run([sys.executable, str(HERE), "--child", name], env=env, check=True,
+    out = subprocess.run([sys.executable, str(HERE), "--child", name, "--layers-per-frame",
+                          str(runs)], env=env, check=True,
                          capture_output=True, text=True, timeout=1800)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -462,16 +525,18 @@ def complete(res: dict[str, Any]) -> bool:
 
 
 ROWS = [
-    ("messages per request per Decode rank", "decode", "messages_per_request", 0),
-    ("wire bytes per READ_READY_BATCH", "decode", "wire_bytes_per_message", 0),
-    ("KV bytes read per message (MiB)", "decode", "kv_bytes_per_message", -20),
-    ("descriptors per message", "decode", "descriptors_per_message", 0),
-    ("Decode loop thread CPU us/msg", "decode", "loop_us_per_message", 1),
-    ("Decode ZeroMQ I/O threads us/msg", "decode", "zmq_us_per_message", 1),
-    ("Decode process CPU us/msg", "decode", "process_us_per_message", 1),
+    ("announcements per request per Decode rank", "decode", "messages_per_request", 0),
+    ("frames per request per Decode rank", "decode", "frames_per_request", 0),
+    ("wire bytes per announcement", "decode", "wire_bytes_per_message", 0),
+    ("KV bytes read per announcement (MiB)", "decode", "kv_bytes_per_message", -20),
+    ("descriptors per announcement", "decode", "descriptors_per_message", 0),
+    ("Decode loop thread CPU us/announcement", "decode", "loop_us_per_message", 1),
+    ("Decode ZeroMQ I/O threads us/announcement", "decode", "zmq_us_per_message", 1),
+    ("Decode process CPU us/announcement", "decode", "process_us_per_message", 1),
     ("Decode process CPU ms/request", "decode", "process_ms_per_request", 1),
     ("announcements/s sustained", "decode", "announcements_per_s", 0),
     ("Decode peak RSS (MiB)", "decode", "peak_rss_mib", 0),
+    ("Prefill layers per frame sent", "prefill", "layers_per_frame", 1),
     ("Prefill submit (caller) us/layer", "prefill", "submit_us_per_layer", 1),
     ("Prefill sender thread us/layer", "prefill", "sender_thread_us_per_layer", 1),
     ("Prefill process CPU us/layer", "prefill", "process_us_per_layer", 1),
@@ -479,7 +544,7 @@ ROWS = [
 
 
 def _value(res: dict[str, Any], side: str, key: str, digits: int) -> str:
-    v = res[side][key]
+    v = res[side].get(key, 0)
     if digits < 0:
         return f"{v / (1 << -digits):.2f}"
     return f"{v:,.{digits}f}"
@@ -491,12 +556,12 @@ def _print(name: str, new: dict[str, Any], old: dict[str, Any] | None) -> None:
           f"{c['layers']} layers, Prefill TP {P_TP} -> Decode TP {D_TP}, fan-in "
           f"{c['fan_in']} instance(s) x {c['per_instance']} request(s)"
           f"{'' if complete(new) else '   ** INCOMPLETE **'}")
-    head = f"{'':<38} {'this tree':>14}" + (f" {'baseline':>14} {'new/old':>8}" if old else "")
+    head = f"{'':<42} {'this tree':>14}" + (f" {'baseline':>14} {'new/old':>8}" if old else "")
     print(head)
     for label, side, key, digits in ROWS:
-        line = f"{label:<38} {_value(new, side, key, digits):>14}"
+        line = f"{label:<42} {_value(new, side, key, digits):>14}"
         if old is not None:
-            a, b = new[side][key], old[side][key]
+            a, b = new[side].get(key, 0), old[side].get(key, 0)
             line += f" {_value(old, side, key, digits):>14} {a / b if b else 0:>8.2f}"
         print(line)
     kv = new["decode"]["kv_bytes_per_request"]
@@ -518,12 +583,27 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeat", type=int, default=3,
                     help="runs per case and tree; figures are medians (default 3)")
     ap.add_argument("--json", action="store_true", help="print the raw figures as JSON")
+    ap.add_argument("--layers-per-frame", type=int, default=64, metavar="N",
+                    help="layer runs: at most N layers per READ_READY_BATCH where Decode "
+                    "reads them (1: one layer per frame; default 64)")
+    ap.add_argument("--baseline-layers-per-frame", type=int, metavar="N",
+                    help="run the baseline with this --layers-per-frame (e.g. 1: this tree "
+                    "without layer runs as the baseline, when no --baseline-src is given)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
         return _child(args)
     if args.repeat < 1:
         ap.error("--repeat must be at least 1")
+    if not 1 <= args.layers_per_frame <= 256:
+        ap.error("--layers-per-frame must be in [1, 256]")
+    base_runs = (args.baseline_layers_per_frame if args.baseline_layers_per_frame is not None
+                 else args.layers_per_frame)
+    if not 1 <= base_runs <= 256:
+        ap.error("--baseline-layers-per-frame must be in [1, 256]")
+    base_src = args.baseline_src
+    if base_src is None and args.baseline_layers_per_frame is not None:
+        base_src = str(HERE.parent.parent)
     names = ["smoke"] if args.smoke else (args.case or list(CASES))
     results: dict[str, Any] = {}
     ok = True
@@ -531,9 +611,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"running {name} ...", file=sys.stderr, flush=True)
         new_runs, old_runs = [], []
         for _ in range(args.repeat):  # interleaved: drift hits both trees alike
-            new_runs.append(_spawn(name, str(HERE.parent.parent)))
-            if args.baseline_src:
-                old_runs.append(_spawn(name, args.baseline_src))
+            new_runs.append(_spawn(name, str(HERE.parent.parent), args.layers_per_frame))
+            if base_src:
+                old_runs.append(_spawn(name, base_src, base_runs))
         new = _median_of(new_runs)
         old = _median_of(old_runs) if old_runs else None
         results[name] = {"new": new, "baseline": old}

@@ -114,6 +114,11 @@ class Limits(BaseModel):
     max_parked_bytes: int = Field(
         64 * 1024 * 1024, ge=1, description="Decode, parallel dispatch: the same, all "
         "connections together")
+    max_layers_per_frame: int = Field(
+        64, ge=1, le=256, description="Prefill: layer runs, at most this many layers with "
+        "the same read entries in one READ_READY_BATCH, to a Decode that acknowledged it "
+        "reads them (while two frames to it are unanswered, announcements wait and go "
+        "together); 1: one layer per frame, the feature not offered")
 
 
 _Z85_KEY = re.compile(r"^[0-9a-zA-Z.\-:+=^!/*?&<>()\[\]{}@%$#]{40}$")

@@ -210,7 +210,7 @@ class Container(containers.DeclarativeContainer):
         log=logger, meta_ack_timeout_s=deadlines.meta_ack_s,
         layer_ack_timeout_s=deadlines.layer_ack_s, event_timeout_s=deadlines.device_event_s,
         idle_link_s=deadlines.idle_link_s, start_timeout_s=deadlines.start_s,
-        stop_timeout_s=deadlines.stop_s,
+        stop_timeout_s=deadlines.stop_s, max_layers_per_frame=limits.max_layers_per_frame,
     )
     decode_receiver = providers.Factory(
         DecodeReceiver, server_factory=control_server.provider, codec=codec,

@@ -134,7 +134,9 @@ def test_drop_ack(ratio: str, position: str) -> None:
         assert "disconnected" in reason, reason
 
 
-@pytest.mark.parametrize("rate", [0.3, 1.0])
+# Layer runs read several layers in one batched read, so a round makes few reads (as few
+# as 4 per Decode rank here): a partial rate must still hit one.
+@pytest.mark.parametrize("rate", [0.6, 1.0])
 @pytest.mark.parametrize("ratio", RATIOS)
 def test_read_error(ratio: str, rate: float) -> None:
     res = run(ratio, f"read-error@rate={rate:g}", seed=3)

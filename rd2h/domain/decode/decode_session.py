@@ -54,7 +54,14 @@ from rd2h.domain.errors import (
     UnknownMessageType,
 )
 from rd2h.domain.planning.layout import DestinationLayout, SourceLayout
-from rd2h.domain.planning.planning import Destination, PlanMemo, ReadPlan, merge_plans, plan_reads
+from rd2h.domain.planning.planning import (
+    Destination,
+    PlanMemo,
+    ReadPlan,
+    merge_plans,
+    plan_reads,
+    plan_run,
+)
 from rd2h.domain.wire.compat import Compat, compare
 from rd2h.domain.wire.protocol import (
     FEATURE_LAYER_RUNS,
@@ -480,45 +487,66 @@ class DecodeSession:
     def _ready_run(self, peer: Peer, known: _Peer, batch: ReadReadyBatch,
                    now: float) -> list[Output]:
         """A layer run (field 10): each layer is checked and planned on its own (one that
-        fails is answered alone), the rest are read in one batched read and answered by
-        one reply."""
+        fails is answered alone, and the layers after it skip the requests it failed),
+        the rest are read in one batched read and answered by one reply."""
         if any(r.digests is not None for r in batch.read_reqs):
             return self._fail(peer, batch, "a layer run carries no digests (digests are per "
                               "layer: announce one layer per message)", now)
         out: list[Output] = []
-        announced = batch
-        batch, dests, skipped = self._readable(announced)
-        layers = batch.layers()
         plans: list[ReadPlan] = []
         good: list[ReadReadyBatch] = []
-        for i in range(len(layers)):
-            if out:  # a layer failed: its requests failed, the next layers skip them
-                batch, dests, skipped = self._readable(announced)
-                layers = batch.layers()
-            lay = layers[i]
-            src = known.layers.get(lay.layer_name)
-            dst = self._destinations.get(lay.layer_name)
-            if src is None or dst is None:
-                side = "decode destinations" if dst is None else "prefill metadata"
-                out += self._fail(peer, lay, f"layer {lay.layer_name!r} is unknown to {side}",
-                                  now)
+        todo = list(range(1 + len(batch.also)))
+        skipped: tuple[str, ...] = ()
+        while todo:
+            current, dests, skipped = self._readable(batch)
+            layers = current.layers()
+            known_layers: list[ReadReadyBatch] = []
+            layouts: list[tuple[SourceLayout, DestinationLayout]] = []
+            for i in todo:
+                lay = layers[i]
+                src = known.layers.get(lay.layer_name)
+                dst = self._destinations.get(lay.layer_name)
+                if src is None or dst is None:
+                    side = "decode destinations" if dst is None else "prefill metadata"
+                    out += self._fail(peer, lay, f"layer {lay.layer_name!r} is unknown to "
+                                      f"{side}", now)
+                elif isinstance(src, LayoutMismatch):
+                    out += self._fail(peer, lay, str(src), now)
+                else:
+                    known_layers.append(lay)
+                    layouts.append((src, dst))
+            plan, errors = self._plan_run(peer, known_layers, layouts, dests)
+            first_bad = next((n for n, e in enumerate(errors) if e is not None), None)
+            todo = []
+            if first_bad is None:
+                good += known_layers
+                plans += [plan] if plan is not None else []
                 continue
-            if isinstance(src, LayoutMismatch):
-                out += self._fail(peer, lay, str(src), now)
-                continue
-            try:
-                plans.append(self._plan(peer, lay, src, dst, dests))
-            except (LayoutMismatch, PlanningError) as exc:
-                out += self._fail(peer, lay, str(exc), now)
-                continue
-            except Exception as exc:  # a planner bug must still answer
-                out += self._fail(peer, lay, f"cannot plan the layer: {type(exc).__name__}: "
-                                  f"{exc}", now, unexpected=True)
-                continue
-            good.append(lay)
+            # The layers before the first that failed are read (``plan`` also covers good
+            # layers after it: plan those before it again); it fails alone; the layers
+            # after it are planned again without the requests it failed.
+            if first_bad:
+                plan, _ = self._plan_run(peer, known_layers[:first_bad],
+                                         layouts[:first_bad], dests)
+                good += known_layers[:first_bad]
+                plans += [plan] if plan is not None else []
+            error = errors[first_bad]
+            expected = isinstance(error, LayoutMismatch | PlanningError)
+            out += self._fail(peer, known_layers[first_bad], str(error) if expected else (
+                f"cannot plan the layer: {type(error).__name__}: {error}"), now,
+                unexpected=not expected)
+            rest = {id(x) for x in known_layers[first_bad + 1:]}
+            todo = [i for i, x in enumerate(layers) if id(x) in rest]
         if not good:
             return out
         return out + self._to_read(peer, known, tuple(good), merge_plans(plans), now, skipped)
+
+    def _plan_run(self, peer: Peer, layers: Sequence[ReadReadyBatch],
+                  layouts: Sequence[tuple[SourceLayout, DestinationLayout]],
+                  dests: Mapping[str, Destination]
+                  ) -> tuple[ReadPlan | None, list[Exception | None]]:
+        return plan_run(layers, layouts, dests, d_rank=self.d_rank, d_tp=self.d_tp,
+                        main_shared=self.main_shared, memo=self._memo, owner=peer)
 
     def _readable(self, batch: ReadReadyBatch
                   ) -> tuple[ReadReadyBatch, dict[str, Destination], tuple[str, ...]]:

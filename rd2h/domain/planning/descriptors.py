@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -88,6 +88,26 @@ class DescriptorTemplate:
         seams = tuple((int(row[c - 1]), int(lo[c - 1] + ln[c - 1]), int(row[c]), int(lo[c]),
                        int(ro[c - 1] + ln[c - 1]), int(ro[c])) for c in cuts)
         return DescriptorTemplate(lo, ro, ln, row, tensor, seams, int(ln.sum()))
+
+    def merges_seam(self, bases: Any) -> bool:
+        """Whether, at these base addresses, a tensor boundary is contiguous on both sides
+        (``layer`` then merges it)."""
+        d_ints, p_ints = bases[2], bases[3]
+        return any(end_l + d_ints[ra] == start_l + d_ints[rb]
+                   and end_r + p_ints[ra] == start_r + p_ints[rb]
+                   for ra, end_l, rb, start_l, end_r, start_r in self.seams)
+
+    def layers(self, d: Sequence[np.ndarray], p: Sequence[np.ndarray]
+               ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The descriptors of several layers of this template, one after the other, from
+        each layer's base addresses (``d[k]``, ``p[k]``); no seam of theirs merges
+        (``merges_seam``)."""
+        if not self.tensors:
+            return _EMPTY.copy(), _EMPTY.copy(), _EMPTY.copy()
+        row, n = self.row, len(d)
+        local = (np.stack(d)[:, row] + self.local_off).ravel()
+        remote = (np.stack(p)[:, row] + self.remote_off).ravel()
+        return local, remote, np.tile(self.lengths, n)
 
     def layer(self, d: np.ndarray, p: np.ndarray, d_ints: Sequence[int],
               p_ints: Sequence[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

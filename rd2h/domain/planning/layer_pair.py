@@ -74,6 +74,8 @@ class LayerPair:
     # (main has blocks, indexer has blocks) -> ``Bases``
     _bases: dict[tuple[bool, bool], Bases] = field(
         default_factory=dict, compare=False, repr=False)
+    # What a block plan depends on besides the message: main, indexer, head split, group.
+    kind: tuple[object, ...] = ()
 
     @staticmethod
     def of(src: SourceLayout, dst: DestinationLayout) -> LayerPair:
@@ -96,6 +98,7 @@ class LayerPair:
             min((d.num_blocks for _, d in main_pairs), default=_INT64_MAX),
             min((d.num_blocks for _, d in index_pairs), default=_INT64_MAX),
             shape,
+            kind=(bool(src.main), src.indexer is not None, slices is not None, dst.group),
         )
 
     def bases(self, main: bool, index: bool) -> Bases:

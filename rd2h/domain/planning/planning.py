@@ -41,7 +41,7 @@ from rd2h.domain.wire.digests import BlockChecks, block_checks
 from rd2h.domain.wire.protocol import ReadReadyBatch, ReadRequest
 
 __all__ = ["BlockPlan", "Destination", "PlanMemo", "ReadPlan", "RequestOwnership", "coalesce",
-           "merge_plans", "plan_reads"]
+           "merge_plans", "plan_reads", "plan_run"]
 
 _EMPTY = np.zeros(0, dtype=np.int64)
 _EMPTY.setflags(write=False)
@@ -164,19 +164,23 @@ def merge_plans(plans: Sequence[ReadPlan]) -> ReadPlan:
         return plans[0]
     if any(p.checks is not None for p in plans):
         raise ValueError("plans with digest checks are not merged")
-    order: dict[str, int] = {}
-    for plan in plans:
-        for ext in plan.ext_req_ids:
-            order.setdefault(ext, len(order))
-    main = np.zeros(len(order), dtype=np.int64)
-    index = np.zeros(len(order), dtype=np.int64)
-    built = np.zeros(len(order), dtype=np.int64)
-    for plan in plans:
-        at = np.fromiter(map(order.__getitem__, plan.ext_req_ids), dtype=np.int64,
-                         count=len(plan.ext_req_ids))
-        np.add.at(main, at, plan.main_blocks)
-        np.add.at(index, at, plan.indexer_blocks)
-        np.add.at(built, at, plan.descriptors_built)
+    ids = plans[0].ext_req_ids
+    if all(p.ext_req_ids == ids for p in plans):  # a run's layers: the same requests
+        order = dict.fromkeys(ids)
+        main, index, built = (np.add.reduce([getattr(p, f) for p in plans]) for f in (
+            "main_blocks", "indexer_blocks", "descriptors_built"))
+    else:
+        order = {}
+        for plan in plans:
+            for ext in plan.ext_req_ids:
+                order.setdefault(ext, len(order))
+        main, index, built = (np.zeros(len(order), dtype=np.int64) for _ in range(3))
+        for plan in plans:
+            at = np.fromiter(map(order.__getitem__, plan.ext_req_ids), dtype=np.int64,
+                             count=len(plan.ext_req_ids))
+            np.add.at(main, at, plan.main_blocks)
+            np.add.at(index, at, plan.indexer_blocks)
+            np.add.at(built, at, plan.descriptors_built)
     return ReadPlan(
         np.concatenate([p.local_addrs for p in plans]),
         np.concatenate([p.remote_addrs for p in plans]),
@@ -408,6 +412,13 @@ class BlockPlan:
         """This layer's descriptors (runs of consecutive blocks become one descriptor) and
         the bytes they read. Destination ids are checked against the pair's limits as
         integers; the exact check, naming the tensor, runs only when one is crossed."""
+        template, bases = self.template(pair, layer)
+        local, remote, lengths = template.layer(*bases)
+        return local, remote, lengths, template.total_bytes
+
+    def template(self, pair: LayerPair, layer: str) -> tuple[DescriptorTemplate, Any]:
+        """The descriptor template of this layer's shape and the layer's base addresses,
+        after the destination range checks (``descriptors``)."""
         main, index = self.main, self.index
         has_main = bool(main.src.size) and bool(pair.main_pairs)
         has_index = bool(index.src.size) and bool(pair.index_pairs)
@@ -422,9 +433,7 @@ class BlockPlan:
             groups: list[Group] = [(main, pair.main_pairs, "main", pair.slices),
                                    (index, pair.index_pairs, "indexer", None)]
             template = self.templates[pair.shape] = DescriptorTemplate.build(groups)
-        bases = pair.bases(has_main, has_index)
-        local, remote, lengths = template.layer(*bases)
-        return local, remote, lengths, template.total_bytes
+        return template, pair.bases(has_main, has_index)
 
 
 def _block_plan(
@@ -507,8 +516,101 @@ def plan_reads(
     Raises ``LayoutMismatch`` or ``PlanningError``; either fails the whole layer.
     """
     pair = memo.pair(src, dst) if memo is not None else LayerPair.of(src, dst)
+    blocks = _blocks_of(batch, pair, src, dst, destinations, d_rank, d_tp, main_shared, memo,
+                        owner)
+    return _plan_layer(batch, blocks, pair, src, dst, d_rank, d_tp, main_shared)
+
+
+def plan_run(
+    batches: Sequence[ReadReadyBatch],
+    layouts: Sequence[tuple[SourceLayout, DestinationLayout]],
+    destinations: Mapping[str, Destination],
+    *,
+    d_rank: int,
+    d_tp: int,
+    main_shared: bool = True,
+    memo: PlanMemo | None = None,
+    owner: object = None,
+) -> tuple[ReadPlan | None, list[Exception | None]]:
+    """``plan_reads`` for the layers of a layer run (the same read entries, contributor
+    position and destinations in every layer; ``layouts[i]`` is layer i's pair), as one
+    plan: every layer is checked on its own, and what fails is returned in its place
+    (``LayoutMismatch``, ``PlanningError``, or any other exception: a planner bug; None
+    for a layer in the plan). The block plan is derived once per layer shape, and the
+    descriptors of consecutive layers of one shape are built together (one array
+    operation for all of them, from each layer's base addresses)."""
+    errors: list[Exception | None] = []
+    parts: list[ReadPlan] = []
+    stack: list[Any] = []  # bases of consecutive layers with the same template and blocks
+    blocks: BlockPlan | None = None
+    shape: tuple[object, ...] | None = None
+    current: tuple[DescriptorTemplate, np.ndarray] | None = None
+
+    def flush() -> None:
+        if not stack or current is None or blocks is None:
+            return
+        template, built = current
+        n = len(stack)
+        local, remote, lengths = template.layers([b[0] for b in stack], [b[1] for b in stack])
+        parts.append(ReadPlan(local, remote, lengths, blocks.ext_ids, blocks.main.counts * n,
+                              blocks.index.counts * n, built * n,
+                              n * int(blocks.main.src.size + blocks.index.src.size), None,
+                              n * template.total_bytes))
+        stack.clear()
+
+    digests = bool(batches) and any(r.digests is not None for r in batches[0].read_reqs)
+    for batch, (src, dst) in zip(batches, layouts):
+        try:
+            pair = memo.pair(src, dst) if memo is not None else LayerPair.of(src, dst)
+            kind = pair.kind
+            if blocks is None or kind != shape:
+                flush()
+                blocks = _blocks_of(batch, pair, src, dst, destinations, d_rank, d_tp,
+                                    main_shared, memo, owner)
+                shape = kind
+            if digests:
+                flush()
+                parts.append(_plan_layer(batch, blocks, pair, src, dst, d_rank, d_tp,
+                                         main_shared))
+                errors.append(None)
+                continue
+            # What the checks and the template give for this block plan and layer pair
+            # (both fixed): derived once, kept with the block plan.
+            hit = blocks.templates.get((_LAYER, id(pair)))
+            if hit is None or hit[0] is not pair:
+                built = _checked(batch, blocks, pair, src)
+                template, bases = blocks.template(pair, batch.layer_name)
+                hit = (pair, built, template, bases, template.merges_seam(bases))
+                blocks.templates[(_LAYER, id(pair))] = hit
+            _, built, template, bases, merges = hit
+        except Exception as exc:  # the caller fails this layer alone
+            errors.append(exc)
+            continue
+        errors.append(None)
+        if current is None or current[0] is not template or current[1] is not built:
+            flush()
+            current = (template, built)
+        if merges:  # adjacent tensors: this layer on its own
+            flush()
+            local, remote, lengths = template.layer(*bases)
+            parts.append(ReadPlan(local, remote, lengths, blocks.ext_ids, blocks.main.counts,
+                                  blocks.index.counts, built,
+                                  int(blocks.main.src.size + blocks.index.src.size), None,
+                                  template.total_bytes))
+        else:
+            stack.append((bases[0], bases[1]))
+    flush()
+    return (merge_plans(parts) if parts else None), errors
+
+
+_LAYER = "layer"  # ``BlockPlan.templates`` key of a layer pair's checked template
+
+
+def _blocks_of(batch: ReadReadyBatch, pair: LayerPair, src: SourceLayout,
+               dst: DestinationLayout, destinations: Mapping[str, Destination], d_rank: int,
+               d_tp: int, main_shared: bool, memo: PlanMemo | None, owner: object) -> BlockPlan:
+    """The message's block plan: the memo's (``PlanMemo``) or derived now."""
     slices = pair.slices
-    layer = batch.layer_name
     reqs = batch.read_reqs
     dests = tuple(map(destinations.get, map(attrgetter("ext_req_id"), reqs)))
     has_main, has_indexer = bool(src.main), src.indexer is not None
@@ -521,8 +623,14 @@ def plan_reads(
                              head_split=slices is not None, group=dst.group)
         if memo is not None:
             memo.put(owner, key, dests, blocks)
-    main, index = blocks.main, blocks.index
+    return blocks
 
+
+def _checked(batch: ReadReadyBatch, blocks: BlockPlan, pair: LayerPair,
+             src: SourceLayout) -> np.ndarray:
+    """The layer's source checks; the descriptors built per request."""
+    layer, reqs = batch.layer_name, batch.read_reqs
+    main, index = blocks.main, blocks.index
     # The pair's limits first, as integers; the exact check names the block at fault.
     if main.src.size and main.src_hi >= pair.main_src_limit:
         _check_source(layer, "main", main, src.main, reqs)
@@ -530,12 +638,21 @@ def plan_reads(
         _check_source(
             layer, "indexer", index, [t for t in (src.indexer, src.scale) if t is not None],
             reqs)
-
     built, empty = blocks.built(len(src.main), 1 + (src.scale is not None))
     if empty is not None:
         raise PlanningError(layer, "this rank owns blocks but built no descriptor",
                             reqs[empty].ext_req_id)
+    return built
 
+
+def _plan_layer(batch: ReadReadyBatch, blocks: BlockPlan, pair: LayerPair, src: SourceLayout,
+                dst: DestinationLayout, d_rank: int, d_tp: int, main_shared: bool) -> ReadPlan:
+    """One layer's checks and descriptors from its block plan."""
+    slices = pair.slices
+    layer = batch.layer_name
+    reqs = batch.read_reqs
+    main, index = blocks.main, blocks.index
+    built = _checked(batch, blocks, pair, src)
     local, remote, lengths, nbytes = blocks.descriptors(pair, layer)
     checks = None
     if slices is None and any(r.digests is not None for r in reqs):  # head split: unchecked

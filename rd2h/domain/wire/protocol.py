@@ -54,6 +54,7 @@ _INT_ONLY = {int}
 _STR_ONLY = {str}
 _LIST_ONLY = {list}
 _FIVE_ONLY = {5}
+_FOUR_ONLY = {4}
 # The most significant byte of each item of a packed uint64 array.
 _PACKED_U64 = array("Q").itemsize == 8
 _TOP_BYTES = slice(7, None, 8) if sys.byteorder == "little" else slice(0, None, 8)
@@ -381,6 +382,9 @@ def _run_layers(value: Sequence[Any], layer_idx: int) -> tuple[RunLayer, ...]:
     if len(value) + 1 > MAX_RUN_LAYERS:
         raise ProtocolError(f"a layer run of {len(value) + 1} layers exceeds the limit of "
                             f"{MAX_RUN_LAYERS}", layer_idx)
+    fast = _plain_run_layers(value)
+    if fast is not None:
+        return fast
     out = []
     for item in value:
         parts = _seq(item, "run layer", layer_idx)
@@ -394,6 +398,24 @@ def _run_layers(value: Sequence[Any], layer_idx: int) -> tuple[RunLayer, ...]:
             tuple(_str(e, "run layer done id", layer_idx)
                   for e in _seq(parts[3], "run layer done ids", layer_idx))))
     return tuple(out)
+
+
+def _plain_run_layers(value: Sequence[Any]) -> tuple[RunLayer, ...] | None:
+    """Field 10 when every item is a plain, valid 4-field list (what rd2h sends), checked
+    column by column; None when anything differs (``_run_layers`` then names the fault)."""
+    if not value:
+        return ()
+    if set(map(type, value)) != _LIST_ONLY or set(map(len, value)) != _FOUR_ONLY:
+        return None
+    idxs, names, seqs, dones = zip(*value)
+    ints = idxs + seqs
+    if (set(map(type, ints)) != _INT_ONLY or min(ints) < 0 or max(ints) > MAX_WIRE_INT
+            or set(map(type, names)) != _STR_ONLY or set(map(type, dones)) != _LIST_ONLY):
+        return None
+    ids = list(chain.from_iterable(dones))
+    if ids and set(map(type, ids)) != _STR_ONLY:
+        return None
+    return tuple(map(RunLayer, idxs, names, seqs, map(tuple, dones)))
 
 
 def _answered_also(fields: Sequence[Any], index: int, layer_idx: int
