@@ -50,14 +50,17 @@ from rd2h.adapters.zmq.channel import (
 )
 from rd2h.app.decode import DecodeReceiver
 from rd2h.app.prefill import PrefillSender
+from rd2h.demo.faults import SlowTransfer
 from rd2h.domain.decode.request_book import StepOutcome
 from rd2h.domain.errors import LayerSendError
 from rd2h.domain.planning.layout import SourceLayout, TensorComponent
 from rd2h.domain.wire.protocol import (
     ACK,
+    FEATURE_LAYER_RUNS,
     MF_META,
     READ_READY_BATCH,
     Message,
+    MetaAck,
     MfMeta,
     ReadDone,
     ReadFailed,
@@ -878,3 +881,80 @@ def test_announcement_for_a_request_decode_forgot_is_skipped_and_leaves_nothing(
     assert d.receiver.stats.skipped == 1
     assert step(d.receiver).finished == frozenset()  # reported once
     assert_no_leaks(receivers=[d.receiver], senders=[p.sender])
+
+
+# ====================================================================== layer runs
+
+
+def _slow_decode(rig: Rig, shapes: Mapping[int, Shape], seconds: float) -> DSide:
+    """A Decode rank whose every batched read first waits ``seconds``: Prefill gets ahead."""
+    engine = rig.engine()
+    whole, bufs, dests = decode_memory(shapes, engine, None)
+    rig.keep.append(whole)
+    bound = rig.receiver(dests, SlowTransfer(engine, seconds))
+    return DSide(engine, whole, bufs, dests, bound.receiver, bound.endpoint)
+
+
+@pytest.mark.parametrize("max_layers", [64, 1])
+def test_layers_ready_while_decode_reads_go_as_one_layer_run(rig: Rig, max_layers: int) -> None:
+    """While two frames to a Decode that reads layer runs are unanswered, Prefill keeps
+    the next announcements and sends them together, in one frame: one batched read and
+    one reply on Decode for all of them, every byte landed. ``max_layers_per_frame: 1``
+    offers no runs: one layer per frame, as before."""
+    shapes = {i: FULL for i in range(8)}
+    d = _slow_decode(rig, shapes, 0.05)
+    p = rig.prefill(shapes, seed=3, settings={"limits": {"max_layers_per_frame": max_layers}})
+    assert p.sender is not None
+    a = Req("run-a", p_main=(5, 1, 6), p_idx=(2, 7, 0), d_main=(9, 3, 4), d_idx=(0, 7, 2))
+    assert d.receiver.admit(internal(a.ext), a.d_main, a.d_idx) == a.ext
+    events = CpuDeviceEvents()
+    for layer in shapes:
+        done = [a.ext] if layer == max(shapes) else []
+        p.sender.submit(layer, events.record(), targets(d.endpoint, [a.read()], done))
+    for layer in shapes:
+        p.sender.wait_for_layer_send(layer, WAIT)
+    out = step(d.receiver)
+    assert out.finished == {internal(a.ext)} and not out.failed
+    for layer in shapes:
+        assert_landed(p, d, layer, a.p_main, a.d_main, a.d_idx, a.p_index)
+    assert_untouched(d.bufs, rows_of(shapes, a.d_main, a.d_idx))
+    assert d.receiver.stats.layers_done == 8 and d.receiver.stats.layers_failed == 0
+    assert p.sender.stats.layers_sent == 8 and p.sender.stats.layers_failed == 0
+    if max_layers == 1:
+        assert p.sender.stats.frames_sent == 8
+    else:  # at most two frames went before the first reply; the rest waited and went as one
+        assert p.sender.stats.frames_sent <= 3
+    assert_no_leaks(receivers=[d.receiver], senders=[p.sender])
+
+
+def test_a_decode_that_does_not_read_layer_runs_gets_one_layer_per_frame(rig: Rig) -> None:
+    """An older Decode (or the original implementation) acknowledges MF_META without the
+    layer-runs flag: every READ_READY_BATCH then carries one layer, none is held back,
+    and its one-layer replies answer them."""
+    shapes = {i: FULL for i in range(6)}
+    p = rig.prefill(shapes, seed=4)
+    assert p.sender is not None
+    router = zmq.Context.instance().socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    port = free_port()
+    router.bind(f"tcp://{HOST}:{port}")
+    endpoint = f"tcp://{HOST}:{port}"
+    try:
+        events = CpuDeviceEvents()
+        for layer in shapes:
+            p.sender.submit(layer, events.record(), targets(endpoint, [read_req("x", (1, 2))]))
+        identity, meta = router_recv(router)
+        assert isinstance(meta, MfMeta) and meta.features == (FEATURE_LAYER_RUNS,)
+        router_reply(router, identity, CODEC.encode(MetaAck(5)))  # no flag byte
+        seen = []
+        while len(seen) < len(shapes):
+            identity, msg = router_recv(router)
+            assert isinstance(msg, ReadReadyBatch) and msg.also == ()
+            seen.append(msg.layer_idx)
+            router_reply(router, identity, CODEC.encode(ReadDone(msg.layer_idx, msg.seq)))
+        assert sorted(seen) == list(shapes)
+        for layer in shapes:
+            p.sender.wait_for_layer_send(layer, WAIT)
+        assert p.sender.stats.frames_sent == len(shapes) and p.sender.stats.layers_failed == 0
+    finally:
+        router.close(0)
