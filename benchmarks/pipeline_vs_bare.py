@@ -126,6 +126,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--case", action="append", choices=sorted(CASES),
                     help="run only this case (repeatable)")
     ap.add_argument("--json", action="store_true", help="one JSON object on stdout")
+    ap.add_argument("--layers-per-frame", type=int, default=64, metavar="N",
+                    help="layer runs: at most N layers per READ_READY_BATCH (1: one layer "
+                    "per frame; default 64)")
     args = ap.parse_args(argv)
     out: dict[str, Any] = {}
     failed = False
@@ -136,7 +139,8 @@ def main(argv: list[str] | None = None) -> int:
             if not args.json:
                 print(f"\n== {case}: skipped, Mooncake is not importable here ({why})")
             continue
-        res = run_demo(replace(cfg, rounds=args.rounds), progress=False)
+        res = run_demo(replace(cfg, rounds=args.rounds,
+                               max_layers_per_frame=args.layers_per_frame), progress=False)
         met = _met(case, res)
         failed |= not res.verified
         row = {k: v for k, v in asdict(res).items() if k not in ("outcomes", "deadlines")}

@@ -44,6 +44,10 @@ def add_demo_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--shared-buffers", type=int, default=d.shared_buffers, metavar="K",
                    help="Prefill writes layer L into physical buffer L mod K after waiting on "
                         "its reuse gate (0 = one buffer per layer)")
+    p.add_argument("--layers-per-frame", type=int, default=d.max_layers_per_frame,
+                   metavar="N",
+                   help="layer runs: at most N layers in one READ_READY_BATCH while Decode "
+                        "is behind (1: one layer per frame; default %(default)s)")
     p.add_argument("--verify-kv", action="store_true",
                    help="Prefill states an XXH3 digest of every announced block and Decode "
                         "checks what it read (verify_kv): try it with --fault corrupt@rate=R")
@@ -146,7 +150,7 @@ def _run_demo(args: argparse.Namespace) -> int:
         faults=faults, request_timeout_s=args.request_timeout, verify_kv=args.verify_kv,
         layer_ack_timeout_s=args.layer_ack_timeout, meta_ack_timeout_s=args.meta_ack_timeout,
         exchange_timeout_s=args.exchange_timeout, rounds=args.rounds,
-        layer_compute_ms=args.layer_compute_ms,
+        layer_compute_ms=args.layer_compute_ms, max_layers_per_frame=args.layers_per_frame,
     )
     try:
         cfg.validate()

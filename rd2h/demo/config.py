@@ -67,6 +67,8 @@ class DemoConfig:
     # Each Prefill rank spends this long per layer (host idle, like a device computing)
     # before the layer is ready and announced.
     layer_compute_ms: float = 0.0
+    # Layer runs: at most this many layers in one READ_READY_BATCH (1: one per frame).
+    max_layers_per_frame: int = 64
 
     def validate(self) -> None:
         check_topology(self.prefill_tp, self.decode_tp)
@@ -101,6 +103,8 @@ class DemoConfig:
         if self.rounds > 1 and (self.faults or self.via_provider):
             raise ValueError("--rounds > 1 times the healthy direct path: it does not combine "
                              "with --fault or --via-provider")
+        if not 1 <= self.max_layers_per_frame <= 256:
+            raise ValueError("--layers-per-frame must be between 1 and 256")
         if not 0 <= self.layer_compute_ms <= 10_000:
             raise ValueError("--layer-compute-ms must be between 0 and 10000")
         for name, (_, flag) in DEADLINE_FLAGS.items():

@@ -61,7 +61,8 @@ def rank_settings(cfg: DemoConfig, role: str, rank: int, **place: Any) -> Rd2hSe
     return Rd2hSettings(
         role=role, tp_rank=rank, transport=cfg.transport, mooncake_protocol=cfg.mooncake_protocol,
         cma_threads=cfg.cma_threads, log_level=cfg.log_level, deadlines=cfg.deadlines(),
-        auth_secret=cfg.auth_secret, **place,
+        auth_secret=cfg.auth_secret,
+        limits={"max_layers_per_frame": cfg.max_layers_per_frame}, **place,
     )
 
 
