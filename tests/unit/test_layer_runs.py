@@ -223,3 +223,45 @@ def test_merged_plans_sum_each_requests_blocks() -> None:
     assert read.plan.ext_req_ids == ("a", "b")
     assert read.plan.main_blocks.tolist() == [6, 3]
     assert merge_plans([read.plan]) is read.plan
+
+
+# ---------------------------------------------------------------- Prefill's session
+
+
+def _prefill(layers: int = 4) -> Any:
+    from rd2h.domain.prefill.prefill_session import PrefillSession, PrefillTimeouts
+    return PrefillSession({n: SourceLayout(f"model.layers.{n}.attn",
+                                           (TensorComponent(0x1000 * (n + 1), 64),))
+                           for n in range(layers)},
+                          PrefillTimeouts(meta_ack_s=2.0, layer_ack_s=5.0, device_event_s=3.0))
+
+
+def _send(s: Any, layer: int, frame: int, awaits: bool = False) -> Any:
+    from rd2h.domain.prefill.announce import LayerTarget, group_batches
+    target = LayerTarget("A", ReadRequest("r", (0,), (0,), 0, 0), False, 0, 1, "r",
+                         awaits=awaits)
+    aid = s.announce(layer, group_batches(layer, s.layer_name(layer), [target]), 0.0)
+    (send,) = [o for o in s.event_done(aid, 0.1) if type(o).__name__ == "SendBatch"]
+    s.sent("A", aid, 0.2, frame)
+    return send
+
+
+def test_prefill_counts_frames_not_layers_and_only_where_decode_reads_runs() -> None:
+    s = _prefill()
+    s.prepare(["A"], 0.0)
+    s.ack_received("A", 0.0, 5, layer_runs=True)
+    assert s.layer_runs("A")
+    first = _send(s, 0, frame=1)
+    _send(s, 1, frame=2)
+    _send(s, 2, frame=2)  # a layer run: frame 2 carries layers 1 and 2
+    assert s.frames_on_wire("A") == 2
+    s.reply("A", ReadDone(0, first.batch.seq), 0.3)
+    assert s.frames_on_wire("A") == 1
+    # Layers naming requests Decode may not have admitted yet (parallel dispatch) may be
+    # kept there until it does: they never hold other layers back here.
+    _send(s, 3, frame=3, awaits=True)
+    assert s.frames_on_wire("A") == 1
+    # A new handshake (Decode restarted) asks again; an ACK without the flag says no.
+    s.prepare(["B"], 0.0)
+    s.ack_received("B", 0.0, 6)
+    assert not s.layer_runs("B") and not s.layer_runs("nowhere")

@@ -597,9 +597,10 @@ class DecodeSession:
             done_ids = lay.done_ext_ids
             if gone:
                 done_ids = tuple(e for e in done_ids if e not in gone)
-            try:
+            try:  # most layers of a chunk end no request: nothing to record
                 completed = self._book.record_done(
-                    done_ids, lay.group_member_idx, lay.tp_ratio, peer=peer, now=now)
+                    done_ids, lay.group_member_idx, lay.tp_ratio, peer=peer, now=now
+                ) if done_ids else []
             except ProtocolError as exc:
                 failed += self._fail_layers(peer, (lay,), exc.detail, now)
                 continue

@@ -304,11 +304,13 @@ class PrefillSession:
         return link is not None and link.state == LinkState.READY and link.layer_runs
 
     def frames_on_wire(self, endpoint: str) -> int:
-        """Frames sent to the endpoint whose layers are not all answered yet."""
+        """Frames sent to the endpoint whose layers are not all answered yet, except those
+        naming requests Decode may not have admitted (``awaits``: Decode may keep them
+        until it does, and other requests' layers must not wait behind them here)."""
         link = self._links.get(endpoint)
         if link is None:
             return 0
-        return len({e.frame for e in link.inflight if e.on_wire})
+        return len({e.frame for e in link.inflight if e.on_wire and not e.batch.awaits})
 
     def gate(self, layer_idx: int) -> GateState:
         return self._gates.state(layer_idx)
