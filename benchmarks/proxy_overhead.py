@@ -72,13 +72,13 @@ def free_port() -> int:
 class Engines:
     """The fake engines on a uvloop thread of this process."""
 
-    def __init__(self, instances: int) -> None:
+    def __init__(self, instances: int, tokens: int = 2, token_gap_s: float = 0.0) -> None:
         import uvicorn
         import uvloop
 
         self.loop = uvloop.new_event_loop()
         threading.Thread(target=self.loop.run_forever, daemon=True).start()
-        self.fake = FakeEngines()
+        self.fake = FakeEngines(tokens, token_gap_s)
         self.servers: list[Any] = []
         self.urls: dict[str, list[str]] = {"prefill": [], "decode": []}
         for leg, app in (("prefill", self.fake.prefill), ("decode", self.fake.decode)):
@@ -185,10 +185,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=3, help="runs per configuration")
     ap.add_argument("--config", action="append", choices=list(CONFIGS),
                     help="configurations to run (repeatable; default: all)")
+    ap.add_argument("--tokens", type=int, default=2,
+                    help="events in each streamed answer, before [DONE]")
+    ap.add_argument("--token-gap-ms", type=float, default=0.0,
+                    help="the fake Decode sends each event on its own after this pause, as "
+                         "an engine's decode steps do (0: the whole answer at once)")
     ap.add_argument("--json", action="store_true", help="print the raw figures as JSON")
     args = ap.parse_args(argv)
     names = args.config or list(CONFIGS)
-    engines = Engines(instances=2)
+    if args.tokens < 1 or args.token_gap_ms < 0:
+        ap.error("--tokens must be positive and --token-gap-ms at least 0")
+    engines = Engines(instances=2, tokens=args.tokens, token_gap_s=args.token_gap_ms / 1e3)
     runs: dict[str, list[dict[str, float]]] = {n: [] for n in names}
     try:
         for rnd in range(args.rounds):

@@ -28,15 +28,20 @@ def contact(request_id: str) -> dict[str, Any]:
             "remote_cached_tokens": 0}
 
 
-def sse(request_id: str) -> list[str]:
-    return [*(f"data: {json.dumps({'id': request_id, 'delta': t})}\n\n" for t in "ab"),
+def sse(request_id: str, tokens: int = 2) -> list[str]:
+    return [*(f"data: {json.dumps({'id': request_id, 'delta': chr(97 + i % 26)})}\n\n"
+              for i in range(tokens)),
             "data: [DONE]\n\n"]
 
 
 class FakeEngines:
     """A fake Decode and a fake Prefill engine; they share this object's event loop."""
 
-    def __init__(self) -> None:
+    def __init__(self, tokens: int = 2, token_gap_s: float = 0.0) -> None:
+        """``tokens``: events a streamed answer carries before ``[DONE]``; with
+        ``token_gap_s``, each is sent on its own after that pause (as an engine's decode
+        steps produce them), else all at once."""
+        self.tokens, self.token_gap_s = tokens, token_gap_s
         self.kv: dict[str, asyncio.Event] = {}
         self.prefill_rids: list[str] = []
         self.decode_rids: list[str] = []
@@ -70,7 +75,16 @@ class FakeEngines:
                 r.raise_for_status()
             await asyncio.wait_for(self.kv_event(rid).wait(), 30.0)
             if body.get("stream"):
-                return StreamingResponse(iter(sse(ids[0])), media_type="text/event-stream")
+                events = sse(ids[0], self.tokens)
+                if not self.token_gap_s:
+                    return StreamingResponse(iter(events), media_type="text/event-stream")
+
+                async def paced() -> Any:
+                    for event in events:
+                        await asyncio.sleep(self.token_gap_s)
+                        yield event
+
+                return StreamingResponse(paced(), media_type="text/event-stream")
             return JSONResponse({"id": ids[0], "choices": [
                 {"index": i, "text": f"decoded {i}"} for i in range(len(ids))]})
 
