@@ -15,7 +15,8 @@ idle CPU of every process group over 5 s, then run each case (prompt length x
 concurrency: random prompts, ``--ignore-eos``, greedy, the same seed, so the same
 prompts for every target), record TTFT p50/p99 and throughput, check every generated
 text against the plain engine's, the proxy's pending requests and error-level log
-lines; for rd2h, ``rd2h timeline``'s pull overlap: the share of each request's bytes
+lines, the CPU each process group (an engine with its engine core, the proxy) spent
+per completed request; for rd2h, ``rd2h timeline``'s pull overlap: the share of each request's bytes
 that Decode had read when Prefill's last layer of the prompt was ready.
 
 The default model is the KV-heavy tiny Llama (``rd2h.demo.tiny_model.KV_HEAVY``: 16 KiB
@@ -255,12 +256,20 @@ def one_round(args, model: Path, run: Path, name: str, rnd: int) -> dict[str, An
             label = f"{name}-L{case[0]}"
             progress(f"round {rnd} {name}: {case[0]} tokens x concurrency {case[1]} "
                      f"({case[2]} prompts)")
+            groups = {k: p.proc.pid for k, p in procs.items() if p.proc is not None}
+            cpu0 = {k: sp.group_cpu_s(g) for k, g in groups.items()}
             result, t0, t1 = bench(args, url, model, case, label, folder)
+            cpu = {k: sp.group_cpu_s(g) - cpu0[k] for k, g in groups.items()}
             res = {"input_len": case[0], "concurrency": case[1], "prompts": case[2],
                    "figures": sp._figures(result, case[2]),
                    "texts": result.get("generated_texts") or [],
                    "error_lines": {k: p.error_lines(offsets[k]) for k, p in procs.items()},
-                   "window": [t0, t1]}
+                   "window": [t0, t1],
+                   # CPU per completed request of each process group (an engine with its
+                   # engine-core child, the proxy), over the benchmark's whole run
+                   "cpu_ms_per_request": {
+                       k: round(v * 1e3 / max(1, result.get("completed") or 0), 2)
+                       for k, v in cpu.items()}}
             if "proxy" in procs:
                 res["pending"] = svp.pending(procs["proxy"])
             if name in RD2H:
@@ -344,6 +353,8 @@ def summarize(args, rounds: list[dict[str, Any]]) -> dict[str, Any]:
                 "pending": [c.get("pending") for c in runs if "pending" in c],
                 "error_lines": sum(len(v) for c in runs for v in c["error_lines"].values()),
             }
+            t["cpu_ms_per_request"] = _med_dict([c.get("cpu_ms_per_request") or {}
+                                                 for c in runs])
             overlaps = [(c.get("timeline") or {}).get("json") or {} for c in runs]
             overlaps = [o.get("pull_overlap") for o in overlaps if o.get("pull_overlap")]
             if overlaps:
@@ -440,6 +451,11 @@ def render(summary: dict[str, Any]) -> str:
                          f"{_fmt(t['ttft_p50_ms'], '{:.0f}'):>24}"
                          f"{_fmt(t['ttft_p99_ms'], '{:.0f}'):>24}{diff:>11}"
                          f"{t['outputs_equal']:>6}/{t['outputs_total']:<3}{t['failed']:>8}")
+            if t.get("cpu_ms_per_request"):
+                cpu = t["cpu_ms_per_request"]
+                lines.append(f"{'':14}CPU ms per request (median): "
+                             + ", ".join(f"{k} {v:.1f}" for k, v in cpu.items())
+                             + f"; all {sum(cpu.values()):.1f}")
             if "pull_before_last_p50" in t:
                 lines.append(f"{'':14}rd2h pull before Prefill's last layer: p50 "
                              f"{_fmt(t['pull_before_last_p50'], '{:.3f}')} of the bytes, "
