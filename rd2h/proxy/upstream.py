@@ -41,16 +41,12 @@ from __future__ import annotations
 
 import http.cookiejar
 import time
-import urllib.request
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
 import anyio
-import httpcore
 import httpx
-
-from rd2h.proxy.netbackend import AsyncioBackend
 
 STALE = "stale_connection"
 CONNECT = "connect"
@@ -138,26 +134,6 @@ class UpstreamError(Exception):
 POOL_SHARD_SIZE = 8
 
 
-class _AsyncioTransport(httpx.AsyncHTTPTransport):
-    """httpx's transport with its connection pool on ``AsyncioBackend`` (plain http)."""
-
-    def __init__(self, limits: httpx.Limits) -> None:
-        super().__init__(limits=limits)
-        self._pool = httpcore.AsyncConnectionPool(
-            max_connections=limits.max_connections,
-            max_keepalive_connections=limits.max_keepalive_connections,
-            keepalive_expiry=limits.keepalive_expiry,
-            network_backend=AsyncioBackend(),
-        )
-
-
-def _env_proxy() -> bool:
-    """Whether the environment names a proxy for http (httpx then routes through it,
-    and the default transport keeps doing so)."""
-    proxies = urllib.request.getproxies()
-    return "http" in proxies or "all" in proxies
-
-
 class _NoCookies(http.cookiejar.CookieJar):
     """Keeps no cookie: what an engine sets is never stored and sent along with other
     clients' requests (nor parsed, on every response)."""
@@ -169,12 +145,8 @@ class _NoCookies(http.cookiejar.CookieJar):
         return None
 
 
-def _client(scheme: str, transport: httpx.AsyncBaseTransport | None, timeout: httpx.Timeout,
+def _client(transport: httpx.AsyncBaseTransport | None, timeout: httpx.Timeout,
             limits: httpx.Limits) -> httpx.AsyncClient:
-    """A client for engines of ``scheme``: plain http on ``AsyncioBackend`` unless a
-    transport is given (tests) or the environment names an http proxy."""
-    if transport is None and scheme == "http" and not _env_proxy():
-        transport = _AsyncioTransport(limits)
     return httpx.AsyncClient(transport=transport, timeout=timeout, limits=limits,
                              cookies=_NoCookies())
 
@@ -186,8 +158,7 @@ class _Shard:
 
 
 class Upstream:
-    """The pooled httpx clients to the engines and the fresh-connection ones (plain
-    http engines on ``netbackend.AsyncioBackend``).
+    """The pooled httpx clients to the engines and the fresh-connection one.
 
     A response sent with ``stream=True`` must be closed with ``close``.
     """
@@ -205,8 +176,8 @@ class Upstream:
         self._transport = transport
         self._shards: dict[tuple[str, str], list[_Shard]] = {}
         self._streaming: dict[int, _Shard] = {}  # id(response) -> its shard
-        # Never keeps a connection: per scheme (plain http on AsyncioBackend).
-        self._fresh: dict[str, httpx.AsyncClient] = {}
+        self.fresh = _client(transport, self._timeout, httpx.Limits(
+            max_connections=None, max_keepalive_connections=0))
 
     def _shard(self, url: str) -> _Shard:
         """The first pool of ``url``'s engine with room, a new one if none has."""
@@ -218,7 +189,7 @@ class Upstream:
         # No cap on connections: the clients bound the concurrency, and a cap would
         # queue client requests behind each other.
         shard = _Shard(_client(
-            parts.scheme, self._transport, self._timeout,
+            self._transport, self._timeout,
             httpx.Limits(max_connections=None, max_keepalive_connections=64,
                          keepalive_expiry=self._keepalive_expiry_s),
         ))
@@ -243,7 +214,7 @@ class Upstream:
         """
         trace = AttemptTrace() if trace is None else trace
         shard = None if fresh else self._shard(url)
-        client = self._fresh_client(url) if shard is None else shard.client
+        client = self.fresh if shard is None else shard.client
         request = client.build_request(method, url, extensions={"trace": trace}, **kw)
         if shard is not None:
             shard.busy += 1
@@ -266,15 +237,6 @@ class Upstream:
                 shard.busy -= 1
         return response
 
-    def _fresh_client(self, url: str) -> httpx.AsyncClient:
-        scheme = urlsplit(url).scheme
-        client = self._fresh.get(scheme)
-        if client is None:
-            client = self._fresh[scheme] = _client(
-                scheme, self._transport, self._timeout,
-                httpx.Limits(max_connections=None, max_keepalive_connections=0))
-        return client
-
     async def close(self, response: httpx.Response) -> None:
         """Close a streamed response (its connection goes back to its pool)."""
         shard = self._streaming.pop(id(response), None)
@@ -289,5 +251,5 @@ class Upstream:
 
     async def aclose(self) -> None:
         clients = [s.client for shards in self._shards.values() for s in shards]
-        for client in [*clients, *self._fresh.values()]:
+        for client in [*clients, self.fresh]:
             await client.aclose()

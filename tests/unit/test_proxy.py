@@ -1037,3 +1037,22 @@ def test_parallel_dispatch_is_validated_and_off_by_default() -> None:
     with pytest.raises(ValueError, match="dispatch must be one of"):
         ProxyConfig(prefill=("http://p:1",), decode=("http://d:2",), public_url=PROXY,
                     dispatch="both")
+
+
+def test_upstream_keeps_no_cookie_an_engine_sets() -> None:
+    seen: list[str | None] = []
+
+    def engine(request: httpx.Request) -> httpx.Response:
+        seen.append(request.headers.get("cookie"))
+        return httpx.Response(200, headers={"set-cookie": "session=client-a; Path=/"})
+
+    async def scenario() -> None:
+        upstream = Upstream(connect_timeout_s=1, read_timeout_s=1, keepalive_expiry_s=1,
+                            transport=httpx.MockTransport(engine))
+        for fresh in (False, False, True, True):
+            await upstream.send("POST", "http://e:1/v1/completions", json={}, fresh=fresh)
+        await upstream.aclose()
+
+    asyncio.run(scenario())
+    # httpx's default jar would send client A's session with every later request.
+    assert seen == [None] * 4
