@@ -114,8 +114,10 @@ def probes_seen(fake: FakeEngines) -> int:
     return fake.health_probes
 
 
-async def load(url: str, requests: int, concurrency: int, tag: str) -> list[float]:
-    """``requests`` streamed completions at ``concurrency``; their latencies (s)."""
+async def load(url: str, requests: int, concurrency: int, tag: str, events: int
+               ) -> list[float]:
+    """``requests`` streamed completions at ``concurrency``, each checked to carry
+    ``events`` SSE events (``[DONE]`` included); their latencies (s)."""
     latencies: list[float] = []
     queue: asyncio.Queue[int] = asyncio.Queue()
     for i in range(requests):
@@ -131,8 +133,10 @@ async def load(url: str, requests: int, concurrency: int, tag: str) -> list[floa
                 async with client.stream("POST", url + "/v1/completions", json=body) as r:
                     if r.status_code != 200:
                         raise SystemExit(f"request {i} answered {r.status_code}")
-                    async for _ in r.aiter_bytes():
-                        pass
+                    body = b"".join([part async for part in r.aiter_bytes()])
+                if body.count(b"data: ") != events or not body.endswith(b"data: [DONE]\n\n"):
+                    raise SystemExit(f"request {i}: {body.count(b'data: ')} events relayed, "
+                                     f"{events} sent")
                 latencies.append(time.perf_counter() - t0)
 
         await asyncio.gather(*(worker() for _ in range(concurrency)))
@@ -160,9 +164,11 @@ def run_config(name: str, flags: list[str], engines: Engines, args: argparse.Nam
                 raise SystemExit(f"the proxy ({name}) did not start: "
                                  f"{proxy.stderr.read() if proxy.stderr else ''}")
             time.sleep(0.05)
-        asyncio.run(load(url, max(8, args.requests // 10), args.concurrency, f"{tag}-warm"))
+        events = args.tokens + 1
+        asyncio.run(load(url, max(8, args.requests // 10), args.concurrency, f"{tag}-warm",
+                         events))
         c0, p0, t0 = proc_cpu_s(proxy.pid), probes_seen(engines.fake), time.perf_counter()
-        latencies = asyncio.run(load(url, args.requests, args.concurrency, tag))
+        latencies = asyncio.run(load(url, args.requests, args.concurrency, tag, events))
         wall = time.perf_counter() - t0
         cpu, probes = proc_cpu_s(proxy.pid) - c0, probes_seen(engines.fake) - p0
     finally:
