@@ -31,8 +31,10 @@ class DeviceEvent(Protocol):
 
 
 class DeviceEvents(Protocol):
-    def record(self) -> DeviceEvent:
-        """Record an event after the work queued so far (e.g. a layer's KV scatter)."""
+    def record(self) -> DeviceEvent | None:
+        """Record an event after the work queued so far (e.g. a layer's KV scatter);
+        None where that work is complete when this is called (CPU tensors): the sender
+        then announces the layer without handing it to its event-waiting thread."""
         ...
 
 

@@ -6,16 +6,13 @@ import time
 from typing import Any
 
 
-class CompletedEvent:
-    """CPU tensors: the scatter is complete when the call returns."""
-
-    def wait(self, timeout: float) -> bool:
-        return True
-
-
 class CpuDeviceEvents:
-    def record(self) -> CompletedEvent:
-        return CompletedEvent()
+    """CPU tensors: the scatter is complete when the call returns, so there is nothing
+    to wait for (None: the sender announces the layer at once, with no hand-off to its
+    event-waiting thread)."""
+
+    def record(self) -> None:
+        return None
 
 
 class NpuEvent:
