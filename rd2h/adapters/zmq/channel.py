@@ -71,6 +71,7 @@ _MORE_NOBLOCK = int(zmq.NOBLOCK | zmq.SNDMORE)
 # handling and the zero-copy threshold (replies are far below it); once per frame.
 _send = zmq.backend.Socket.send
 _DRAIN_PERIOD_S = 0.02  # how long the loop may be away before libzmq's input is drained
+_DRAIN_IDLE_S = 1.0  # the drain thread's longest sleep while the loop reads (bounds it)
 _DRAIN_CHUNK = 64  # messages drained per hold of the lock (a reply waits at most this)
 _CATCH_UP = 256  # messages the loop moves from libzmq into the inbox per take, at most
 _DRAIN_STOP_S = 2.0
@@ -173,6 +174,10 @@ class ZmqControlServer:
         self._away_since = time.monotonic()
         self._caught_up_at = self._away_since  # the loop's last move into the inbox
         self._stopping = threading.Event()
+        # Set while the loop is away (out of ``recv``): the drain thread sleeps without
+        # waking while the loop reads the socket itself (an idle Decode: no wake-ups).
+        self._away = threading.Event()
+        self._away.set()
         self._drainer = threading.Thread(target=self._drain_loop, daemon=True,
                                          name=f"rd2h-zmq-drain-{port}")
         self._drainer.start()
@@ -244,11 +249,15 @@ class ZmqControlServer:
         return False
 
     def _drain_loop(self) -> None:
-        """Every ``_DRAIN_PERIOD_S``: when the loop has been away about that long, move
-        what libzmq holds into the inbox (a chunk per hold of the lock, so the loop's
-        replies interleave)."""
+        """While the loop is away, every ``_DRAIN_PERIOD_S``: when it has been away about
+        that long, move what libzmq holds into the inbox (a chunk per hold of the lock, so
+        the loop's replies interleave). While the loop reads, this thread sleeps."""
         try:
-            while not self._stopping.wait(_DRAIN_PERIOD_S):
+            while not self._stopping.is_set():
+                if not self._away.wait(_DRAIN_IDLE_S):
+                    continue  # the loop is in ``recv`` (bounded, to see ``_stopping``)
+                if self._stopping.wait(_DRAIN_PERIOD_S):
+                    break
                 drained = False
                 while not drained and not self._stopping.is_set():
                     with self._lock:
@@ -298,6 +307,7 @@ class ZmqControlServer:
         deadline = time.monotonic() + max(0.0, timeout)
         with self._lock:
             self._reading = True
+            self._away.clear()
         try:
             while True:
                 with self._lock:
@@ -319,6 +329,7 @@ class ZmqControlServer:
             with self._lock:
                 self._reading = False
                 self._away_since = time.monotonic()
+                self._away.set()
 
     def wake(self) -> None:
         """Make a concurrent or the next ``recv`` return None at once. Thread-safe."""
@@ -373,6 +384,7 @@ class ZmqControlServer:
     def close(self) -> None:
         """Stop the drain thread (bounded), then close the monitor and the socket."""
         self._stopping.set()
+        self._away.set()  # a drain thread asleep while the loop reads wakes now
         self._drainer.join(_DRAIN_STOP_S)
         with self._lock:
             if self._sock is not None and not self._sock.closed:
