@@ -117,6 +117,10 @@ class PrefillWorker(ConnectorRole):
         self._stop_timeout = stop_timeout_s
         self._sends: tuple[PrefillSend, ...] = ()
         self._dispatched: set[int] = set()
+        # This step's targets per (KV cache group, state layer, last layer): every layer
+        # of a kind announces the same blocks to the same endpoints (without digests).
+        self._step_targets: dict[tuple[int | None, bool, bool],
+                                 tuple[list[LayerTarget], dict[str, list[tuple[str, str]]]]] = {}
         self._requests = sender.requests  # the session's request book
         self.layers_announced = 0
         self.requests_settled = 0
@@ -158,6 +162,7 @@ class PrefillWorker(ConnectorRole):
         self._report(self._requests.take_news())
         self._sends = tuple(s for s in sends if s.internal_id in kept)
         self._dispatched.clear()
+        self._step_targets.clear()
 
     def wait_for_layer_reuse(self, layer_idx: int) -> None:
         """Block until layer ``layer_idx``'s buffer may be written again (spec 11)."""
@@ -193,10 +198,28 @@ class PrefillWorker(ConnectorRole):
         self._dispatched.add(idx)
         if not self._sends:
             return
-        targets = []
-        names: dict[str, list[tuple[str, str]]] = {}
         group = self._layer_groups.get(idx)
-        state = idx in self._state_layers
+        key = (group, idx in self._state_layers, idx == self._last_layer)
+        known = self._step_targets.get(key)
+        if known is None:
+            known = self._targets(idx, group, key[1])
+            if self._digest is None:  # digests differ per layer: built for each
+                self._step_targets[key] = known
+        targets, names = known
+        if not targets:
+            return
+        final = [s.internal_id for s in self._sends if s.final] if idx == self._last_layer else []
+        try:
+            self._sender.submit(idx, self._events.record(), targets, names, final)
+        finally:
+            self._report(self._requests.take_news())
+        self.layers_announced += 1
+
+    def _targets(self, idx: int, group: int | None, state: bool
+                 ) -> tuple[list[LayerTarget], dict[str, list[tuple[str, str]]]]:
+        """Layer ``idx``'s announcement of this step's sends, per Decode endpoint."""
+        targets: list[LayerTarget] = []
+        names: dict[str, list[tuple[str, str]]] = {}
         for s in self._sends:
             m = compute_mapping(self._p_tp, s.decode.tp_size, self._p_rank)
             req = _read_request(s, group, state)
@@ -220,14 +243,7 @@ class PrefillWorker(ConnectorRole):
                 targets.append(LayerTarget(endpoint, ask, done, m.member, m.ratio, s.ext_id,
                                            s.awaits))
                 names.setdefault(endpoint, []).append((s.internal_id, s.ext_id))
-        if not targets:
-            return
-        final = [s.internal_id for s in self._sends if s.final] if idx == self._last_layer else []
-        try:
-            self._sender.submit(idx, self._events.record(), targets, names, final)
-        finally:
-            self._report(self._requests.take_news())
-        self.layers_announced += 1
+        return targets, names
 
     # -- preemption
     def handle_preemptions(self, plan: StepPlan) -> None:
