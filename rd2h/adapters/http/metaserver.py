@@ -158,7 +158,8 @@ class MetaserverClient:
             dropped = self._drop(jobs)
             if self.watcher is not None:
                 self.watcher.forget(request_id)
-            self._cond.notify_all()
+            if jobs:  # workers skip cancelled jobs; with none, nobody needs waking (this
+                self._cond.notify_all()  # runs for every finished request)
         if dropped:
             self._log.debug("metaserver posts cancelled", request=request_id, posts=dropped)
         return dropped
