@@ -121,9 +121,10 @@ class PrefillSender(LoopThread):
         layer_map = {lay.layer_name: lay.to_metadata() for lay in layers.values()}
         self._meta = MfMeta(p_session, layer_map, stated, secrets.randbits(63),
                             (FEATURE_LAYER_RUNS,) if max_layers_per_frame > 1 else ())
-        self._cond = threading.Condition()  # guards the session, the queues and the jobs
+        lock = threading.RLock()
+        self._cond = threading.Condition(lock)  # guards the session, the queues and the jobs
         self._events = DeviceEventWaiter(self._cond, clock, self._session.event_deadline,
-                                         self._interrupt)
+                                         self._interrupt, work=threading.Condition(lock))
         self._jobs: deque[_Handshake] = deque()
         self._sleeping = False  # the loop is (about to be) blocked in its poll: ``submit`` wakes it
         self._active: list[_Handshake] = []

@@ -28,8 +28,13 @@ class DeviceEventWaiter:
     sender's loop (thread-safe)."""
 
     def __init__(self, cond: threading.Condition, clock: Clock,
-                 deadline: Callable[[int], float | None], wake: Callable[[], None]) -> None:
+                 deadline: Callable[[int], float | None], wake: Callable[[], None],
+                 work: threading.Condition | None = None) -> None:
         self._cond = cond
+        # What the helper sleeps on: a condition of its own on ``cond``'s lock, so that
+        # the sender's other notifications (one per loop pass) do not wake it for
+        # nothing; ``cond`` itself when not given.
+        self._work = work or cond
         self._clock = clock
         self._deadline = deadline
         self._wake = wake
@@ -47,7 +52,7 @@ class DeviceEventWaiter:
             self._done.append(aid)
         else:
             self._queue.append((aid, event))
-            self._cond.notify_all()
+            self._work.notify_all()
 
     def take_done(self) -> list[int]:
         """The announcements whose event completed since the last call, in order;
@@ -72,12 +77,14 @@ class DeviceEventWaiter:
         self._queue.clear()
         self._done.clear()
         self._cond.notify_all()
+        if self._work is not self._cond:
+            self._work.notify_all()
 
     def _run(self) -> None:
         while True:
             with self._cond:
                 while not self._queue and not self._closed:
-                    self._cond.wait(_IDLE_WAIT_S)  # work and close() notify; bounded anyway
+                    self._work.wait(_IDLE_WAIT_S)  # work and close() notify; bounded anyway
                 if self._closed:
                     return
                 aid, event = self._queue[0]

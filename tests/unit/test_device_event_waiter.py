@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 import time
+from pathlib import Path
 
 from rd2h.adapters.torch.events import CpuDeviceEvents
 from rd2h.app.clock import MonotonicClock
@@ -64,4 +65,47 @@ def test_a_real_event_keeps_order_and_a_later_cpu_layer_waits_behind_it() -> Non
         time.sleep(0.01)
     assert done == [0, 1]
     with cond:
+        waiter.close()
+
+
+def _switches(tid: int) -> int:
+    """The thread's voluntary context switches (each sleep it woke from)."""
+    for line in Path(f"/proc/self/task/{tid}/status").read_text().splitlines():
+        if line.startswith("voluntary_ctxt_switches:"):
+            return int(line.split()[1])
+    raise AssertionError("no voluntary_ctxt_switches")
+
+
+def _helper(name: str) -> threading.Thread:
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        for t in threading.enumerate():
+            if t.name == name:
+                return t
+        time.sleep(0.005)
+    raise AssertionError(f"no thread {name}")
+
+
+def test_the_senders_own_notifications_do_not_wake_the_helper() -> None:
+    """The helper sleeps on a condition of its own (the sender's lock): the sender's
+    loop notifies ``cond`` once per pass, and that must not wake an idle helper."""
+    lock = threading.RLock()
+    cond = threading.Condition(lock)
+    woke = threading.Event()
+    waiter = DeviceEventWaiter(cond, MonotonicClock(), lambda aid: time.monotonic() + 5,
+                               woke.set, work=threading.Condition(lock))
+    waiter.start("test-events-own")
+    tid = _helper("test-events-own").native_id
+    time.sleep(0.05)  # asleep
+    before = _switches(tid)
+    for _ in range(50):
+        with cond:
+            cond.notify_all()
+        time.sleep(0.002)
+    assert _switches(tid) - before <= 2  # 50 with one condition for both
+    with cond:
+        waiter.add(0, _SlowEvent(0.01))  # real work still wakes it at once
+    assert woke.wait(2)
+    with cond:
+        assert waiter.take_done() == [0]
         waiter.close()
