@@ -12,6 +12,7 @@ import json
 import os
 import random
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -19,6 +20,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -444,3 +446,89 @@ def idle_cores(procs: list[Proc], seconds: float = 5.0) -> dict[str, float]:
     before = {k: group_cpu_s(g) for k, g in groups.items()}
     time.sleep(seconds)
     return {k: round((group_cpu_s(g) - before[k]) / seconds, 3) for k, g in groups.items()}
+
+
+# ---- CPU per thread (where an engine's CPU goes, by the thread that spent it)
+
+
+def _stat_fields(path: Path) -> list[str] | None:
+    try:
+        text = path.read_text()
+    except OSError:
+        return None
+    # the command name (field 2) may hold spaces and parentheses: split after the last ")"
+    return [text[text.index("(") + 1:text.rindex(")")], *text.rsplit(")", 1)[1].split()]
+
+
+ThreadCpu = dict[tuple[int, int], tuple[str, str, float]]
+
+
+def group_thread_cpu_s(pgid: int) -> ThreadCpu:
+    """CPU seconds (user + system) of every thread of the live processes in group
+    ``pgid``: {(pid, tid): (the process's OS name, the thread's, seconds)}."""
+    out: ThreadCpu = {}
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        f = _stat_fields(d / "stat")
+        if f is None or int(f[3]) != pgid:  # f[3]: pgrp (field 5)
+            continue
+        try:
+            tasks = list((d / "task").iterdir())
+        except OSError:
+            continue
+        for t in tasks:
+            tf = _stat_fields(t / "stat")
+            if tf is not None:
+                out[(int(d.name), int(t.name))] = (f[0], tf[0],
+                                                   (int(tf[12]) + int(tf[13])) / _CLK_TCK)
+    return out
+
+
+_PYSPY_THREAD = re.compile(r'^Thread (\d+) \([a-z]+\): "(.*)"$')
+
+
+def python_thread_names(pids: Iterable[int], timeout_s: float = 20.0) -> dict[int, str]:
+    """{tid: the Python thread's name} of ``pids``, read by ``py-spy dump`` (empty when
+    py-spy is missing or fails: the threads are then named by their OS name)."""
+    spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
+    names: dict[int, str] = {}
+    for pid in pids:
+        try:
+            out = subprocess.run([spy, "dump", "--pid", str(pid)], capture_output=True,
+                                 text=True, timeout=timeout_s).stdout
+        except (OSError, subprocess.SubprocessError):
+            continue
+        for line in out.splitlines():
+            m = _PYSPY_THREAD.match(line.strip())
+            if m:
+                names[int(m.group(1))] = m.group(2)
+    return names
+
+
+def _thread_label(proc_comm: str, pid: int, tid: int, comm: str,
+                  names: dict[int, str]) -> str:
+    """A thread's label: its process's part ("core" for vLLM's engine core, else "api"),
+    then its Python name (numbers that tell instances apart dropped), or its OS name."""
+    part = "core" if proc_comm.startswith("VLLM::EngineCor") else "api"
+    if tid in names:
+        name = names[tid] if tid != pid else "MainThread"
+        name = re.sub(r"([-_]\d+)+\b", "", re.sub(r"^Thread-\d+ ", "Thread ", name))
+    else:
+        name = "native:" + re.sub(r"\d+", "#", comm)
+    return f"{part} {name}"
+
+
+def thread_cpu_ms(before: ThreadCpu, after: ThreadCpu, names: dict[int, str],
+                  per: int) -> dict[str, float]:
+    """CPU ms per ``per`` (completed requests) spent by each kind of thread between two
+    ``group_thread_cpu_s`` readings, largest first (threads that ended in between are
+    not counted)."""
+    totals: dict[str, float] = {}
+    for (pid, tid), (proc_comm, comm, s) in after.items():
+        spent = s - (before[(pid, tid)][2] if (pid, tid) in before else 0.0)
+        if spent <= 0:
+            continue
+        label = _thread_label(proc_comm, pid, tid, comm, names)
+        totals[label] = totals.get(label, 0.0) + spent * 1e3 / max(1, per)
+    return {k: round(v, 2) for k, v in sorted(totals.items(), key=lambda kv: -kv[1])}

@@ -67,6 +67,7 @@ DEFAULT_WORKDIR = Path("/tmp/rd2h-bench-peers")
 DEFAULT_CASES = "128x8:64,512x1:8,512x4:8,2048x1:6,2048x4:8,4096x1:4,4096x4:8"
 CONNECTORS = ("rd2h", "rd2h-parallel", "nixl", "nixl-tuned", "mooncake")
 RD2H = ("rd2h", "rd2h-parallel")  # rd2h-parallel: its proxy runs --dispatch parallel
+THREAD_SHOWN_MS = 0.3  # threads below this CPU per request are left out of the printout
 # nixl-tuned: NIXL with its two CPU handicaps here switched off by benchmark-only shims
 # (``benchmarks/nixl_tuned/sitecustomize.py``, never rd2h): the worker's
 # ``os.sched_setaffinity`` call suppressed and the agent without a UCX progress thread.
@@ -124,6 +125,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--nixl-env", action="append", default=[], metavar="K=V",
                    help="environment for the NIXL engines, e.g. UCX_TLS=sm,self "
                         "(repeat for more)")
+    p.add_argument("--no-timeline", action="store_true",
+                   help="run rd2h without its per-request timeline (as deployed by default; "
+                   "the pull-overlap figure is then not printed)")
     p.add_argument("--skip-plain", action="store_true",
                    help="no plain-engine rounds (for sweeping a connector's settings; "
                         "outputs are then not compared)")
@@ -181,7 +185,7 @@ def targets(args, model: Path, run: Path, name: str) -> dict[str, sp.Proc]:
     if name == "plain":
         return {"plain": eng("engine", None)}
     if name in RD2H:
-        tl = {"RD2H_TIMELINE_DIR": str(folder / "timeline")}
+        tl = {} if args.no_timeline else {"RD2H_TIMELINE_DIR": str(folder / "timeline")}
         port = sp.quiet_ports(4)
         procs = {"prefill": eng("prefill", sp.rd2h_kv("kv_producer", port, args.rd2h_options),
                                 tl),
@@ -258,8 +262,12 @@ def one_round(args, model: Path, run: Path, name: str, rnd: int) -> dict[str, An
                      f"({case[2]} prompts)")
             groups = {k: p.proc.pid for k, p in procs.items() if p.proc is not None}
             cpu0 = {k: sp.group_cpu_s(g) for k, g in groups.items()}
+            thr0 = {k: sp.group_thread_cpu_s(g) for k, g in groups.items()}
             result, t0, t1 = bench(args, url, model, case, label, folder)
             cpu = {k: sp.group_cpu_s(g) - cpu0[k] for k, g in groups.items()}
+            thr1 = {k: sp.group_thread_cpu_s(g) for k, g in groups.items()}
+            done = result.get("completed") or 0
+            names = sp.python_thread_names({pid for t in thr1.values() for pid, _ in t})
             res = {"input_len": case[0], "concurrency": case[1], "prompts": case[2],
                    "figures": sp._figures(result, case[2]),
                    "texts": result.get("generated_texts") or [],
@@ -269,10 +277,13 @@ def one_round(args, model: Path, run: Path, name: str, rnd: int) -> dict[str, An
                    # engine-core child, the proxy), over the benchmark's whole run
                    "cpu_ms_per_request": {
                        k: round(v * 1e3 / max(1, result.get("completed") or 0), 2)
-                       for k, v in cpu.items()}}
+                       for k, v in cpu.items()},
+                   # the same by the thread that spent it (Python thread names by py-spy)
+                   "thread_cpu_ms_per_request": {
+                       k: sp.thread_cpu_ms(thr0[k], thr1[k], names, done) for k in groups}}
             if "proxy" in procs:
                 res["pending"] = svp.pending(procs["proxy"])
-            if name in RD2H:
+            if name in RD2H and not args.no_timeline:
                 res["timeline"] = svp.timeline(folder, t0, t1)
             out["cases"].append(res)
     except (RuntimeError, TimeoutError, OSError) as e:
@@ -355,6 +366,11 @@ def summarize(args, rounds: list[dict[str, Any]]) -> dict[str, Any]:
             }
             t["cpu_ms_per_request"] = _med_dict([c.get("cpu_ms_per_request") or {}
                                                  for c in runs])
+            by_thread = [c.get("thread_cpu_ms_per_request") or {} for c in runs]
+            t["thread_cpu_ms_per_request"] = {
+                g: dict(sorted(_med_dict([b.get(g) or {} for b in by_thread]).items(),
+                               key=lambda kv: -kv[1]))
+                for g in sorted({g for b in by_thread for g in b})}
             overlaps = [(c.get("timeline") or {}).get("json") or {} for c in runs]
             overlaps = [o.get("pull_overlap") for o in overlaps if o.get("pull_overlap")]
             if overlaps:
@@ -456,6 +472,11 @@ def render(summary: dict[str, Any]) -> str:
                 lines.append(f"{'':14}CPU ms per request (median): "
                              + ", ".join(f"{k} {v:.1f}" for k, v in cpu.items())
                              + f"; all {sum(cpu.values()):.1f}")
+            for group, threads in (t.get("thread_cpu_ms_per_request") or {}).items():
+                top = [(k, v) for k, v in threads.items() if v >= THREAD_SHOWN_MS]
+                if top:
+                    lines.append(f"{'':16}{group} by thread: "
+                                 + ", ".join(f"{k} {v:.1f}" for k, v in top))
             if "pull_before_last_p50" in t:
                 lines.append(f"{'':14}rd2h pull before Prefill's last layer: p50 "
                              f"{_fmt(t['pull_before_last_p50'], '{:.3f}')} of the bytes, "
