@@ -16,8 +16,12 @@ concurrency: random prompts, ``--ignore-eos``, greedy, the same seed, so the sam
 prompts for every target), record TTFT p50/p99 and throughput, check every generated
 text against the plain engine's, the proxy's pending requests and error-level log
 lines, the CPU each process group (an engine with its engine core, the proxy) spent
-per completed request; for rd2h, ``rd2h timeline``'s pull overlap: the share of each request's bytes
-that Decode had read when Prefill's last layer of the prompt was ready.
+per completed request, and the same split by thread (``/proc`` per task, named by py-spy as
+Python names them: vLLM's engine-core and API threads, rd2h's ``rd2h-decode`` and
+``rd2h-prefill-sender``, UCX's, gloo's); for rd2h, ``rd2h timeline``'s pull overlap: the
+share of each request's bytes that Decode had read when Prefill's last layer of the
+prompt was ready (``--no-timeline``: rd2h as deployed by default, without the timeline's
+per-request stamps, and no overlap figure).
 
 The default model is the KV-heavy tiny Llama (``rd2h.demo.tiny_model.KV_HEAVY``: 16 KiB
 of float32 KV per token, 64 MiB at 4,096 tokens), chunked prefill in 1,024-token steps,

@@ -55,6 +55,11 @@ def test_serving_vs_peers_smoke(tmp_path) -> None:
         share = rd["pull_before_last_p50"]["median"]
         assert 0 <= share < 1, rd  # the last layer is read after it was announced
         assert row["kv_mib_per_request"] > 0
+        # CPU by thread: the engine core's main thread (named by py-spy) did the work
+        threads = rd["thread_cpu_ms_per_request"]
+        assert set(threads) == {"prefill", "decode", "proxy"}, threads
+        assert threads["decode"]["core MainThread"] > 0, threads
+        assert threads["proxy"]["api MainThread"] > 0, threads
     # Two (or more) chunks: the first chunk's layers, half of the bytes, were read
     # while a later chunk was computed.
     assert rows[1]["targets"]["rd2h"]["pull_before_last_p50"]["median"] >= 0.5, rows[1]
@@ -63,3 +68,4 @@ def test_serving_vs_peers_smoke(tmp_path) -> None:
     assert set(idle["plain"]) == {"plain engine"}
     assert "== 256 prompt tokens x concurrency 2" in printed
     assert "rd2h pull before Prefill's last layer" in printed
+    assert "decode by thread: core MainThread" in printed
