@@ -485,7 +485,7 @@ def group_thread_cpu_s(pgid: int) -> ThreadCpu:
     return out
 
 
-_PYSPY_THREAD = re.compile(r'^Thread (\d+) \([a-z]+\): "(.*)"$')
+_PYSPY_THREAD = re.compile(r'^Thread (\d+) \([^)]*\): "(.*)"$')
 
 
 def python_thread_names(pids: Iterable[int], timeout_s: float = 20.0) -> dict[int, str]:
@@ -499,10 +499,18 @@ def python_thread_names(pids: Iterable[int], timeout_s: float = 20.0) -> dict[in
                                  text=True, timeout=timeout_s).stdout
         except (OSError, subprocess.SubprocessError):
             continue
-        for line in out.splitlines():
-            m = _PYSPY_THREAD.match(line.strip())
-            if m:
-                names[int(m.group(1))] = m.group(2)
+        names.update(parse_pyspy_threads(out))
+    return names
+
+
+def parse_pyspy_threads(dump: str) -> dict[int, str]:
+    """{tid: name} of the threads a ``py-spy dump`` lists (``Thread 123 (idle): "x"``,
+    also ``(active+gil)``; a thread py-spy shows by its pthread id in hex is left out)."""
+    names: dict[int, str] = {}
+    for line in dump.splitlines():
+        m = _PYSPY_THREAD.match(line.strip())
+        if m:
+            names[int(m.group(1))] = m.group(2)
     return names
 
 
