@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import threading
 import time
-from pathlib import Path
+
+from fakes.threads import voluntary_switches
 
 from rd2h.adapters.torch.events import CpuDeviceEvents
 from rd2h.app.clock import MonotonicClock
@@ -68,14 +69,6 @@ def test_a_real_event_keeps_order_and_a_later_cpu_layer_waits_behind_it() -> Non
         waiter.close()
 
 
-def _switches(tid: int) -> int:
-    """The thread's voluntary context switches (each sleep it woke from)."""
-    for line in Path(f"/proc/self/task/{tid}/status").read_text().splitlines():
-        if line.startswith("voluntary_ctxt_switches:"):
-            return int(line.split()[1])
-    raise AssertionError("no voluntary_ctxt_switches")
-
-
 def _helper(name: str) -> threading.Thread:
     deadline = time.monotonic() + 5
     while time.monotonic() < deadline:
@@ -97,12 +90,12 @@ def test_the_senders_own_notifications_do_not_wake_the_helper() -> None:
     waiter.start("test-events-own")
     tid = _helper("test-events-own").native_id
     time.sleep(0.05)  # asleep
-    before = _switches(tid)
+    before = voluntary_switches(tid)
     for _ in range(50):
         with cond:
             cond.notify_all()
         time.sleep(0.002)
-    assert _switches(tid) - before <= 2  # 50 with one condition for both
+    assert voluntary_switches(tid) - before <= 2  # 50 with one condition for both
     with cond:
         waiter.add(0, _SlowEvent(0.01))  # real work still wakes it at once
     assert woke.wait(2)

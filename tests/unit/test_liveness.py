@@ -8,12 +8,12 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
 from fakes.logs import RecordingLogger
 from fakes.net import wait_until
+from fakes.threads import voluntary_switches
 
 from rd2h.adapters.inproc import InprocTransferEngine
 from rd2h.adapters.msgpack import MsgpackCodec
@@ -452,13 +452,6 @@ def test_heartbeat_deadlines_are_validated_and_wired() -> None:
         clients.close()
 
 
-def _voluntary_switches(tid: int) -> int:
-    for line in Path(f"/proc/self/task/{tid}/status").read_text().splitlines():
-        if line.startswith("voluntary_ctxt_switches:"):
-            return int(line.split()[1])
-    raise AssertionError("no voluntary_ctxt_switches")
-
-
 def test_cpu_layers_leave_the_event_helper_asleep_while_the_sender_works() -> None:
     """On CPU a layer's event is None: the sender's loop notifies its condition on every
     pass, and its device-event helper, asleep on a condition of its own, stays asleep."""
@@ -471,13 +464,13 @@ def test_cpu_layers_leave_the_event_helper_asleep_while_the_sender_works() -> No
         assert len(helpers) == 1
         tid = helpers[0].native_id
         time.sleep(0.05)
-        start = _voluntary_switches(tid)
+        start = voluntary_switches(tid)
         for _ in range(20):
             sender.submit(0, None, _target("A"))
             assert clients.ready.get(timeout=WAIT)[0] == "A"
             clients.reply("A", ReadDone(0))
             sender.wait_for_layer_send(0, timeout=WAIT)
-        assert _voluntary_switches(tid) - start <= 2  # once per loop pass when shared
+        assert voluntary_switches(tid) - start <= 2  # once per loop pass when shared
         assert _clean(sender), sender.counters()
     finally:
         assert sender.stop(WAIT)
