@@ -280,7 +280,7 @@ def one_round(args, model: Path, run: Path, name: str, rnd: int) -> dict[str, An
                    # CPU per completed request of each process group (an engine with its
                    # engine-core child, the proxy), over the benchmark's whole run
                    "cpu_ms_per_request": {
-                       k: round(v * 1e3 / max(1, result.get("completed") or 0), 2)
+                       k: round(v * 1e3 / max(1, done), 2)
                        for k, v in cpu.items()},
                    # the same by the thread that spent it (Python thread names by py-spy)
                    "thread_cpu_ms_per_request": {
