@@ -126,6 +126,8 @@ class PrefillSender(LoopThread):
         self._events = DeviceEventWaiter(self._cond, clock, self._session.event_deadline,
                                          self._interrupt, work=threading.Condition(lock))
         self._jobs: deque[_Handshake] = deque()
+        # Held announcements (``submit(hold=True)``), in order, until ``release``.
+        self._holding: list[tuple[int, DeviceEvent | None]] = []
         self._sleeping = False  # the loop is (about to be) blocked in its poll: ``submit`` wakes it
         self._active: list[_Handshake] = []
         self._outbox: dict[str, deque[_Outgoing]] = {}
@@ -155,22 +157,60 @@ class PrefillSender(LoopThread):
         targets: Iterable[LayerTarget],
         named: Named | None = None,
         final: Iterable[str] = (),
+        *,
+        hold: bool = False,
     ) -> int:
         """Queue a layer's announcements; returns the number of endpoints targeted.
 
         ``named`` (per endpoint, the (request id, ext id) pairs it announces) and
         ``final``: the session's request book holds those requests until each
-        endpoint's entry ends (``requests``)."""
+        endpoint's entry ends (``requests``).
+
+        ``hold``: keep the announcements back (the loop is not woken) until ``release``
+        or a later ``submit`` without it, which send everything held first, in order:
+        layers announced together go in one frame to a Decode that reads layer runs.
+        The caller releases them when its forward ends; waiting on a layer's gate
+        (``wait_for_layer_send``), ``drain`` and ``stop`` release them too. A held
+        layer's entries exist at once: their deadlines run from here."""
         batches = group_batches(layer_idx, self._session.layer_name(layer_idx), targets)
         with self._cond:
             aid = self._session.announce(
                 layer_idx, batches, self._clock.now(), named, final,
                 refused=None if self.started else "prefill sender not started")
             if batches:
+                if hold:
+                    self._holding.append((aid, event))
+                    return len(batches)
+                self._unhold()
                 self._events.add(aid, event)
         if batches and self._clients is not None and self._sleeping:
             self._clients.wake()  # only a sleeping loop needs it (see ``_loop``)
         return len(batches)
+
+    def release(self) -> bool:
+        """Send the held announcements (``submit(hold=True)``) now; False: none held."""
+        if not self._holding:  # read without the lock: only the compute path adds to it
+            return False
+        with self._cond:
+            released = self._unhold()
+        if released and self._clients is not None and self._sleeping:
+            self._clients.wake()
+        return released
+
+    @property
+    def held(self) -> int:
+        """Layers held back by ``submit(hold=True)`` and not yet released."""
+        with self._cond:
+            return len(self._holding)
+
+    def _unhold(self) -> bool:
+        """Under the lock: hand the held announcements to the event waiter, in order."""
+        if not self._holding:
+            return False
+        for aid, event in self._holding:
+            self._events.add(aid, event)
+        self._holding.clear()
+        return True
 
     def prepare(self, endpoints: Iterable[str], timeout: float) -> dict[str, str]:
         """Connect to ``endpoints`` and exchange MF_META now, ahead of the first layer, so
@@ -197,6 +237,8 @@ class PrefillSender(LoopThread):
         with self._cond:
             while True:
                 state = self._session.gate(layer_idx)
+                if not state.open and self._unhold():  # it may wait on a held layer
+                    self._interrupt()
                 if state.open:
                     if state.error is not None:
                         raise LayerSendError(layer_idx, state.error)
@@ -222,6 +264,7 @@ class PrefillSender(LoopThread):
         """Wait until every queued announcement was processed and every layer resolved
         (acknowledged, failed or expired); False if ``timeout`` passed first."""
         deadline = self._clock.now() + timeout
+        self.release()
         with self._cond:
             while self._events.pending or not self._session.idle:
                 remaining = deadline - self._clock.now()
@@ -234,7 +277,7 @@ class PrefillSender(LoopThread):
         """Leak accounting: every value is 0 when no announcement is in flight."""
         with self._cond:
             out = self._session.counters()
-            out["queued_tasks"] = self._events.pending
+            out["queued_tasks"] = self._events.pending + len(self._holding)
             return out
 
     # ------------------------------------------------------------ sender thread
@@ -265,6 +308,7 @@ class PrefillSender(LoopThread):
                 failed = self._session.pending_layers
                 self._note(self._session.stop(reason))
                 self._events.close()
+                self._holding.clear()
                 for job in self._jobs:
                     job.errors.update(dict.fromkeys(job.endpoints, reason))
                     job.done.set()

@@ -232,6 +232,7 @@ class Container(containers.DeclarativeContainer):
         PrefillWorker, events=device_events, p_rank=config.tp_rank, p_tp=config.tp_size,
         clock=clock, log=logger, buffer_reuse=config.buffer_reuse,
         stop_timeout_s=deadlines.stop_s, timeline=timeline,
+        min_announce_bytes=limits.min_announce_bytes,
     )
     decode_scheduler = providers.Factory(
         DecodeScheduler, metaserver=metaserver, host=config.host, tp_size=config.tp_size,

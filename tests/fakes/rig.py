@@ -338,9 +338,9 @@ class Rig:
         provider (``reuse_timeout_s``, ``settle_timeout_s``...)."""
         c = self.container("prefill", settings, logger=log, **dict(overrides or {}))
         sender = c.prefill_sender(p_session=p_session, layers=dict(layers))
-        worker = c.prefill_worker(
+        worker = c.prefill_worker(  # with the layouts, as ``build_prefill_worker`` gives
             sender=sender, layer_names={i: lay.layer_name for i, lay in layers.items()},
-            **worker_kw)
+            **{"layouts": dict(layers), **worker_kw})
         worker.start()
         self._woken(sender)
         self._finalizers.append(worker.shutdown)

@@ -192,6 +192,7 @@ def test_two_decode_ranks_pull_into_the_shared_pool_over_memfabric(rig: dict[str
         for n, name in enumerate(NAMES, 1):
             w.save_kv_layer(name)  # as on_kv_cache_written: one announcement per layer
             assert w.layers_announced == n
+        w.wait_for_save()  # vLLM's, after the forward
 
     results: dict[int, Any] = {}
 

@@ -927,6 +927,93 @@ def test_layers_ready_while_decode_reads_go_as_one_layer_run(rig: Rig, max_layer
     assert_no_leaks(receivers=[d.receiver], senders=[p.sender])
 
 
+def test_held_layers_go_in_one_frame_when_released_and_land(rig: Rig) -> None:
+    """``submit(hold=True)`` keeps a layer back (the sender's thread never sees it) until
+    ``release``: then every held layer goes, in order, as one layer run, read in one
+    batched read and answered by one reply; every byte lands."""
+    shapes = {i: FULL for i in range(8)}
+    d = rig.decode(shapes)
+    p = rig.prefill(shapes, seed=5)
+    assert p.sender is not None
+    a = Req("held-a", p_main=(5, 1, 6), p_idx=(2, 7, 0), d_main=(9, 3, 4), d_idx=(0, 7, 2))
+    assert d.receiver.admit(internal(a.ext), a.d_main, a.d_idx) == a.ext
+    events = CpuDeviceEvents()
+    for layer in shapes:
+        done = [a.ext] if layer == max(shapes) else []
+        assert p.sender.submit(layer, events.record(), targets(d.endpoint, [a.read()], done),
+                               hold=True) == 1
+    assert p.sender.held == 8 and p.sender.counters()["queued_tasks"] == 8
+    assert p.sender.stats.frames_sent == 0 and not p.sender.gate_open(0)
+    assert p.sender.release() and not p.sender.release()  # once; then nothing is held
+    for layer in shapes:
+        p.sender.wait_for_layer_send(layer, WAIT)
+    out = step(d.receiver)
+    assert out.finished == {internal(a.ext)} and not out.failed
+    for layer in shapes:
+        assert_landed(p, d, layer, a.p_main, a.d_main, a.d_idx, a.p_index)
+    assert_untouched(d.bufs, rows_of(shapes, a.d_main, a.d_idx))
+    assert p.sender.stats.frames_sent == 1 and p.sender.stats.layers_sent == 8
+    assert d.receiver.stats.layers_done == 8
+    assert_no_leaks(receivers=[d.receiver], senders=[p.sender])
+
+
+def test_a_layer_not_held_takes_the_held_ones_with_it_in_order(rig: Rig) -> None:
+    """A ``submit`` without ``hold`` sends what was held before it, first: one frame."""
+    shapes = {i: FULL for i in range(4)}
+    d = rig.decode(shapes)
+    p = rig.prefill(shapes, seed=6)
+    assert p.sender is not None
+    a = Req("held-b", p_main=(3, 4), d_main=(1, 2), d_idx=(5, 6))
+    assert d.receiver.admit(internal(a.ext), a.d_main, a.d_idx) == a.ext
+    for layer in shapes:
+        last = layer == max(shapes)
+        p.sender.submit(layer, None, targets(d.endpoint, [a.read()], [a.ext] if last else []),
+                        hold=not last)
+    assert p.sender.held == 0
+    for layer in shapes:
+        p.sender.wait_for_layer_send(layer, WAIT)
+    assert step(d.receiver).finished == {internal(a.ext)}
+    assert p.sender.stats.frames_sent == 1 and p.sender.stats.layers_sent == 4
+    assert_no_leaks(receivers=[d.receiver], senders=[p.sender])
+
+
+@pytest.mark.parametrize("how", ["gate", "drain"])
+def test_waiting_on_a_held_layer_releases_it(rig: Rig, how: str) -> None:
+    """A gate wait (shared buffers: the next write waits for this layer's read) or
+    ``drain`` on a held layer sends it instead of waiting out its deadline."""
+    shapes = {0: FULL, 1: FULL}
+    d = rig.decode(shapes)
+    p = rig.prefill(shapes, seed=7)
+    assert p.sender is not None
+    a = Req("held-c", p_main=(2,), d_main=(4,), d_idx=(4,))
+    assert d.receiver.admit(internal(a.ext), a.d_main, a.d_idx) == a.ext
+    p.sender.submit(0, None, targets(d.endpoint, [a.read()]), hold=True)
+    p.sender.submit(1, None, targets(d.endpoint, [a.read()], [a.ext]), hold=True)
+    t0 = time.monotonic()
+    if how == "gate":
+        p.sender.wait_for_layer_send(1, WAIT)
+    else:
+        assert p.sender.drain(WAIT)
+    assert time.monotonic() - t0 < WAIT / 2 and p.sender.held == 0
+    p.sender.wait_for_layer_send(0, WAIT)
+    assert step(d.receiver).finished == {internal(a.ext)}
+    assert_no_leaks(receivers=[d.receiver], senders=[p.sender])
+
+
+def test_stop_fails_held_layers(rig: Rig) -> None:
+    """Held layers are pending layers: the sender's stop fails them, and nothing is left."""
+    shapes = {0: FULL}
+    d = rig.decode(shapes)
+    p = rig.prefill(shapes, seed=8)
+    assert p.sender is not None
+    p.sender.submit(0, None, targets(d.endpoint, [read_req("held-d", (1,))]), hold=True)
+    assert p.sender.stop(WAIT)
+    with pytest.raises(LayerSendError, match="stopped"):
+        p.sender.wait_for_layer_send(0, WAIT)
+    assert p.sender.held == 0
+    assert_no_leaks(senders=[p.sender])
+
+
 def test_a_decode_that_does_not_read_layer_runs_gets_one_layer_per_frame(rig: Rig) -> None:
     """An older Decode (or the original implementation) acknowledges MF_META without the
     layer-runs flag: every READ_READY_BATCH then carries one layer, none is held back,

@@ -513,12 +513,14 @@ def pworker(rig):
     """A started Prefill worker role (and its sender) from the rig's container; it
     announces to the scripted Decode endpoints on the rig's network."""
     def make(*, p_rank: int = 0, p_tp: int = 1, buffer_reuse: bool = False,
-             log: RecordingLog | None = None) -> PrefillWorker:
+             log: RecordingLog | None = None, min_announce_bytes: int = 0) -> PrefillWorker:
+        """``min_announce_bytes`` 0 (these tests': every layer goes as it is written)."""
         layouts = {i: SourceLayout(NAMES[i], (TensorComponent(0x100000 * (i + 1), 64),))
                    for i in NAMES}
         return rig.prefill_worker(
             layouts, "p-session", log=log, reuse_timeout_s=0.05,
-            settings={"tp_size": p_tp, "tp_rank": p_rank, "buffer_reuse": buffer_reuse})
+            settings={"tp_size": p_tp, "tp_rank": p_rank, "buffer_reuse": buffer_reuse,
+                      "limits": {"min_announce_bytes": min_announce_bytes}})
 
     return make
 
@@ -561,6 +563,65 @@ def test_each_layer_is_announced_once_per_step(pworker, scripted) -> None:
     assert _announced(worker, NAMES[0])
     assert decode.wait_batches(4)[-1][1].read_reqs[0].main_start_block == 2
     assert worker.layers_announced == 4
+
+
+def test_small_layers_are_held_until_the_forward_ends(pworker, scripted) -> None:
+    """Layers whose reads name less than ``min_announce_bytes`` (here 2 blocks x 64 B)
+    are held back; ``wait_for_save`` (vLLM's, after every forward) sends them, in order,
+    the request's final report on the last."""
+    decode = scripted()
+    worker = pworker(min_announce_bytes=4096)
+    sender = _sender(worker)
+    rid = "h" + SUFFIX
+    worker.bind_connector_metadata(StepPlan(sends=(_send(rid, (4, 5), 0, True),)))
+    assert _write_all_layers(worker) == [True, True, True]
+    assert sender.held == 3 and decode.batches == []  # never reached the sender's thread
+    worker.wait_for_save()
+    assert sender.held == 0
+    batches = [b for _, b in decode.wait_batches(3)]
+    assert [b.layer_idx for b in batches] == [0, 1, 2]
+    assert [b.done_ext_ids for b in batches] == [(), (), ("h",)]
+    assert sender.drain(WAIT)
+
+
+def test_held_layers_go_once_they_name_min_announce_bytes(pworker, scripted) -> None:
+    """A layer that brings what is held to ``min_announce_bytes`` goes at once with
+    them; a layer that reaches it alone is never held."""
+    decode = scripted()
+    worker = pworker(min_announce_bytes=256)  # two layers of 2 blocks x 64 B
+    sender = _sender(worker)
+    worker.bind_connector_metadata(StepPlan(sends=(_send("t" + SUFFIX, (4, 5), 0, False),)))
+    _announced(worker, NAMES[0])
+    assert sender.held == 1
+    _announced(worker, NAMES[1])
+    assert sender.held == 0
+    assert [b.layer_idx for _, b in decode.wait_batches(2)] == [0, 1]
+    _announced(worker, NAMES[2])
+    assert sender.held == 1
+    worker.wait_for_save()
+    assert [b.layer_idx for _, b in decode.wait_batches(3)] == [0, 1, 2]
+    # Four blocks a layer (256 B): each goes as it is written.
+    worker.bind_connector_metadata(StepPlan(sends=(_send("t" + SUFFIX, (6, 7, 8, 9), 2,
+                                                         True),)))
+    for i in range(LAYERS):
+        _announced(worker, NAMES[i])
+        assert sender.held == 0
+    assert len(decode.wait_batches(6)) == 6
+    assert sender.drain(WAIT)
+
+
+def test_the_next_step_sends_what_a_step_held(pworker, scripted) -> None:
+    """A step whose ``wait_for_save`` did not come (deferred finalize) still sends what it
+    held when the next step binds, before that step announces anything."""
+    decode = scripted()
+    worker = pworker(min_announce_bytes=4096)
+    rid = "n" + SUFFIX
+    worker.bind_connector_metadata(StepPlan(sends=(_send(rid, (1,), 0, False),)))
+    _write_all_layers(worker)
+    assert _sender(worker).held == 3
+    worker.bind_connector_metadata(StepPlan(sends=(_send(rid, (2,), 1, True),)))
+    assert _sender(worker).held == 0
+    assert [b.layer_idx for _, b in decode.wait_batches(3)] == [0, 1, 2]
 
 
 def test_a_step_without_sends_and_unknown_layers_announce_nothing(pworker, scripted) -> None:
@@ -850,7 +911,11 @@ def test_an_idle_step_waits_for_the_completion_instead_of_returning_at_once(pd) 
     assert dworker.get_transfer_results(set()).finished_recving == frozenset()  # admitting
     pworker.bind_connector_metadata(StepPlan(sends=(PrefillSend(
         rid, "idle", DecodeEndpoint("10.0.0.9", 31000, 1), (0,), (0,), 0, 0, True),)))
-    timer = threading.Timer(0.2, pworker.save_kv_layer, (LAYER,))
+    def forward() -> None:
+        pworker.save_kv_layer(LAYER)
+        pworker.wait_for_save()
+
+    timer = threading.Timer(0.2, forward)
     timer.start()
     dworker.bind_connector_metadata(StepPlan(idle=True))
     t0 = time.monotonic()

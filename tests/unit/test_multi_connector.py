@@ -283,9 +283,12 @@ class RecordingSender:
         self.log.append(("wait", layer_idx))
 
     def submit(self, layer_idx: int, event: Any, targets: Any, named: Any = None,
-               final: Any = ()) -> int:
+               final: Any = (), *, hold: bool = False) -> int:
         self.log.append(("submit", layer_idx))
         return len(targets)
+
+    def release(self) -> bool:
+        return False
 
     @property
     def timeouts(self) -> PrefillTimeouts:

@@ -50,6 +50,7 @@ def _announce(main_shared: bool) -> tuple[dict[str, list[ReadReadyBatch]], list[
             "a-0123abcd", "a", DecodeEndpoint("10.0.0.9", 31000, 2), (1, 2, 3, 4),
             (5, 6), 0, 0, True),)))
         worker.save_kv_layer(NAME)
+        worker.wait_for_save()
         batches: dict[str, list[ReadReadyBatch]] = {}
         for endpoint, batch in decode.wait_batches(2):
             batches.setdefault(endpoint, []).append(batch)

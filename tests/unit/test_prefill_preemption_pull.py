@@ -186,6 +186,7 @@ class Engines:
                 for j in range(c // BS, -(-(c + n) // BS)):
                     self.p_bufs[layer][self.tables[rid][j]] = kv(rid, j, layer)
             self.worker.save_kv_layer(NAMES[layer])
+        self.worker.wait_for_save()  # vLLM's, after every forward
 
     def step(self, scheduled, preempted: tuple[str, ...] = ()) -> StepPlan:
         plan = self.plan(scheduled, preempted)

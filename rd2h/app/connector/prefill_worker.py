@@ -57,6 +57,20 @@ def _read_request(s: PrefillSend, group: int | None, state: bool = False
     return None
 
 
+# A layer's announcement targets, the (request id, ext id) pairs per endpoint, and the
+# bytes its reads name.
+_Targets = tuple[list[LayerTarget], dict[str, list[tuple[str, str]]], int]
+
+
+def _block_bytes(layout: SourceLayout | None) -> tuple[int, int]:
+    """Bytes of one main block and of one indexer block (with its scale) of a layer."""
+    if layout is None:
+        return 0, 0
+    index = (layout.indexer, layout.scale)
+    return (sum(t.bytes_per_block for t in layout.main),
+            sum(t.bytes_per_block for t in index if t is not None))
+
+
 class PrefillWorker(ConnectorRole):
     def __init__(
         self,
@@ -80,6 +94,7 @@ class PrefillWorker(ConnectorRole):
         layouts: Mapping[int, SourceLayout] | None = None,
         digest: Digest | None = None,
         main_shared: bool = False,
+        min_announce_bytes: int = 0,
     ) -> None:
         self._timeline = timeline
         # ``verify_kv``: each announced block's digest, from the layer's source bytes;
@@ -119,8 +134,12 @@ class PrefillWorker(ConnectorRole):
         self._dispatched: set[int] = set()
         # This step's targets per (KV cache group, state layer, last layer): every layer
         # of a kind announces the same blocks to the same endpoints (without digests).
-        self._step_targets: dict[tuple[int | None, bool, bool],
-                                 tuple[list[LayerTarget], dict[str, list[tuple[str, str]]]]] = {}
+        self._step_targets: dict[tuple[int | None, bool, bool], _Targets] = {}
+        # A step's layers are held back (``submit(hold=True)``) until those held name
+        # ``min_announce_bytes`` of reads, or the forward ends (``wait_for_save``): one
+        # frame for layers too small for a frame of their own to pay (0: never held).
+        self._min_announce_bytes = min_announce_bytes
+        self._held_bytes = 0
         self._requests = sender.requests  # the session's request book
         self.layers_announced = 0
         self.requests_settled = 0
@@ -156,6 +175,7 @@ class PrefillWorker(ConnectorRole):
         """This step's sends. A request with a failed announcement gets no more: Decode
         failed it, or never read the failed part and must not complete it without that
         (it fails at its own deadline instead)."""
+        self._release()  # the last step's forward ended (``wait_for_save`` released them)
         sends = plan.sends
         kept = self._requests.start_step(
             (s.internal_id, s.main_start + len(s.main_block_ids)) for s in sends)
@@ -190,6 +210,12 @@ class PrefillWorker(ConnectorRole):
         block is in this step's sends with a request's final chunk only)."""
         for idx in self._late_layers:
             self._announce(idx)
+        self._release()
+
+    def _release(self) -> None:
+        """Announce what this step held back (one frame per Decode that reads runs)."""
+        self._held_bytes = 0
+        self._sender.release()
 
     def _announce(self, idx: int) -> None:
         """Announce layer ``idx`` of this step's sends, once per step."""
@@ -205,21 +231,29 @@ class PrefillWorker(ConnectorRole):
             known = self._targets(idx, group, key[1])
             if self._digest is None:  # digests differ per layer: built for each
                 self._step_targets[key] = known
-        targets, names = known
+        targets, names, nbytes = known
         if not targets:
             return
         final = [s.internal_id for s in self._sends if s.final] if idx == self._last_layer else []
+        hold = False
+        if self._min_announce_bytes:
+            self._held_bytes += nbytes
+            hold = self._held_bytes < self._min_announce_bytes
+            if not hold:
+                self._held_bytes = 0  # this submit sends what was held with it
         try:
-            self._sender.submit(idx, self._events.record(), targets, names, final)
+            self._sender.submit(idx, self._events.record(), targets, names, final, hold=hold)
         finally:
             self._report(self._requests.take_news())
         self.layers_announced += 1
 
-    def _targets(self, idx: int, group: int | None, state: bool
-                 ) -> tuple[list[LayerTarget], dict[str, list[tuple[str, str]]]]:
-        """Layer ``idx``'s announcement of this step's sends, per Decode endpoint."""
+    def _targets(self, idx: int, group: int | None, state: bool) -> _Targets:
+        """Layer ``idx``'s announcement of this step's sends, per Decode endpoint, and
+        the bytes its reads name in all (``min_announce_bytes``)."""
         targets: list[LayerTarget] = []
         names: dict[str, list[tuple[str, str]]] = {}
+        nbytes = 0
+        main_bpb, index_bpb = _block_bytes(self._layouts.get(idx))
         for s in self._sends:
             m = compute_mapping(self._p_tp, s.decode.tp_size, self._p_rank)
             req = _read_request(s, group, state)
@@ -243,7 +277,10 @@ class PrefillWorker(ConnectorRole):
                 targets.append(LayerTarget(endpoint, ask, done, m.member, m.ratio, s.ext_id,
                                            s.awaits))
                 names.setdefault(endpoint, []).append((s.internal_id, s.ext_id))
-        return targets, names
+                if req is not None:
+                    nbytes += (len(req.p_main_block_ids) * main_bpb
+                               + len(req.p_indexer_block_ids) * index_bpb)
+        return targets, names, nbytes
 
     # -- preemption
     def handle_preemptions(self, plan: StepPlan) -> None:
@@ -254,6 +291,7 @@ class PrefillWorker(ConnectorRole):
         Raises ``CompletionError`` if the sender keeps one open past every deadline."""
         if not plan.preempted:
             return
+        self._release()  # what it waits for must be on its way
         rids = tuple(dict.fromkeys(plan.preempted))
         timeout = self.settle_timeout_s
         started = self._clock.now()
