@@ -161,7 +161,7 @@ class PrefillLeg:
                 # The write time where the transport reports it, else the answer's.
                 self._metrics.prefill_dispatch.observe((trace.sent_at or time.monotonic())
                                                        - posted)
-                self._log.info("prefill done", rid=entry.rid, prefill=inst.url,
+                self._log.debug("prefill done", rid=entry.rid, prefill=inst.url,
                                status=r.status_code, prompts=entry.expected)
                 return None
             self._metrics.failure("prefill", status_reason(r.status_code))
