@@ -895,6 +895,32 @@ def _slow_decode(rig: Rig, shapes: Mapping[int, Shape], seconds: float) -> DSide
     return DSide(engine, whole, bufs, dests, bound.receiver, bound.endpoint)
 
 
+def _announce_every_layer(p: PSide, d: DSide, shapes: Mapping[int, Shape], ext: str, *,
+                          hold: bool = False) -> Req:
+    """Admit one request of three blocks on Decode, then announce it in every layer
+    (``hold``: held back), its final report on the last."""
+    a = Req(ext, p_main=(5, 1, 6), p_idx=(2, 7, 0), d_main=(9, 3, 4), d_idx=(0, 7, 2))
+    assert d.receiver.admit(internal(a.ext), a.d_main, a.d_idx) == a.ext
+    events = CpuDeviceEvents()
+    for layer in shapes:
+        done = [a.ext] if layer == max(shapes) else []
+        assert p.sender.submit(layer, events.record(), targets(d.endpoint, [a.read()], done),
+                               hold=hold) == 1
+    return a
+
+
+def _landed_alone(p: PSide, d: DSide, shapes: Mapping[int, Shape], a: Req) -> None:
+    """Every layer's gate opened, Decode's step finished ``a`` alone, its bytes landed in
+    every layer and nothing else of Decode's memory was written."""
+    for layer in shapes:
+        p.sender.wait_for_layer_send(layer, WAIT)
+    out = step(d.receiver)
+    assert out.finished == {internal(a.ext)} and not out.failed
+    for layer in shapes:
+        assert_landed(p, d, layer, a.p_main, a.d_main, a.d_idx, a.p_index)
+    assert_untouched(d.bufs, rows_of(shapes, a.d_main, a.d_idx))
+
+
 @pytest.mark.parametrize("max_layers", [64, 1])
 def test_layers_ready_while_decode_reads_go_as_one_layer_run(rig: Rig, max_layers: int) -> None:
     """While two frames to a Decode that reads layer runs are unanswered, Prefill keeps
@@ -905,19 +931,8 @@ def test_layers_ready_while_decode_reads_go_as_one_layer_run(rig: Rig, max_layer
     d = _slow_decode(rig, shapes, 0.05)
     p = rig.prefill(shapes, seed=3, settings={"limits": {"max_layers_per_frame": max_layers}})
     assert p.sender is not None
-    a = Req("run-a", p_main=(5, 1, 6), p_idx=(2, 7, 0), d_main=(9, 3, 4), d_idx=(0, 7, 2))
-    assert d.receiver.admit(internal(a.ext), a.d_main, a.d_idx) == a.ext
-    events = CpuDeviceEvents()
-    for layer in shapes:
-        done = [a.ext] if layer == max(shapes) else []
-        p.sender.submit(layer, events.record(), targets(d.endpoint, [a.read()], done))
-    for layer in shapes:
-        p.sender.wait_for_layer_send(layer, WAIT)
-    out = step(d.receiver)
-    assert out.finished == {internal(a.ext)} and not out.failed
-    for layer in shapes:
-        assert_landed(p, d, layer, a.p_main, a.d_main, a.d_idx, a.p_index)
-    assert_untouched(d.bufs, rows_of(shapes, a.d_main, a.d_idx))
+    a = _announce_every_layer(p, d, shapes, "run-a")
+    _landed_alone(p, d, shapes, a)
     assert d.receiver.stats.layers_done == 8 and d.receiver.stats.layers_failed == 0
     assert p.sender.stats.layers_sent == 8 and p.sender.stats.layers_failed == 0
     if max_layers == 1:
@@ -935,23 +950,11 @@ def test_held_layers_go_in_one_frame_when_released_and_land(rig: Rig) -> None:
     d = rig.decode(shapes)
     p = rig.prefill(shapes, seed=5)
     assert p.sender is not None
-    a = Req("held-a", p_main=(5, 1, 6), p_idx=(2, 7, 0), d_main=(9, 3, 4), d_idx=(0, 7, 2))
-    assert d.receiver.admit(internal(a.ext), a.d_main, a.d_idx) == a.ext
-    events = CpuDeviceEvents()
-    for layer in shapes:
-        done = [a.ext] if layer == max(shapes) else []
-        assert p.sender.submit(layer, events.record(), targets(d.endpoint, [a.read()], done),
-                               hold=True) == 1
+    a = _announce_every_layer(p, d, shapes, "held-a", hold=True)
     assert p.sender.held == 8 and p.sender.counters()["queued_tasks"] == 8
     assert p.sender.stats.frames_sent == 0 and not p.sender.gate_open(0)
     assert p.sender.release() and not p.sender.release()  # once; then nothing is held
-    for layer in shapes:
-        p.sender.wait_for_layer_send(layer, WAIT)
-    out = step(d.receiver)
-    assert out.finished == {internal(a.ext)} and not out.failed
-    for layer in shapes:
-        assert_landed(p, d, layer, a.p_main, a.d_main, a.d_idx, a.p_index)
-    assert_untouched(d.bufs, rows_of(shapes, a.d_main, a.d_idx))
+    _landed_alone(p, d, shapes, a)
     assert p.sender.stats.frames_sent == 1 and p.sender.stats.layers_sent == 8
     assert d.receiver.stats.layers_done == 8
     assert_no_leaks(receivers=[d.receiver], senders=[p.sender])
