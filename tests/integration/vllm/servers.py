@@ -217,8 +217,15 @@ def _tp(args: Sequence[str]) -> int:
 def proxy_server(port: int, prefill: list[str], decode: list[str], log: Path,
                  args: Sequence[str] = (), env: dict[str, str] | None = None,
                  host: str = "127.0.0.1") -> Server:
+    # Probes get 10 s unless ``args`` say otherwise (the default is 1 s). A vLLM API
+    # server beside several engines on 2 cores has taken over a second to answer
+    # /health, and a failed probe ejects the one Prefill at once: CI saw the first
+    # request after a warm-up refused with 503 "all ejected" (2026-12-06). The tests
+    # about ejection kill the engine (a refused connection ejects whatever the
+    # timeout) or set their own probe flags.
+    probe = [] if "--probe-timeout" in args else ["--probe-timeout", "10"]
     cmd = [str(VENV_BIN / "rd2h"), "proxy", "--host", host, "--port", str(port),
-           "--prefill", *prefill, "--decode", *decode, *args]
+           "--prefill", *prefill, "--decode", *decode, *probe, *args]
     # Ready once its probes admitted a Prefill and a Decode instance (pair-aware).
     return Server("rd2h proxy", cmd, port, log, env=env or {}, ready_path="/health",
                   host=host)
