@@ -135,12 +135,12 @@ def _exchange(rank: int, world_size: int, timeout_s: float, group: Any = None,
               init_method: str | None = None) -> TpGroupExchange:
     """The Decode TP group's all-gather: gloo over an existing group (vLLM's TP CPU
     group) or a new one (``init_method``); a group of one needs no collective."""
-    from rd2h.adapters.torch.exchange import InMemoryExchangeGroup, TorchDistExchange
+    from rd2h.adapters.torch.exchange import SoloExchange, TorchDistExchange
 
     if group is None and init_method is None:
         if world_size != 1:
             raise Rd2hError(f"a Decode TP group of {world_size} ranks needs a process group")
-        return InMemoryExchangeGroup(1).member(0)
+        return SoloExchange()
     return TorchDistExchange(rank=rank, world_size=world_size, group=group,
                              init_method=init_method, timeout_s=timeout_s)
 

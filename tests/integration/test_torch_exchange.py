@@ -63,3 +63,20 @@ def test_a_group_of_one_needs_no_collective() -> None:
     ex = TorchDistExchange(rank=0, world_size=1, group=object())
     ex._dist = NoCollectives()  # type: ignore[assignment]
     assert ex.all_gather({"a": 1}, 1.0) == [{"a": 1}]
+
+
+def test_decode_at_tp1_exchanges_nothing_and_tp2_needs_a_process_group() -> None:
+    """At TP 1 (no process group) Decode's per-step exchange hands the report back
+    untouched, with no barrier or lock on the way; several ranks without a group are a
+    configuration error, not a hang."""
+    from rd2h.adapters.torch.exchange import SoloExchange
+    from rd2h.bootstrap.container import _exchange
+    from rd2h.domain.errors import Rd2hError
+
+    ex = _exchange(0, 1, 5.0)
+    assert isinstance(ex, SoloExchange) and (ex.rank, ex.world_size) == (0, 1)
+    report = frozenset({"req-1"})
+    got = ex.all_gather(report, 0.0)  # no deadline to wait on: nothing waits
+    assert got == [report] and got[0] is report
+    with pytest.raises(Rd2hError, match="needs a process group"):
+        _exchange(0, 2, 5.0)

@@ -96,6 +96,18 @@ class TorchDistExchange:
             self._owns_group = False
 
 
+class SoloExchange:
+    """A TP group of one rank (Decode at TP 1): nothing to exchange. Decode resolves its
+    completions on every engine step; a one-party barrier there would cost two lock
+    round trips a step for no purpose."""
+
+    rank = 0
+    world_size = 1
+
+    def all_gather(self, obj: Any, timeout: float) -> Sequence[Any]:
+        return [obj]
+
+
 class InMemoryExchangeGroup:
     """Threads standing in for TP ranks (tests)."""
 
