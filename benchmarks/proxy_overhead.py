@@ -57,6 +57,8 @@ CONFIGS: dict[str, list[str]] = {
     "affinity": [*BASE, "--affinity-chunk", "64"],
     "probes 0.1 s": [*BASE, "--probe-interval", "0.1"],
     "engine metrics": [*BASE, "--engine-metrics", "0.5"],
+    # The same as base on httpcore's default (anyio) sockets: what the asyncio ones save.
+    "anyio sockets": [*BASE, "--upstream-sockets", "anyio"],
     "defaults": [],
 }
 PROMPT = ("You are a helpful assistant. Summarise the following passage in one line: "

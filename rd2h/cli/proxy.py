@@ -196,6 +196,10 @@ def add_proxy_parser(sub: argparse._SubParsersAction) -> None:
                         "goes Decode-first; single prompts only; not with "
                         "--local-prefill-tokens): Prefill's start no longer waits for "
                         "Decode's queue (default: %(default)s)")
+    g.add_argument("--upstream-sockets", choices=["asyncio", "anyio"], default="asyncio",
+                   help="the sockets under the proxy's HTTP client to the engines: "
+                        "'asyncio' (asyncio's streams) or 'anyio' (httpcore's default, more "
+                        "CPU per request; to compare or fall back on) (default: %(default)s)")
     g.add_argument("--prefiller-header", action="store_true",
                    help="sidecar mode: honour x-prefiller-host-port (one of --prefill)")
     h = p.add_argument_group("health")
@@ -280,7 +284,7 @@ def _run_proxy(args: argparse.Namespace) -> int:
             affinity_slack=args.affinity_slack, local_prefill_tokens=args.local_prefill_tokens,
             prefiller_header=args.prefiller_header,
             on_prefill_failure=args.on_prefill_failure, probe_interval_s=args.probe_interval,
-            dispatch=args.dispatch,
+            dispatch=args.dispatch, upstream_sockets=args.upstream_sockets,
             probe_timeout_s=args.probe_timeout, eject_after=args.eject_after,
             eject_base_s=args.eject_backoff, eject_max_s=args.eject_backoff_max,
             admin_token=admin_token(args.admin_token, args.admin_token_file),

@@ -29,6 +29,7 @@ def normalize_base_url(url: str, what: str) -> str:
 
 
 DISPATCH_MODES = ("decode-first", "parallel")
+UPSTREAM_SOCKETS = ("asyncio", "anyio")
 
 
 @dataclass(frozen=True)
@@ -82,6 +83,10 @@ class ProxyConfig:
     # arrive before its admission. Single-prompt requests only, and not with
     # local_prefill_tokens.
     dispatch: str = "decode-first"
+    # The sockets under the proxy's HTTP client to its engines: "asyncio" (asyncio's
+    # streams, rd2h.proxy.netio) or "anyio" (httpcore's default backend, which costs more
+    # CPU per request; kept to compare and to fall back on).
+    upstream_sockets: str = "asyncio"
 
     def __post_init__(self) -> None:
         for role in ("prefill", "decode"):
@@ -117,6 +122,9 @@ class ProxyConfig:
         if self.dispatch not in DISPATCH_MODES:
             raise ValueError(f"dispatch must be one of {', '.join(DISPATCH_MODES)}, not "
                              f"{self.dispatch!r}")
+        if self.upstream_sockets not in UPSTREAM_SOCKETS:
+            raise ValueError(f"upstream_sockets must be one of {', '.join(UPSTREAM_SOCKETS)}, "
+                             f"not {self.upstream_sockets!r}")
         if self.admin_token is not None and len(self.admin_token) < 16:
             raise ValueError("the admin token must be at least 16 characters")
         from rd2h.proxy.routing import HealthRules

@@ -118,6 +118,7 @@ class RendezvousProxy:
         self.upstream = Upstream(
             connect_timeout_s=config.connect_timeout_s, read_timeout_s=config.decode_timeout_s,
             keepalive_expiry_s=config.engine_keepalive_s, transport=transport,
+            sockets=config.upstream_sockets,
         )
         self.calls: dict[str, DecodeCall] = {}
         # Parallel dispatch: each Decode instance's contact, as it posted it last.

@@ -46,7 +46,10 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import anyio
+import httpcore
 import httpx
+
+from rd2h.proxy.netio import AsyncioBackend
 
 STALE = "stale_connection"
 CONNECT = "connect"
@@ -146,9 +149,26 @@ class _NoCookies(http.cookiejar.CookieJar):
 
 
 def _client(transport: httpx.AsyncBaseTransport | None, timeout: httpx.Timeout,
-            limits: httpx.Limits) -> httpx.AsyncClient:
+            limits: httpx.Limits, sockets: str = "asyncio") -> httpx.AsyncClient:
+    if transport is None and sockets == "asyncio":  # asyncio's streams (``netio``)
+        transport = asyncio_transport(limits)
     return httpx.AsyncClient(transport=transport, timeout=timeout, limits=limits,
                              cookies=_NoCookies())
+
+
+def asyncio_transport(limits: httpx.Limits) -> httpx.AsyncHTTPTransport:
+    """httpx's own transport (its request and error mapping) over a connection pool
+    whose sockets are ``netio.AsyncioBackend``'s. httpx takes no network backend, so the
+    pool it built is replaced; an httpx without that pool keeps its own."""
+    transport = httpx.AsyncHTTPTransport(limits=limits)
+    if isinstance(getattr(transport, "_pool", None), httpcore.AsyncConnectionPool):
+        transport._pool = httpcore.AsyncConnectionPool(
+            max_connections=limits.max_connections,
+            max_keepalive_connections=limits.max_keepalive_connections,
+            keepalive_expiry=limits.keepalive_expiry,
+            network_backend=AsyncioBackend(),
+        )
+    return transport
 
 
 @dataclass(eq=False)
@@ -170,14 +190,18 @@ class Upstream:
         read_timeout_s: float,
         keepalive_expiry_s: float,
         transport: httpx.AsyncBaseTransport | None = None,
+        sockets: str = "asyncio",
     ) -> None:
+        """``transport``: one httpx transport for every client (tests); otherwise each
+        client gets real sockets, ``sockets`` saying whose (``ProxyConfig``)."""
+        self._sockets = sockets
         self._timeout = httpx.Timeout(read_timeout_s, connect=connect_timeout_s)
         self._keepalive_expiry_s = keepalive_expiry_s
         self._transport = transport
         self._shards: dict[tuple[str, str], list[_Shard]] = {}
         self._streaming: dict[int, _Shard] = {}  # id(response) -> its shard
         self.fresh = _client(transport, self._timeout, httpx.Limits(
-            max_connections=None, max_keepalive_connections=0))
+            max_connections=None, max_keepalive_connections=0), sockets)
 
     def _shard(self, url: str) -> _Shard:
         """The first pool of ``url``'s engine with room, a new one if none has."""
@@ -192,6 +216,7 @@ class Upstream:
             self._transport, self._timeout,
             httpx.Limits(max_connections=None, max_keepalive_connections=64,
                          keepalive_expiry=self._keepalive_expiry_s),
+            self._sockets,
         ))
         shards.append(shard)
         return shard

@@ -1,7 +1,7 @@
 """``benchmarks/proxy_overhead.py``'s smoke run: the real ``rd2h proxy`` process in front of
-fake engines, three configurations, every request answered 200 (the benchmark exits
-otherwise), the proxy's CPU counted and the fast probes seen. No figure is judged
-against a time."""
+fake engines, four configurations (one on httpcore's default sockets), every request
+answered 200 (the benchmark exits otherwise), the proxy's CPU counted and the fast probes
+seen. No figure is judged against a time."""
 
 from __future__ import annotations
 
@@ -16,11 +16,12 @@ SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "proxy_overhead.py
 def test_smoke_run_measures_the_proxy_per_configuration() -> None:
     out = subprocess.run(
         [sys.executable, str(SCRIPT), "--requests", "24", "--concurrency", "4", "--rounds", "1",
-         "--config", "base", "--config", "affinity", "--config", "probes 0.1 s", "--json"],
+         "--config", "base", "--config", "affinity", "--config", "probes 0.1 s",
+         "--config", "anyio sockets", "--json"],
         check=True, capture_output=True, text=True, timeout=300)
     res = json.loads(out.stdout.strip().splitlines()[-1])
     med = res["medians"]
-    assert set(med) == {"base", "affinity", "probes 0.1 s"}
+    assert set(med) == {"base", "affinity", "probes 0.1 s", "anyio sockets"}
     for name, m in med.items():
         assert m["cpu_us_per_request"] > 0, name
         assert m["req_per_s"] > 0 and m["latency_p50_ms"] > 0, name

@@ -1039,6 +1039,14 @@ def test_parallel_dispatch_is_validated_and_off_by_default() -> None:
                     dispatch="both")
 
 
+def test_upstream_sockets_are_asyncio_by_default_and_validated() -> None:
+    assert ProxyConfig(prefill=("http://p:1",), decode=("http://d:2",),
+                       public_url=PROXY).upstream_sockets == "asyncio"
+    with pytest.raises(ValueError, match="upstream_sockets must be one of asyncio, anyio"):
+        ProxyConfig(prefill=("http://p:1",), decode=("http://d:2",), public_url=PROXY,
+                    upstream_sockets="trio")
+
+
 def test_upstream_keeps_no_cookie_an_engine_sets() -> None:
     seen: list[str | None] = []
 
