@@ -159,13 +159,23 @@ def _client(transport: httpx.AsyncBaseTransport | None, timeout: httpx.Timeout,
 def asyncio_transport(limits: httpx.Limits) -> httpx.AsyncHTTPTransport:
     """httpx's own transport (its request and error mapping) over a connection pool
     whose sockets are ``netio.AsyncioBackend``'s. httpx takes no network backend, so the
-    pool it built is replaced; an httpx without that pool keeps its own."""
+    pool it built is replaced by one with the same settings (its TLS context, with
+    ``SSL_CERT_FILE``/``SSL_CERT_DIR`` applied, among them); an httpx without that pool
+    keeps its own."""
     transport = httpx.AsyncHTTPTransport(limits=limits)
-    if isinstance(getattr(transport, "_pool", None), httpcore.AsyncConnectionPool):
+    built = getattr(transport, "_pool", None)
+    if isinstance(built, httpcore.AsyncConnectionPool) and hasattr(built, "_ssl_context"):
         transport._pool = httpcore.AsyncConnectionPool(
+            ssl_context=built._ssl_context,
             max_connections=limits.max_connections,
             max_keepalive_connections=limits.max_keepalive_connections,
             keepalive_expiry=limits.keepalive_expiry,
+            http1=getattr(built, "_http1", True),
+            http2=getattr(built, "_http2", False),
+            retries=getattr(built, "_retries", 0),
+            local_address=getattr(built, "_local_address", None),
+            uds=getattr(built, "_uds", None),
+            socket_options=getattr(built, "_socket_options", None),
             network_backend=AsyncioBackend(),
         )
     return transport

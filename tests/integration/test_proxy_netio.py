@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import ssl
 import struct
+import subprocess
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -54,8 +56,9 @@ async def _read_request(reader: asyncio.StreamReader) -> bytes:
 class Server:
     """A loopback server whose connections ``handler`` drives; counts connections."""
 
-    def __init__(self, handler: Handler) -> None:
+    def __init__(self, handler: Handler, tls: ssl.SSLContext | None = None) -> None:
         self.handler = handler
+        self.tls = tls
         self.connections = 0
         self.server: asyncio.base_events.Server | None = None
 
@@ -69,8 +72,9 @@ class Server:
             finally:
                 writer.close()
 
-        self.server = await asyncio.start_server(on_connect, HOST, 0)
-        return f"http://{HOST}:{self.server.sockets[0].getsockname()[1]}"
+        self.server = await asyncio.start_server(on_connect, HOST, 0, ssl=self.tls)
+        scheme = "https" if self.tls else "http"
+        return f"{scheme}://{HOST}:{self.server.sockets[0].getsockname()[1]}"
 
     async def __aexit__(self, *exc: Any) -> None:
         assert self.server is not None
@@ -131,6 +135,65 @@ def test_requests_and_a_streamed_answer_go_through_and_reuse_the_connection(sock
             assert server.connections == 1
 
     _run(main())
+
+
+@pytest.fixture(scope="module")
+def certificate(tmp_path_factory) -> tuple[str, str]:
+    """A self-signed certificate for 127.0.0.1 and its key, made by openssl."""
+    where = tmp_path_factory.mktemp("tls")
+    cert, key = str(where / "cert.pem"), str(where / "key.pem")
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+                    "-subj", f"/CN={HOST}", "-addext", f"subjectAltName=IP:{HOST}",
+                    "-keyout", key, "-out", cert], check=True, capture_output=True, timeout=60)
+    return cert, key
+
+
+@pytest.mark.parametrize("sockets", SOCKETS)
+def test_an_https_engine_is_trusted_through_httpx_tls_settings(sockets, certificate,
+                                                               monkeypatch) -> None:
+    """The replaced pool keeps httpx's TLS context: an engine whose certificate
+    ``SSL_CERT_FILE`` names is reached over TLS; without it the handshake is refused."""
+    cert, key = certificate
+    tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    tls.load_cert_chain(cert, key)
+
+    async def handler(reader, writer):
+        request = await _read_request(reader)
+        writer.write(_answer(request.split(b"\r\n\r\n", 1)[1]))
+        await writer.drain()
+
+    async def main(trusted: bool):
+        async with Server(handler, tls) as url:
+            assert url.startswith("https://")
+            up = _upstream(sockets)
+            try:
+                if trusted:
+                    r = await up.send("POST", url + "/v1/completions", json={"tls": 1})
+                    assert r.json() == {"tls": 1}
+                    return
+                with pytest.raises(UpstreamError) as info:
+                    await up.send("POST", url + "/v1/completions", json={})
+                assert isinstance(info.value.cause, httpx.ConnectError)
+                assert "CERTIFICATE_VERIFY_FAILED" in str(info.value.cause)
+            finally:
+                await up.aclose()
+
+    monkeypatch.delenv("SSL_CERT_DIR", raising=False)
+    monkeypatch.delenv("SSL_CERT_FILE", raising=False)
+    _run(main(trusted=False))
+    monkeypatch.setenv("SSL_CERT_FILE", cert)
+    _run(main(trusted=True))
+
+
+def test_the_replaced_pool_trusts_exactly_what_httpx_trusts(certificate, monkeypatch) -> None:
+    """With ``SSL_CERT_FILE`` set httpx trusts that file alone; httpcore's own default
+    context would add the system store and certifi's bundle to it."""
+    monkeypatch.setenv("SSL_CERT_FILE", certificate[0])
+    pool = asyncio_transport(httpx.Limits())._pool  # type: ignore[attr-defined]
+    assert isinstance(pool._network_backend, AsyncioBackend)
+    trusted = pool._ssl_context.get_ca_certs()
+    assert [dict(c["subject"][0])["commonName"] for c in trusted] == [HOST]
+    assert pool._ssl_context.verify_mode == ssl.CERT_REQUIRED
 
 
 @pytest.mark.parametrize("sockets", SOCKETS)
