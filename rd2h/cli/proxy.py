@@ -38,8 +38,11 @@ prefix cache lacks at most N of the prompt's tokens computes them itself and no
 Prefill is dispatched (counted in prefill_skipped_total).
 
 Health: every instance's /health is probed each --probe-interval seconds (deadline
---probe-timeout). A failed probe or a refused connection ejects an instance at once;
-5xx answers, timeouts and broken streams eject it after --eject-after in a row. It
+--probe-timeout). A refused connection, or a probe refused, unreachable or answered
+with another status than 200, ejects an instance at once; probes that connect but get
+no answer in time eject it after --eject-after-probe-timeouts in a row (one late answer
+from a busy API server is not enough); 5xx answers, timeouts and broken streams eject
+it after --eject-after in a row. It
 stays out for a back-off that doubles while it keeps failing (--eject-backoff up to
 --eject-backoff-max) and is readmitted by the first good probe after that.
 
@@ -211,6 +214,9 @@ def add_proxy_parser(sub: argparse._SubParsersAction) -> None:
                    help="eject after N failed requests in a row (5xx, timeout, broken "
                         "stream); refused connections and failed probes eject at once "
                         "(default: %(default)s)")
+    h.add_argument("--eject-after-probe-timeouts", type=int, default=2, metavar="N",
+                   help="eject after N probes in a row connect but get no answer within "
+                        "--probe-timeout (1: at the first; default: %(default)s)")
     h.add_argument("--eject-backoff", type=_seconds, default=1.0, metavar="S",
                    help="first ejection's back-off; doubles while failing (default: %(default)s)")
     h.add_argument("--eject-backoff-max", type=_seconds, default=30.0, metavar="S",
@@ -286,6 +292,7 @@ def _run_proxy(args: argparse.Namespace) -> int:
             on_prefill_failure=args.on_prefill_failure, probe_interval_s=args.probe_interval,
             dispatch=args.dispatch, upstream_sockets=args.upstream_sockets,
             probe_timeout_s=args.probe_timeout, eject_after=args.eject_after,
+            eject_after_probe_timeouts=args.eject_after_probe_timeouts,
             eject_base_s=args.eject_backoff, eject_max_s=args.eject_backoff_max,
             admin_token=admin_token(args.admin_token, args.admin_token_file),
         )

@@ -36,8 +36,9 @@ Series (all names start with ``rd2h_proxy_``):
   client request received -> Decode's first answer byte.
 * Routing: ``instance_in_flight{role,instance}`` (requests the proxy has in flight
   at each engine), ``instance_healthy{role,instance}`` (1 admitted, 0 ejected),
-  ``ejections_total{role,cause}`` (``connect``, ``probe``, ``error``, ``timeout``,
-  ``broken``), ``readmissions_total{role}``, ``prefill_skipped_total{reason}``
+  ``ejections_total{role,cause}`` (``connect``, ``probe``, ``probe_timeout``,
+  ``error``, ``timeout``, ``broken``), ``readmissions_total{role}``,
+  ``prefill_skipped_total{reason}``
   (``decode_holds_prompt``: Decode computed the few missing tokens itself),
   ``affinity_total{result}`` (Decode picks by prefix: ``hit``, ``overloaded``: the
   instance holding the prefix was too busy or out, ``miss``).

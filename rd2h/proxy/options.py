@@ -58,6 +58,8 @@ class ProxyConfig:
     probe_interval_s: float = 2.0
     probe_timeout_s: float = 1.0
     eject_after: int = 5
+    # Probes in a row that connect but get no answer in time before an ejection.
+    eject_after_probe_timeouts: int = 2
     eject_base_s: float = 1.0
     eject_max_s: float = 30.0
     # Scrape each engine's /metrics this often for load-aware picking; 0: off.
@@ -129,7 +131,8 @@ class ProxyConfig:
             raise ValueError("the admin token must be at least 16 characters")
         from rd2h.proxy.routing import HealthRules
 
-        HealthRules(self.eject_after, self.eject_base_s, self.eject_max_s)  # validates
+        HealthRules(self.eject_after, self.eject_base_s, self.eject_max_s,
+                    self.eject_after_probe_timeouts)  # validates
 
     @property
     def metaserver_url(self) -> str:

@@ -40,7 +40,8 @@ class EngineRouter:
         self._config = config
         self._metrics = metrics
         self._log = log
-        rules = HealthRules(config.eject_after, config.eject_base_s, config.eject_max_s)
+        rules = HealthRules(config.eject_after, config.eject_base_s, config.eject_max_s,
+                            config.eject_after_probe_timeouts)
         rng = random.Random(seed)
         self.pools = {
             "prefill": InstancePool.of("prefill", config.prefill, rules=rules, rng=rng,
@@ -132,6 +133,11 @@ class EngineRouter:
             self._log.warning("instance ejected", role=inst.role, instance=inst.url,
                               cause=cause.value, error=error[:300],
                               backoff_s=round(ejection.backoff_s, 3))
+        elif cause is Failure.PROBE_TIMEOUT and inst.healthy:
+            self._log.warning("health probe answered late; instance kept", role=inst.role,
+                              instance=inst.url, error=error[:300],
+                              in_row=inst.probe_timeouts_in_row,
+                              ejected_at=self._config.eject_after_probe_timeouts)
 
     # -- health
     def ready(self) -> bool:
@@ -170,6 +176,11 @@ class EngineRouter:
         try:
             r = await self._client.get(inst.url + "/health")
             ok, error = r.status_code == 200, f"/health answered HTTP {r.status_code}"
+        except (httpx.ReadTimeout, httpx.WriteTimeout, httpx.PoolTimeout) as exc:
+            # Connected, but no answer in time: a busy API server, or a hung one.
+            error = f"/health: {type(exc).__name__} after {self._config.probe_timeout_s} s"
+            self.failed(inst, Failure.PROBE_TIMEOUT, error)
+            return
         except httpx.HTTPError as exc:
             ok, error = False, f"/health: {type(exc).__name__}: {exc}"[:300]
         except Exception as exc:  # a probe must never end the loop

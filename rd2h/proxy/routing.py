@@ -3,12 +3,14 @@ picking, without sockets or clocks of its own (the HTTP adapter passes ``now``).
 
 Every instance of one role (Prefill or Decode) is in an ``InstancePool``. An instance
 is *pickable* while it is healthy, not draining and not removed. It stops being
-healthy when it fails: a refused connection or a failed ``/health`` probe ejects it
-at once; other failures (a 5xx answer, a timeout, a broken stream) eject it after
-``eject_after`` in a row. An ejected instance stays out for a back-off that doubles
-with each ejection in a row (``eject_base_s`` up to ``eject_max_s``) and is readmitted
-by the first successful probe after that; a request it then serves well resets the
-back-off.
+healthy when it fails: a refused connection or a failed ``/health`` probe (refused,
+unreachable, or not 200) ejects it at once; a probe that connected but got no answer in
+time ejects it when ``probe_timeouts`` probes in a row did so (a busy API server can
+answer one probe late; a hung one answers none); other failures (a 5xx answer, a
+timeout, a broken stream) eject it after ``eject_after`` in a row. An ejected
+instance stays out for a back-off that doubles with each ejection in a row
+(``eject_base_s`` up to ``eject_max_s``) and is readmitted by the first successful
+probe after that; a request it then serves well resets the back-off.
 
 Picking policies (per role): ``least_outstanding`` (the fewest requests the proxy has
 in flight there; ties rotate), ``power_of_two`` (two pickable instances at random,
@@ -35,7 +37,8 @@ class Failure(str, Enum):
     """Why a request or probe to an instance failed (the ejection cause)."""
 
     CONNECT = "connect"  # refused or unreachable: ejected at once
-    PROBE = "probe"  # /health failed or timed out: ejected at once
+    PROBE = "probe"  # /health refused, unreachable or not 200: ejected at once
+    PROBE_TIMEOUT = "probe_timeout"  # /health connected, no answer in time
     ERROR = "error"  # a 5xx answer
     TIMEOUT = "timeout"
     BROKEN = "broken"  # the answer's stream broke
@@ -50,10 +53,13 @@ class HealthRules:
     eject_after: int = 5
     eject_base_s: float = 1.0
     eject_max_s: float = 30.0
+    probe_timeouts: int = 2
 
     def __post_init__(self) -> None:
         if self.eject_after < 1:
             raise ValueError(f"eject_after must be >= 1, not {self.eject_after}")
+        if self.probe_timeouts < 1:
+            raise ValueError(f"probe_timeouts must be >= 1, not {self.probe_timeouts}")
         if not 0 < self.eject_base_s <= self.eject_max_s:
             raise ValueError(f"need 0 < eject_base_s ({self.eject_base_s}) <= eject_max_s "
                              f"({self.eject_max_s})")
@@ -69,6 +75,7 @@ class Instance:
     in_flight: int = 0
     served: int = 0
     failures_in_row: int = 0
+    probe_timeouts_in_row: int = 0
     ejections_in_row: int = 0
     ejected_until: float = 0.0
     ejections: int = 0
@@ -205,19 +212,24 @@ class InstancePool:
     def succeeded(self, inst: Instance) -> None:
         """A request this instance served well: its failure counts start again."""
         inst.served += 1
-        inst.failures_in_row = 0
+        inst.failures_in_row = inst.probe_timeouts_in_row = 0
         if inst.healthy:
             inst.ejections_in_row = 0
 
     def failed(self, inst: Instance, cause: Failure, error: str, now: float) -> Ejection | None:
         """Record a failure; the ejection when this one ejects the instance."""
         inst.last_error = f"{cause.value}: {error}"[:500]
-        inst.failures_in_row += 1
+        if cause is Failure.PROBE_TIMEOUT:  # a run of its own: probes are not requests
+            inst.probe_timeouts_in_row += 1
+            too_many = inst.probe_timeouts_in_row >= self.rules.probe_timeouts
+        else:
+            inst.failures_in_row += 1
+            too_many = cause.ejects_at_once or inst.failures_in_row >= self.rules.eject_after
         if not inst.healthy:
             # Still failing while out: start the back-off again from now.
             inst.ejected_until = max(inst.ejected_until, now + self._backoff(inst, grow=False))
             return None
-        if not cause.ejects_at_once and inst.failures_in_row < self.rules.eject_after:
+        if not too_many:
             return None
         backoff = self._backoff(inst, grow=True)
         inst.healthy = False
@@ -227,12 +239,13 @@ class InstancePool:
 
     def probed(self, inst: Instance, now: float) -> bool:
         """A successful probe; True when it readmitted the instance."""
+        inst.probe_timeouts_in_row = 0
         if inst.healthy:
             return False
         if now < inst.ejected_until:
             return False
         inst.healthy = True
-        inst.failures_in_row = 0
+        inst.failures_in_row = inst.probe_timeouts_in_row = 0
         return True
 
     def _backoff(self, inst: Instance, *, grow: bool) -> float:

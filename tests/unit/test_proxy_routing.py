@@ -291,6 +291,7 @@ def test_routing_config_is_validated() -> None:
     for kw, needle in [({"decode_policy": "random"}, "decode_policy"),
                        ({"admin_token": "short"}, "16 characters"),
                        ({"eject_after": 0}, "eject_after"),
+                       ({"eject_after_probe_timeouts": 0}, "probe_timeouts"),
                        ({"local_prefill_tokens": -1}, "local_prefill_tokens"),
                        ({"probe_interval_s": 0}, "probe_interval_s")]:
         try:
@@ -350,6 +351,7 @@ def test_cli_routing_flags_reach_the_config(monkeypatch) -> None:
     assert main(["proxy", "--prefill", "http://p:1", "--decode", "http://d:2",
                  "--decode-policy", "power_of_two", "--prefill-policy", "round_robin",
                  "--probe-interval", "0.5", "--probe-timeout", "0.25", "--eject-after", "2",
+                 "--eject-after-probe-timeouts", "3",
                  "--eject-backoff", "0.5", "--eject-backoff-max", "8",
                  "--engine-metrics", "3", "--affinity-chunk", "0", "--affinity-slack", "1",
                  "--local-prefill-tokens", "32", "--prefiller-header",
@@ -358,9 +360,10 @@ def test_cli_routing_flags_reach_the_config(monkeypatch) -> None:
     assert (c.decode_policy, c.prefill_policy, c.probe_interval_s, c.probe_timeout_s,
             c.eject_after, c.eject_base_s, c.eject_max_s, c.engine_metrics_s,
             c.affinity_chunk_chars, c.affinity_slack, c.local_prefill_tokens,
-            c.prefiller_header, c.on_prefill_failure, c.admin_token) == (
+            c.prefiller_header, c.on_prefill_failure, c.admin_token,
+            c.eject_after_probe_timeouts) == (
         "power_of_two", "round_robin", 0.5, 0.25, 2, 0.5, 8.0, 3.0, 0, 1.0, 32, True,
-        "decode", TOKEN)
+        "decode", TOKEN, 3)
 
 
 def test_proxy_admin_cli_against_a_running_proxy(capsys) -> None:

@@ -59,6 +59,34 @@ def test_refused_connection_ejects_at_once_errors_after_a_run() -> None:
     assert all(p.pick().url == URLS[2] for _ in range(3))
 
 
+def test_late_probes_eject_after_a_run_of_their_own() -> None:
+    p = pool(eject_after=3, probe_timeouts=2)
+    a = p.get(URLS[0])
+    # A late probe, then a good one: the count starts again; never ejected.
+    for _ in range(5):
+        assert p.failed(a, Failure.PROBE_TIMEOUT, "late", now=0.0) is None
+        assert not p.probed(a, 0.0) and a.pickable  # healthy: nothing to readmit
+    # A request served well starts it again too.
+    assert p.failed(a, Failure.PROBE_TIMEOUT, "late", now=0.0) is None
+    p.succeeded(a)
+    assert p.failed(a, Failure.PROBE_TIMEOUT, "late", now=0.0) is None
+    # Request failures are a run of their own: two 5xx and a late probe eject nothing.
+    for _ in range(2):
+        assert p.failed(a, Failure.ERROR, "HTTP 500", now=0.0) is None
+    assert a.pickable and (a.failures_in_row, a.probe_timeouts_in_row) == (2, 1)
+    ejection = p.failed(a, Failure.PROBE_TIMEOUT, "late again", now=0.0)
+    assert ejection is not None and ejection.cause is Failure.PROBE_TIMEOUT
+    assert not a.pickable and a.last_error == "probe_timeout: late again"
+    # Late while out pushes readmission back; a good probe after it readmits.
+    p.failed(a, Failure.PROBE_TIMEOUT, "late", now=0.5)
+    assert not p.probed(a, 1.2) and p.probed(a, 1.6)
+    assert (a.failures_in_row, a.probe_timeouts_in_row) == (0, 0)
+    # A failed probe (not a late one) still ejects at once.
+    assert p.failed(p.get(URLS[1]), Failure.PROBE, "HTTP 500", now=0.0) is not None
+    with pytest.raises(ValueError, match="probe_timeouts"):
+        HealthRules(probe_timeouts=0)
+
+
 def test_backoff_doubles_while_failing_and_a_probe_readmits_after_it() -> None:
     p = pool(eject_base_s=1.0, eject_max_s=3.0)
     a = p.get(URLS[0])

@@ -219,8 +219,10 @@ def proxy_server(port: int, prefill: list[str], decode: list[str], log: Path,
                  host: str = "127.0.0.1") -> Server:
     # Probes get 10 s unless ``args`` say otherwise (the default is 1 s). A vLLM API
     # server beside several engines on 2 cores has taken over a second to answer
-    # /health, and a failed probe ejects the one Prefill at once: CI saw the first
-    # request after a warm-up refused with 503 "all ejected" (2026-12-06). The tests
+    # /health, and a late probe then ejected the one Prefill at once: CI saw the first
+    # request after a warm-up refused with 503 "all ejected" (2026-12-06). The proxy
+    # now ejects only after two late probes in a row (--eject-after-probe-timeouts);
+    # the longer deadline stays, as a loaded host's stalls can exceed two. The tests
     # about ejection kill the engine (a refused connection ejects whatever the
     # timeout) or set their own probe flags.
     probe = [] if "--probe-timeout" in args else ["--probe-timeout", "10"]

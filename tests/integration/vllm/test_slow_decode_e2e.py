@@ -142,8 +142,8 @@ def _fresh_request_is_equal(c: dict[str, Any], seed: int) -> None:
     assert c["decode"].proc is not None and c["decode"].proc.poll() is None, \
         c["decode"].tail(40)
     prompt = _prompt(seed, 80)
-    # A paused Decode fails the proxy's /health probes and is ejected; it is readmitted
-    # by the first good probe after its back-off.
+    # A Decode paused for long enough misses two /health probes in a row and is
+    # ejected; it is readmitted by the first good probe after its back-off.
     wait_admitted(c["proxy"], c["decode"].url)
     r = httpx.post(c["proxy"].url + "/v1/completions", json=_body(c["model"], prompt),
                    timeout=120)
