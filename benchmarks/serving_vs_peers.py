@@ -351,6 +351,9 @@ def summarize(args, rounds: list[dict[str, Any]]) -> dict[str, Any]:
         for name in names:
             runs = [c for r in rounds if r["target"] == name for c in r["cases"]
                     if (c["input_len"], c["concurrency"]) == (length, conc)]
+            by_round = {r["round"]: c["figures"].get("request_throughput")
+                        for r in rounds if r["target"] == name for c in r["cases"]
+                        if (c["input_len"], c["concurrency"]) == (length, conc)}
             figs = [c["figures"] for c in runs]
             equal = sum(1 for c in runs for i, t in enumerate(c["texts"])
                         if (ref is None and args.skip_plain)
@@ -359,6 +362,8 @@ def summarize(args, rounds: list[dict[str, Any]]) -> dict[str, Any]:
             t: dict[str, Any] = {
                 "runs": len(runs),
                 "req_s": _med([f.get("request_throughput") for f in figs]),
+                # Round -> req/s (rounds run every target back to back: pairs by round).
+                "req_s_by_round": {k: v for k, v in by_round.items() if v is not None},
                 "ttft_p50_ms": _med([f.get("p50_ttft_ms") for f in figs]),
                 "ttft_p99_ms": _med([f.get("p99_ttft_ms") for f in figs]),
                 "tpot_p50_ms": _med([f.get("p50_tpot_ms") for f in figs]),
@@ -432,7 +437,8 @@ def verdicts(cases: list[dict[str, Any]]) -> list[str]:
                         f"{where} {mine} vs NIXL tuned: req/s {ra:.2f} vs {rb:.2f} = "
                         f"{ra / rb:.2f}x "
                         f"({'met' if ra >= 1.1 * rb else 'NOT met'}, target 1.1x); TTFT p99 "
-                        f"{a99:.0f} vs {b99:.0f} ms ({'met' if a99 <= b99 else 'NOT met'})")
+                        f"{a99:.0f} vs {b99:.0f} ms ({'met' if a99 <= b99 else 'NOT met'})"
+                        + _per_round(rd, tuned))
                 if row["concurrency"] == 1:
                     lines.append(f"{where} {mine} vs NIXL tuned: TTFT p50 {a50:.1f} vs "
                                  f"{b50:.1f} ms "
@@ -444,6 +450,16 @@ def verdicts(cases: list[dict[str, Any]]) -> list[str]:
                          f"{rd['pull_before_last_min']:.1%}) before Prefill's last layer "
                          f"was ready ({'met' if v >= 0.9 else 'NOT met'}, target 90%)")
     return lines
+
+
+def _per_round(a: dict[str, Any], b: dict[str, Any]) -> str:
+    """``a``'s req/s over ``b``'s in each round both ran (the spread the median hides)."""
+    ra, rb = a.get("req_s_by_round") or {}, b.get("req_s_by_round") or {}
+    ratios = [ra[k] / rb[k] for k in sorted(set(ra) & set(rb)) if rb[k]]
+    if len(ratios) < 2:
+        return ""
+    return (f"; per round {', '.join(f'{x:.2f}' for x in ratios)} (median "
+            f"{statistics.median(ratios):.2f}x)")
 
 
 def _fmt(v: dict[str, float] | None, f: str = "{:.1f}") -> str:
@@ -488,7 +504,8 @@ def render(summary: dict[str, Any]) -> str:
                              f"{_fmt(t['pull_after_last_p50_ms'])} ms")
     lines.append("\n== idle CPU per engine (cores, median over rounds)")
     for name, d in summary["idle_cores"].items():
-        lines.append(f"{name:12}" + ", ".join(f"{k}: {v:.3f}" for k, v in d.items()))
+        # The keys already name the target ("rd2h-parallel decode").
+        lines.append("- " + (", ".join(f"{k}: {v:.3f}" for k, v in d.items()) or name))
     lines.append("\n== targets (issues #24 and #43; reported, never enforced)")
     lines += [f"- {v}" for v in summary["verdicts"]] or ["- (no rd2h and nixl pair)"]
     return "\n".join(lines)
