@@ -42,9 +42,9 @@ Health: every instance's /health is probed each --probe-interval seconds (deadli
 with another status than 200, ejects an instance at once; probes that connect but get
 no answer in time eject it after --eject-after-probe-timeouts in a row (one late answer
 from a busy API server is not enough); 5xx answers, timeouts and broken streams eject
-it after --eject-after in a row. It
-stays out for a back-off that doubles while it keeps failing (--eject-backoff up to
---eject-backoff-max) and is readmitted by the first good probe after that.
+it after --eject-after in a row. It stays out for a back-off that doubles while it
+keeps failing (--eject-backoff up to --eject-backoff-max) and is readmitted by the
+first good probe after that.
 
 Failures reach the client honestly: the answer starts only with Decode's first byte,
 so a Prefill leg that fails for good is answered with Prefill's status and error body
@@ -212,7 +212,7 @@ def add_proxy_parser(sub: argparse._SubParsersAction) -> None:
                    help="deadline of one probe (default: %(default)s)")
     h.add_argument("--eject-after", type=int, default=5, metavar="N",
                    help="eject after N failed requests in a row (5xx, timeout, broken "
-                        "stream); refused connections and failed probes eject at once "
+                        "stream); refused connections and failed (not late) probes eject at once "
                         "(default: %(default)s)")
     h.add_argument("--eject-after-probe-timeouts", type=int, default=2, metavar="N",
                    help="eject after N probes in a row connect but get no answer within "
