@@ -57,7 +57,9 @@ CONFIGS: dict[str, list[str]] = {
     "affinity": [*BASE, "--affinity-chunk", "64"],
     "probes 0.1 s": [*BASE, "--probe-interval", "0.1"],
     "engine metrics": [*BASE, "--engine-metrics", "0.5"],
-    # The same as base on httpcore's default (anyio) sockets: what the asyncio ones save.
+    # The same as base (aiohttp's client) on httpx's: over asyncio's streams and over
+    # httpcore's default (anyio) sockets; what each client costs per request.
+    "httpx asyncio": [*BASE, "--upstream-sockets", "asyncio"],
     "anyio sockets": [*BASE, "--upstream-sockets", "anyio"],
     "defaults": [],
 }

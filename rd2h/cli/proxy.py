@@ -199,10 +199,12 @@ def add_proxy_parser(sub: argparse._SubParsersAction) -> None:
                         "goes Decode-first; single prompts only; not with "
                         "--local-prefill-tokens): Prefill's start no longer waits for "
                         "Decode's queue (default: %(default)s)")
-    g.add_argument("--upstream-sockets", choices=["asyncio", "anyio"], default="asyncio",
-                   help="the sockets under the proxy's HTTP client to the engines: "
-                        "'asyncio' (asyncio's streams) or 'anyio' (httpcore's default, more "
-                        "CPU per request; to compare or fall back on) (default: %(default)s)")
+    g.add_argument("--upstream-sockets", choices=["aiohttp", "asyncio", "anyio"], default="aiohttp",
+                   help="the proxy's HTTP client to the engines: 'aiohttp' (aiohttp's "
+                        "client, the least CPU per request), 'asyncio' (httpx on asyncio's "
+                        "streams) or 'anyio' (httpx on httpcore's default sockets, the most "
+                        "CPU); the httpx ones are kept to compare or fall back on "
+                        "(default: %(default)s)")
     g.add_argument("--prefiller-header", action="store_true",
                    help="sidecar mode: honour x-prefiller-host-port (one of --prefill)")
     h = p.add_argument_group("health")

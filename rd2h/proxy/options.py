@@ -29,7 +29,7 @@ def normalize_base_url(url: str, what: str) -> str:
 
 
 DISPATCH_MODES = ("decode-first", "parallel")
-UPSTREAM_SOCKETS = ("asyncio", "anyio")
+UPSTREAM_SOCKETS = ("aiohttp", "asyncio", "anyio")
 
 
 @dataclass(frozen=True)
@@ -85,10 +85,11 @@ class ProxyConfig:
     # arrive before its admission. Single-prompt requests only, and not with
     # local_prefill_tokens.
     dispatch: str = "decode-first"
-    # The sockets under the proxy's HTTP client to its engines: "asyncio" (asyncio's
-    # streams, rd2h.proxy.netio) or "anyio" (httpcore's default backend, which costs more
-    # CPU per request; kept to compare and to fall back on).
-    upstream_sockets: str = "asyncio"
+    # The proxy's HTTP client to its engines and its sockets: "aiohttp" (aiohttp's client,
+    # rd2h.proxy.aioclient: the least CPU per request), "asyncio" (httpx on asyncio's
+    # streams, rd2h.proxy.netio) or "anyio" (httpx on httpcore's default backend, the
+    # most CPU). The two httpx ones are kept to compare and to fall back on.
+    upstream_sockets: str = "aiohttp"
 
     def __post_init__(self) -> None:
         for role in ("prefill", "decode"):

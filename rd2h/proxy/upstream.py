@@ -39,6 +39,7 @@ the request: a post proves the engine admitted it) and send again at most once.
 
 from __future__ import annotations
 
+import asyncio
 import http.cookiejar
 import time
 from dataclasses import dataclass
@@ -49,13 +50,14 @@ import anyio
 import httpcore
 import httpx
 
+from rd2h.proxy.aioclient import SERVER_CLOSED, AiohttpClient
 from rd2h.proxy.netio import AsyncioBackend
 
 STALE = "stale_connection"
 CONNECT = "connect"
 FAILOVER = "failover"
 
-_SERVER_CLOSED = "Server disconnected without sending a response"
+_SERVER_CLOSED = SERVER_CLOSED.rstrip(".")
 
 
 @dataclass
@@ -188,7 +190,10 @@ class _Shard:
 
 
 class Upstream:
-    """The pooled httpx clients to the engines and the fresh-connection one.
+    """The pooled clients to the engines and the fresh-connection one: aiohttp's
+    (``aioclient``) by default, httpx's with ``sockets`` "asyncio" or "anyio" or with a
+    ``transport`` (tests). Either way a request's answer is an ``httpx.Response`` and a
+    failure an ``UpstreamError`` wrapping an httpx exception.
 
     A response sent with ``stream=True`` must be closed with ``close``.
     """
@@ -200,11 +205,15 @@ class Upstream:
         read_timeout_s: float,
         keepalive_expiry_s: float,
         transport: httpx.AsyncBaseTransport | None = None,
-        sockets: str = "asyncio",
+        sockets: str = "aiohttp",
     ) -> None:
         """``transport``: one httpx transport for every client (tests); otherwise each
         client gets real sockets, ``sockets`` saying whose (``ProxyConfig``)."""
         self._sockets = sockets
+        self._aio = (AiohttpClient(connect_timeout_s=connect_timeout_s,
+                                   read_timeout_s=read_timeout_s,
+                                   keepalive_expiry_s=keepalive_expiry_s)
+                     if transport is None and sockets == "aiohttp" else None)
         self._timeout = httpx.Timeout(read_timeout_s, connect=connect_timeout_s)
         self._keepalive_expiry_s = keepalive_expiry_s
         self._transport = transport
@@ -248,6 +257,16 @@ class Upstream:
         included unless ``stream``).
         """
         trace = AttemptTrace() if trace is None else trace
+        if self._aio is not None:
+            try:
+                if deadline_s is None:
+                    return await self._aio.send(method, url, trace=trace, fresh=fresh,
+                                                stream=stream, **kw)
+                async with asyncio.timeout(deadline_s):
+                    return await self._aio.send(method, url, trace=trace, fresh=fresh,
+                                                stream=stream, **kw)
+            except (httpx.TransportError, TimeoutError) as exc:
+                raise UpstreamError(exc, trace) from exc
         shard = None if fresh else self._shard(url)
         client = self.fresh if shard is None else shard.client
         request = client.build_request(method, url, extensions={"trace": trace}, **kw)
@@ -285,6 +304,8 @@ class Upstream:
         return sum(len(shards) for shards in self._shards.values())
 
     async def aclose(self) -> None:
+        if self._aio is not None:
+            await self._aio.aclose()
         clients = [s.client for shards in self._shards.values() for s in shards]
         for client in [*clients, self.fresh]:
             await client.aclose()

@@ -3,11 +3,15 @@ loopback servers: bytes in and out, connections pooled and reused, and every fai
 raised as the exception httpcore's default backend raises for it, so that
 ``upstream.resend_reason`` sends a request again exactly where it did before.
 
-Each case also runs on the default (anyio) sockets: the two must agree."""
+Each case runs on all three clients the proxy can use (``--upstream-sockets``): aiohttp's
+(``rd2h.proxy.aioclient``, the default), httpx on asyncio's streams and httpx on
+httpcore's default (anyio) sockets: they must agree."""
 
 from __future__ import annotations
 
 import asyncio
+import gzip
+import json as jsonlib
 import socket
 import ssl
 import struct
@@ -31,7 +35,7 @@ from rd2h.proxy.upstream import (
 
 pytestmark = pytest.mark.integration
 
-SOCKETS = ["asyncio", "anyio"]
+SOCKETS = ["aiohttp", "asyncio", "anyio"]
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 
 
@@ -132,6 +136,7 @@ def test_requests_and_a_streamed_answer_go_through_and_reuse_the_connection(sock
             # One connection, opened for the first request and reused by the others.
             assert [t.connected for t in traces] == [True, False, False]
             assert [t.reused for t in traces] == [False, True, True]
+            assert all(t.sent_at is not None for t in traces)
             assert server.connections == 1
 
     _run(main())
@@ -229,9 +234,12 @@ def test_an_engine_that_never_answers_is_a_read_timeout_never_sent_again(sockets
 
 @pytest.mark.parametrize("sockets", SOCKETS)
 @pytest.mark.parametrize("how", ["fin", "rst"])
-def test_a_pooled_connection_closed_under_the_request_is_stale(sockets, how) -> None:
+@pytest.mark.parametrize("method", ["POST", "GET"])
+def test_a_pooled_connection_closed_under_the_request_is_stale(sockets, how, method) -> None:
     """The engine answers once, then closes the idle connection just as the proxy reuses
-    it (its keep-alive timer): the request is sent again (``STALE``), by FIN or RST."""
+    it (its keep-alive timer): the request is sent again (``STALE``), by FIN or RST. A GET
+    too: no client sends it again on its own (aiohttp would), so the proxy's resend is
+    the only one and is counted."""
     async def handler(reader, writer):
         await _read_request(reader)
         writer.write(_answer())
@@ -242,16 +250,20 @@ def test_a_pooled_connection_closed_under_the_request_is_stale(sockets, how) -> 
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
         writer.transport.abort() if how == "rst" else writer.close()
 
+    server = Server(handler)
+
     async def main():
-        async with Server(handler) as url:
+        async with server as url:
             up = _upstream(sockets)
             r = await up.send("POST", url + "/v1/completions", json={})
             assert r.status_code == 200
             with pytest.raises(UpstreamError) as info:
-                await up.send("POST", url + "/v1/completions", json={})
+                await up.send(method, url + "/v1/completions",
+                              **({"json": {}} if method == "POST" else {}))
             await up.aclose()
         assert info.value.trace.reused and not info.value.trace.response_started
         assert info.value.resend == STALE, info.value
+        assert server.connections == 1
 
     _run(main())
 
@@ -303,5 +315,95 @@ def test_a_close_mid_answer_is_a_broken_stream_never_sent_again(sockets) -> None
             await up.close(r)
             await up.aclose()
         assert trace.response_started
+
+    _run(main())
+
+
+@pytest.mark.parametrize("sockets", SOCKETS)
+def test_every_client_sends_the_same_request_and_decodes_the_same_answer(sockets) -> None:
+    """What an engine sees is the same whichever client sends (httpx's JSON encoding, its
+    ``accept-encoding``, the caller's headers), and a gzip answer reaches the relay
+    decoded, streamed or not."""
+    payload = {"prompt": "caf\u00e9", "n": [1, 2]}
+    answer = b'{"text": "ok", "tokens": [1, 2, 3]}'
+    seen: list[bytes] = []
+
+    async def handler(reader, writer):
+        while True:
+            request = await _read_request(reader)
+            seen.append(request)
+            body = gzip.compress(answer)
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+                         b"content-encoding: gzip\r\ncontent-length: %d\r\n\r\n%s"
+                         % (len(body), body))
+            await writer.drain()
+
+    async def main():
+        async with Server(handler) as url:
+            up = _upstream(sockets)
+            r = await up.send("POST", url + "/v1/completions", json=payload,
+                              headers={"X-Request-Id": "r-1"})
+            assert r.json() == jsonlib.loads(answer)
+            r = await up.send("POST", url + "/v1/completions", json=payload, stream=True)
+            got = b"".join([c async for c in r.aiter_bytes()])
+            await up.close(r)
+            assert got == answer
+            await up.aclose()
+
+    _run(main())
+    head, body = seen[0].split(b"\r\n\r\n", 1)
+    headers = dict(line.split(b": ", 1) for line in head.split(b"\r\n")[1:])
+    headers = {k.lower(): v for k, v in headers.items()}
+    assert body == jsonlib.dumps(payload, ensure_ascii=False,
+                                 separators=(",", ":")).encode()
+    assert headers[b"content-type"] == b"application/json"
+    assert headers[b"content-length"] == str(len(body)).encode()
+    assert headers[b"x-request-id"] == b"r-1"
+    with httpx.Client() as plain:  # what httpx asks for on its own
+        assert headers[b"accept-encoding"] == plain.headers["accept-encoding"].encode()
+
+
+@pytest.mark.parametrize("sockets", SOCKETS)
+def test_a_deadline_ends_the_attempt_as_a_timeout_never_sent_again(sockets) -> None:
+    async def handler(reader, writer):
+        await _read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 100\r\n\r\n")
+        await writer.drain()
+        await asyncio.sleep(30)  # the body never comes; each read is inside its timeout
+
+    async def main():
+        async with Server(handler) as url:
+            up = _upstream(sockets, read_timeout_s=10)
+            started = asyncio.get_running_loop().time()
+            with pytest.raises(UpstreamError) as info:
+                await up.send("POST", url + "/v1/completions", json={}, deadline_s=0.3)
+            took = asyncio.get_running_loop().time() - started
+            await up.aclose()
+        assert (info.value.label, info.value.resend) == ("timeout", None)
+        assert took < 5
+
+    _run(main())
+
+
+@pytest.mark.parametrize("sockets", SOCKETS)
+def test_fresh_requests_each_open_a_connection_and_keep_none(sockets) -> None:
+    async def handler(reader, writer):
+        while True:
+            await _read_request(reader)
+            writer.write(_answer())
+            await writer.drain()
+
+    async def main():
+        server = Server(handler)
+        async with server as url:
+            up = _upstream(sockets)
+            traces = [AttemptTrace() for _ in range(3)]
+            for t in traces:
+                r = await up.send("POST", url + "/v1/completions", json={}, fresh=True,
+                                  trace=t)
+                assert r.status_code == 200
+            await up.aclose()
+        assert [t.connected for t in traces] == [True, True, True]
+        assert server.connections == 3
 
     _run(main())

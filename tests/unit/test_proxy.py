@@ -1039,10 +1039,10 @@ def test_parallel_dispatch_is_validated_and_off_by_default() -> None:
                     dispatch="both")
 
 
-def test_upstream_sockets_are_asyncio_by_default_and_validated() -> None:
+def test_upstream_sockets_are_aiohttp_by_default_and_validated() -> None:
     assert ProxyConfig(prefill=("http://p:1",), decode=("http://d:2",),
-                       public_url=PROXY).upstream_sockets == "asyncio"
-    with pytest.raises(ValueError, match="upstream_sockets must be one of asyncio, anyio"):
+                       public_url=PROXY).upstream_sockets == "aiohttp"
+    with pytest.raises(ValueError, match="upstream_sockets must be one of aiohttp, asyncio, anyio"):
         ProxyConfig(prefill=("http://p:1",), decode=("http://d:2",), public_url=PROXY,
                     upstream_sockets="trio")
 
