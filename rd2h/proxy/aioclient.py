@@ -142,10 +142,13 @@ class AiohttpClient:
     def _session(self, fresh: bool) -> aiohttp.ClientSession:
         session = self._fresh if fresh else self._pooled
         if session is None:
-            connector = (aiohttp.TCPConnector(limit=0, force_close=True, ssl=self._ssl)
-                         if fresh else
-                         aiohttp.TCPConnector(limit=0, ssl=self._ssl,
-                                              keepalive_timeout=self._keepalive_expiry_s))
+            # The system's resolver (getaddrinfo, as httpx and asyncio use), whether or
+            # not aiodns is installed; no connection cap (the clients bound concurrency).
+            kw: dict[str, Any] = {"limit": 0, "ssl": self._ssl,
+                                  "resolver": aiohttp.ThreadedResolver()}
+            connector = (aiohttp.TCPConnector(force_close=True, **kw) if fresh else
+                         aiohttp.TCPConnector(keepalive_timeout=self._keepalive_expiry_s,
+                                              **kw))
             session = aiohttp.ClientSession(
                 connector=connector, timeout=self._timeout, auto_decompress=False,
                 cookie_jar=aiohttp.DummyCookieJar(), headers=self._headers,
@@ -176,7 +179,8 @@ class AiohttpClient:
         if json is not None:  # as httpx encodes it
             content = jsonlib.dumps(json, ensure_ascii=False, separators=(",", ":"),
                                     allow_nan=False).encode("utf-8")
-            sent_headers.setdefault("Content-Type", "application/json")
+            if not any(k.lower() == "content-type" for k in sent_headers):
+                sent_headers["Content-Type"] = "application/json"
         try:
             raw = await self._session(fresh).request(
                 method, url, data=content, headers=sent_headers,
