@@ -1,11 +1,14 @@
 """The proxy's HTTP client to its engines, and the rule for sending a request again.
 
-Two kinds of httpx clients share one configuration: pooled ones (a few per engine,
-``POOL_SHARD_SIZE``) keep idle connections for ``keepalive_expiry_s``, below the
-engines' own keep-alive (uvicorn's and vLLM's default is 5 s), so the proxy drops an
-idle connection before the engine closes it and the race where an engine closes a
-connection just as the proxy reuses it becomes rare; ``fresh`` never keeps one, so a
-request sent through it always gets a new connection.
+The client is aiohttp's (``aioclient``, the default) or httpx's (``--upstream-sockets
+asyncio`` or ``anyio``, and in tests through an httpx transport); either way callers get
+``httpx.Response`` objects and httpx's exceptions. Two kinds of clients share one
+configuration: pooled ones (httpx: a few per engine, ``POOL_SHARD_SIZE``; aiohttp: one
+connector) keep idle connections for ``keepalive_expiry_s``, below the engines' own
+keep-alive (uvicorn's and vLLM's default is 5 s), so the proxy drops an idle connection
+before the engine closes it and the race where an engine closes a connection just as
+the proxy reuses it becomes rare; ``fresh`` never keeps one, so a request sent through
+it always gets a new connection.
 
 When a request may be sent again (``resend_reason``)
 -----------------------------------------------------
