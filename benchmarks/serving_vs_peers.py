@@ -69,8 +69,15 @@ from rd2h.demo.tiny_model import (
 
 DEFAULT_WORKDIR = Path("/tmp/rd2h-bench-peers")
 DEFAULT_CASES = "128x8:64,512x1:8,512x4:8,2048x1:6,2048x4:8,4096x1:4,4096x4:8"
-CONNECTORS = ("rd2h", "rd2h-parallel", "nixl", "nixl-tuned", "mooncake")
-RD2H = ("rd2h", "rd2h-parallel")  # rd2h-parallel: its proxy runs --dispatch parallel
+CONNECTORS = ("rd2h", "rd2h-parallel", "rd2h-parallel-httpx", "nixl", "nixl-tuned",
+              "mooncake")
+# rd2h-parallel: its proxy runs --dispatch parallel; rd2h-parallel-httpx: the same with
+# the proxy's client to the engines on httpx (--upstream-sockets asyncio, the default
+# before aiohttp's), to compare the two in one run.
+RD2H = ("rd2h", "rd2h-parallel", "rd2h-parallel-httpx")
+_PROXY_ARGS = {"rd2h": (), "rd2h-parallel": ("--dispatch", "parallel"),
+               "rd2h-parallel-httpx": ("--dispatch", "parallel", "--upstream-sockets",
+                                       "asyncio")}
 THREAD_SHOWN_MS = 0.3  # threads below this CPU per request are left out of the printout
 # nixl-tuned: NIXL with its two CPU handicaps here switched off by benchmark-only shims
 # (``benchmarks/nixl_tuned/sitecustomize.py``, never rd2h): the worker's
@@ -196,8 +203,7 @@ def targets(args, model: Path, run: Path, name: str) -> dict[str, sp.Proc]:
                  "decode": eng("decode", sp.rd2h_kv("kv_consumer", port, args.rd2h_options),
                                tl)}
         procs["proxy"] = sp.proxy(procs["prefill"], procs["decode"], folder / "proxy.log",
-                                  tl, ("--dispatch", "parallel") if name == "rd2h-parallel"
-                                  else ())
+                                  tl, _PROXY_ARGS[name])
         return procs
     if name in ("nixl", "nixl-tuned"):
         shims = {} if name == "nixl" else {
