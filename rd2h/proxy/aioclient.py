@@ -5,8 +5,8 @@ httpx and httpcore parse and build HTTP/1.1 in Python (h11) and build several ob
 request; aiohttp's client parses responses in C (llhttp) and keeps its pool in one
 connector. A POST with a JSON answer plus a POST with a streamed answer, at 8 in flight
 against a local uvicorn, cost 1.5-1.6 ms of CPU through httpx on asyncio sockets and
-0.26 ms through aiohttp: at serving concurrency that is about a quarter of the proxy's
-CPU per request.
+0.26 ms through aiohttp; the whole proxy spends about 40% less CPU per request on
+aiohttp (``benchmarks/proxy_overhead.py``).
 
 Everything above this module still sees httpx: a request's answer is an
 ``httpx.Response`` whose body streams from aiohttp's connection (undecoded, so httpx

@@ -222,8 +222,10 @@ class Upstream:
         self._transport = transport
         self._shards: dict[tuple[str, str], list[_Shard]] = {}
         self._streaming: dict[int, _Shard] = {}  # id(response) -> its shard
-        self.fresh = _client(transport, self._timeout, httpx.Limits(
-            max_connections=None, max_keepalive_connections=0), sockets)
+        # httpx's fresh-connection client; aiohttp's is ``self._aio``'s own.
+        self.fresh = None if self._aio is not None else _client(
+            transport, self._timeout,
+            httpx.Limits(max_connections=None, max_keepalive_connections=0), sockets)
 
     def _shard(self, url: str) -> _Shard:
         """The first pool of ``url``'s engine with room, a new one if none has."""
@@ -271,7 +273,8 @@ class Upstream:
             except (httpx.TransportError, TimeoutError) as exc:
                 raise UpstreamError(exc, trace) from exc
         shard = None if fresh else self._shard(url)
-        client = self.fresh if shard is None else shard.client
+        client = shard.client if shard is not None else self.fresh
+        assert client is not None  # httpx clients whenever there is no aiohttp one
         request = client.build_request(method, url, extensions={"trace": trace}, **kw)
         if shard is not None:
             shard.busy += 1
@@ -310,5 +313,5 @@ class Upstream:
         if self._aio is not None:
             await self._aio.aclose()
         clients = [s.client for shards in self._shards.values() for s in shards]
-        for client in [*clients, self.fresh]:
+        for client in [*clients, *([self.fresh] if self.fresh is not None else [])]:
             await client.aclose()
