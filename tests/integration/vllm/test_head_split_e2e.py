@@ -85,7 +85,11 @@ def cluster(request, tmp_path_factory, llama_model, llama_reference):
         deadline = time.monotonic() + STARTUP_S
         for server in (prefill, decode):
             server.wait_ready("/health", deadline)
-        proxy.wait_ready("/healthcheck", deadline)
+        # /health, not /healthcheck: 200 only once the proxy's probes admitted both
+        # engines. The proxy starts with them, ejects the Decode its first probes find
+        # down, and readmits it only at a probe after its back-off; a request sent in
+        # that gap was answered 503 (CI, stop 57).
+        proxy.wait_ready("/health", deadline)
         model = str(llama_model)
         for server in (prefill, decode):  # the first TP 2 forward compiles: pay it here
             assert len(_complete(server.url, model, [5, 6, 7], STARTUP_S)[0]) == MAX_TOKENS

@@ -144,7 +144,11 @@ def cluster(request, tmp_path_factory, mla_model, prefill):
         deadline = time.monotonic() + STARTUP_S
         for server in (p, decode):
             server.wait_ready("/health", deadline)
-        proxy.wait_ready("/healthcheck", deadline)
+        # /health, not /healthcheck: 200 only once the proxy's probes admitted both
+        # engines. The proxy starts with them, ejects the Decode its first probes find
+        # down, and readmits it only at a probe after its back-off; a request sent in
+        # that gap was answered 503 (CI, stop 57).
+        proxy.wait_ready("/health", deadline)
         model = str(mla_model)
         if not prefill["warm"]:
             _warm(p, model)
