@@ -681,8 +681,8 @@ def test_requests_for_two_decode_instances_go_to_two_endpoints(pworker, scripted
         _send("a" + SUFFIX, (1,), 0, True, port=31000),
         _send("b" + SUFFIX, (2,), 0, True, port=32000),
         _send("c" + SUFFIX, (3,), 0, True, port=32000))))
-    worker.save_kv_layer(NAMES[2])
-    by_ep = dict(decode.wait_batches(2))
+    _write_all_layers(worker)
+    by_ep = dict(decode.wait_batches(2 * len(NAMES)))  # each endpoint's last: the final
     assert [r.ext_req_id for r in by_ep["tcp://10.0.0.9:31000"].read_reqs] == ["a"]
     assert [r.ext_req_id for r in by_ep["tcp://10.0.0.9:32000"].read_reqs] == ["b", "c"]
     assert by_ep["tcp://10.0.0.9:32000"].done_ext_ids == ("b", "c")

@@ -5,7 +5,7 @@ caches and compressor states. rd2h takes the plain latent (one state per token, 
 model-specific layout) for full attention, and DeepSeek-V4's caches each by vLLM's own
 rule for them (compressed: full attention in 256-token blocks; windows and compressor
 states: sliding windows); every other variant refuses the engine at start, naming the
-layout, never a flag nobody passed. (The bytes: ``test_deepseek_v4_connector``.)
+layout, never a flag nobody passed. (The bytes: ``test_vllm_layouts_connector``.)
 
 The spec objects come from vLLM's own cache layers (``DeepseekV32IndexerCache``,
 ``DeepseekV4SWACache``, ``DeepseekV4IndexerCache``, ``CompressorStateCache``) and, for
@@ -35,7 +35,6 @@ from vllm.v1.kv_cache_interface import (
     KVCacheGroupSpec,
     MLAAttentionSpec,
     SparseCacheRole,
-    UniformTypeKVCacheSpecs,
 )
 
 from rd2h.domain.planning.kv_groups import UnsupportedKvGroup
@@ -70,40 +69,44 @@ def dsv32_groups() -> list[KVCacheGroupSpec]:
             KVCacheGroupSpec([f"{n}.indexer.k_cache" for n in names], indexer)]
 
 
+def dsv4_specs(cfg: VllmConfig) -> dict[str, Any]:
+    """The tiny DeepSeek-V4's cache layers' specs (call under ``set_current_vllm_config``),
+    each from vLLM's own cache layer with the widths a real engine gives it: the indexer
+    cache 132 bytes a token (``head_dim`` carries the fp8 scale), the compressor states
+    of the C4 indexer, the C4 attention and the C128 attention 512, 2048 and 1024
+    floats a state (read from a real engine's bound caches)."""
+    cc = cfg.cache_config
+    out: dict[str, Any] = {
+        f"model.layers.{i}.attn.swa_cache": DeepseekV4SWACache(
+            head_dim=512, window_size=128, dtype=torch.uint8,
+            prefix=f"model.layers.{i}.attn.swa_cache", cache_config=cc,
+        ).get_kv_cache_spec(cfg) for i in range(4)}
+    out["model.layers.1.attn.indexer.k_cache"] = DeepseekV4IndexerCache(
+        head_dim=132, dtype=torch.uint8, prefix="model.layers.1.attn.indexer.k_cache",
+        cache_config=cc, compress_ratio=4).get_kv_cache_spec(cfg)
+    out["model.layers.1.attn"] = _dsv4_compressed(4)
+    out["model.layers.2.attn"] = _dsv4_compressed(128)
+    for name, dim, r in (("model.layers.1.attn.indexer.compressor.state_cache", 512, 4),
+                         ("model.layers.1.attn.compressor.state_cache", 2048, 4),
+                         ("model.layers.2.attn.compressor.state_cache", 1024, 128)):
+        out[name] = CompressorStateCache(state_dim=dim, dtype=torch.float32,
+                                         compress_ratio=r, prefix=name).get_kv_cache_spec(cfg)
+    return out
+
+
 def dsv4_groups() -> list[KVCacheGroupSpec]:
     """The tiny DeepSeek-V4's seven groups as vLLM 0.32 groups them on a real engine
-    (its log: group block sizes 64, 64, 64, 64, 256, 4, 8), each spec from vLLM's own
-    cache layer: a window cache per layer; the C4 indexer cache with the C4 and C128
-    compressed latents (``model.layers.N.attn``); the C4 compressor states of the
-    indexer and of the attention (window 8); the C128 compressor state (window 128)."""
+    (its log: group block sizes 64, 64, 64, 64, 256, 4, 8), grouped by vLLM itself
+    (``get_kv_cache_groups`` in the block-outermost layout V4 needs): a window cache per
+    layer; the C4 indexer cache with the C4 and C128 compressed latents
+    (``model.layers.N.attn``); the C4 compressor states of the indexer and of the
+    attention (window 8); the C128 compressor state (window 128)."""
+    from vllm.v1.core.kv_cache_utils import get_kv_cache_groups
+
     cfg = _cache_config("fp8_ds_mla")
-    cc = cfg.cache_config
+    cfg.cache_config.kv_cache_layout = "BLHNC"
     with set_current_vllm_config(cfg):
-        windows = [
-            KVCacheGroupSpec([f"model.layers.{i}.attn.swa_cache"], DeepseekV4SWACache(
-                head_dim=512, window_size=128, dtype=torch.uint8,
-                prefix=f"model.layers.{i}.attn.swa_cache", cache_config=cc,
-            ).get_kv_cache_spec(cfg)) for i in range(4)]
-        indexer = DeepseekV4IndexerCache(
-            head_dim=128, dtype=torch.uint8, prefix="model.layers.1.attn.indexer.k_cache",
-            cache_config=cc, compress_ratio=4).get_kv_cache_spec(cfg)
-        states = {name: CompressorStateCache(
-            state_dim=dim, dtype=torch.float32, compress_ratio=r,
-            prefix=name).get_kv_cache_spec(cfg) for name, dim, r in (
-                ("model.layers.1.attn.indexer.compressor.state_cache", 128, 4),
-                ("model.layers.1.attn.compressor.state_cache", 512, 4),
-                ("model.layers.2.attn.compressor.state_cache", 512, 128))}
-    mixed = {"model.layers.1.attn.indexer.k_cache": indexer,
-             "model.layers.1.attn": _dsv4_compressed(4),
-             "model.layers.2.attn": _dsv4_compressed(128)}
-    c4 = dict(list(states.items())[:2])
-    c128 = "model.layers.2.attn.compressor.state_cache"
-    return [*windows,
-            KVCacheGroupSpec(list(mixed), UniformTypeKVCacheSpecs(
-                block_size=BLOCK, kv_cache_specs=mixed)),
-            KVCacheGroupSpec(list(c4), UniformTypeKVCacheSpecs(block_size=4,
-                                                               kv_cache_specs=c4)),
-            KVCacheGroupSpec([c128], states[c128])]
+        return get_kv_cache_groups(cfg, dsv4_specs(cfg))
 
 
 def _fp8_ds_mla_engine(role: str) -> Any:

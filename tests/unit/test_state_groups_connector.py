@@ -96,6 +96,20 @@ def _pages(raw: torch.Tensor, ids) -> torch.Tensor:
     return raw.view(NB, PAGE // 4)[list(ids)]
 
 
+STATE_FLOATS = CONV[0] * CONV[1] + SSM[0] * SSM[1] * SSM[2]  # 56: the state, no padding
+
+
+def _landed(d: torch.Tensor, p: torch.Tensor, state: tuple[int, int],
+            attn: tuple[tuple[int, ...], tuple[int, ...]]) -> None:
+    """Decode's state block holds Prefill's state (its conv and SSM floats) and none of
+    the padding after it; each attention block Prefill's whole page."""
+    (d_s, p_s), (d_a, p_a) = state, attn
+    torch.testing.assert_close(_pages(d, [d_s])[:, :STATE_FLOATS],
+                               _pages(p, [p_s])[:, :STATE_FLOATS], rtol=0, atol=0)
+    assert not _pages(d, [d_s])[:, STATE_FLOATS:].any(), "the state page's padding moved"
+    torch.testing.assert_close(_pages(d, d_a), _pages(p, p_a), rtol=0, atol=0)
+
+
 @pytest.fixture
 def engines(tp_group, memory_control, metaserver):  # noqa: F811
     made = []
@@ -174,12 +188,12 @@ def test_state_and_attention_land_in_their_own_blocks_after_n_minus_1(engines) -
     assert d_work.get_transfer_results(set()).finished_recving == {"h-1" + SUFFIX_D}
 
     for d, p in zip(d_raw, p_raw):
-        torch.testing.assert_close(_pages(d, d_state + d_attn), _pages(p, p_state + p_attn),
-                                   rtol=0, atol=0)
+        _landed(d, p, (d_state[-1], p_state[-1]), (d_attn, p_attn))
         rest = [b for b in range(NB) if b not in d_state + d_attn]
         assert not _pages(d, rest).any()
     stats = d_work.get_kv_connector_stats().data
-    assert stats["bytes_pulled"] == 2 * (1 + 3) * PAGE  # per layer pair: the page + 3 blocks
+    # Per layer pair: the state's own bytes (not its padded page) and 3 attention pages.
+    assert stats["bytes_pulled"] == 2 * (STATE_FLOATS * 4 + 3 * PAGE)
 
 
 def test_a_one_token_prompt_is_computed_by_decode(engines) -> None:
@@ -218,8 +232,7 @@ def test_align_mode_moves_the_last_state_block_of_the_list(engines) -> None:
         p_work.wait_for_layer_reuse(i)
     assert d_work.get_transfer_results(set()).finished_recving == {"h-4" + SUFFIX_D}
     for d, p in zip(d_raw, p_raw):
-        torch.testing.assert_close(_pages(d, (9, 10, 11, 12)), _pages(p, (19, 20, 21, 22)),
-                                   rtol=0, atol=0)
+        _landed(d, p, (9, 19), ((10, 11, 12), (20, 21, 22)))
         assert not _pages(d, [0]).any()  # vLLM's null block
 
 
@@ -324,5 +337,4 @@ def test_a_preempted_request_announces_the_state_of_its_new_blocks(engines) -> N
         p_work.wait_for_layer_reuse(i)
     assert d_work.get_transfer_results(set()).finished_recving == {"h-7" + SUFFIX_D}
     for d, p in zip(d_raw, p_raw):
-        torch.testing.assert_close(_pages(d, (5, 6, 7, 8)), _pages(p, (19, 15, 16, 22)),
-                                   rtol=0, atol=0)
+        _landed(d, p, (5, 19), ((6, 7, 8), (15, 16, 22)))

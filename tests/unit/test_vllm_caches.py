@@ -38,32 +38,40 @@ def _kv(num_blocks: int = NB) -> torch.Tensor:
 
 def test_mla_cache_is_one_main_tensor_of_whole_blocks() -> None:
     t = _mla()
-    ((base, per_block),) = main_views("model.layers.0.attn", t, NB)
-    assert base == t.data_ptr()
+    ((base, per_block, page),) = main_views("model.layers.0.attn", t, NB)
+    assert base == t.data_ptr() and page == per_block
     assert per_block == 1 * BS * 576 * 2 == t[0].numel() * t.element_size()
     assert t[3].data_ptr() == base + 3 * per_block  # block b starts where rd2h thinks
 
 
 def test_kv_cache_is_two_main_tensors_behind_the_kv_axis() -> None:
     t = _kv()
-    (k_base, k_bpb), (v_base, v_bpb) = main_views("model.layers.0.attn", t, NB)
+    (k_base, k_bpb, k_page), (v_base, v_bpb, v_page) = main_views("model.layers.0.attn", t, NB)
     assert (k_base, v_base) == (t[0].data_ptr(), t[1].data_ptr())
+    assert (k_page, v_page) == (k_bpb, v_bpb)
     assert k_bpb == v_bpb == BS * 2 * 8 * 2
     assert t[1, 4].data_ptr() == v_base + 4 * v_bpb
 
 
 def test_a_leading_axis_of_one_is_one_main_tensor() -> None:
     t = torch.zeros(1, NB, BS, 8, dtype=torch.float32)
-    ((base, per_block),) = main_views("l", t, NB)
-    assert (base, per_block) == (t.data_ptr(), BS * 8 * 4)
+    ((base, per_block, page),) = main_views("l", t, NB)
+    assert (base, per_block, page) == (t.data_ptr(), BS * 8 * 4, BS * 8 * 4)
 
 
-def test_a_view_into_a_larger_allocation_keeps_its_own_offset_and_stride() -> None:
+def test_a_view_into_a_larger_allocation_keeps_its_own_offset_stride_and_page() -> None:
     backing = torch.zeros(NB, 2, BS, 8, dtype=torch.float32)
     t = backing[:, 1]  # non-contiguous: every other half-block
-    ((base, per_block),) = main_views("l", t, NB)
+    ((base, per_block, page),) = main_views("l", t, NB)
     assert base == backing[0, 1].data_ptr()
-    assert per_block == 2 * BS * 8 * 4  # the stride between blocks, not the view's size
+    assert per_block == 2 * BS * 8 * 4  # the stride between blocks
+    assert page == BS * 8 * 4  # the view's own bytes of a block, not the next block's
+
+
+def test_a_view_with_gaps_in_its_page_is_refused_naming_it() -> None:
+    backing = torch.zeros(NB, BS, 16, dtype=torch.float32)
+    with pytest.raises(LayoutMismatch, match=r"model\.layers\.2\.attn.*gaps in its page"):
+        main_views("model.layers.2.attn", backing[:, :, :8], NB)  # half of each row
 
 
 @pytest.mark.parametrize(

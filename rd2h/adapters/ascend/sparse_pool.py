@@ -61,8 +61,8 @@ class SparseKvPoolDestinations:
                 if t is None:
                     continue
                 n = n_idx if n_idx is not None else int(t.shape[0])
-                (base, per_block), = main_views(f"{name}:{kind}", t, n)
-                dest = DestTensor(base, per_block, n)
+                (base, per_block, page), = main_views(f"{name}:{kind}", t, n)
+                dest = DestTensor(base, per_block, n, None if page == per_block else page)
                 regions[region_of(t)] = None
                 if kind == "indexer":
                     indexer = dest

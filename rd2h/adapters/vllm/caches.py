@@ -5,6 +5,11 @@ latent tensor, e.g. ``[num_blocks, 1, block_size, 576]``), or along its second
 dimension behind a leading K/V axis (``[2, num_blocks, ...]``: two main tensors).
 A recurrent-state layer (Mamba, gated delta net) is a list of views (conv state, SSM
 state) into one page per block: one main tensor, the page (``state_page``).
+
+Each tensor's page is what its own shape, strides and offset cover in a block: the
+whole block in vLLM's default layouts, a part of it where vLLM packs a group's layers
+side by side in each block (DeepSeek-V4: one 47,808-byte block holds a window cache at
+offset 0 and others after it) or pads a state page. Only the page is moved and hashed.
 """
 
 from __future__ import annotations
@@ -28,8 +33,8 @@ def _is_state(value: Any) -> bool:
     return isinstance(value, (list, tuple))
 
 
-def _views(name: str, value: Any, num_blocks: int) -> list[tuple[int, int]]:
-    """``(base_addr, bytes_per_block)`` of each main tensor of a cache layer."""
+def _views(name: str, value: Any, num_blocks: int) -> list[tuple[int, int, int]]:
+    """``(base_addr, bytes_per_block, page)`` of each main tensor of a cache layer."""
     if _is_state(value):
         return [state_page(name, value, num_blocks)]
     return main_views(name, value, num_blocks)
@@ -72,8 +77,9 @@ def source_layouts(
         views = _views(name, tensor, num_blocks)
         # Advertise the region size so Decode refuses block ids beyond the cache.
         layouts[name] = SourceLayout(
-            name, tuple(TensorComponent(b, n, group_idx=group, num_blocks=num_blocks)
-                        for b, n in views),
+            name, tuple(TensorComponent(b, n, group_idx=group, num_blocks=num_blocks,
+                                        page_bytes=None if p == n else p)
+                        for b, n, p in views),
             heads=_heads(tensor, num_blocks, heads),
         )
         regions[_region(tensor)] = None
@@ -96,7 +102,8 @@ class VllmCacheDestinations:
         for name, tensor, group in _moved(kv_caches, groups):
             views = _views(name, tensor, num_blocks)
             self._layouts[name] = DestinationLayout(
-                name, tuple(DestTensor(b, n, num_blocks) for b, n in views),
+                name, tuple(DestTensor(b, n, num_blocks, None if p == n else p)
+                            for b, n, p in views),
                 heads=_heads(tensor, num_blocks, heads),
                 group=None if groups is None else group,
             )

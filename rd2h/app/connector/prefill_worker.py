@@ -7,9 +7,13 @@ hold a step whose preempted requests Decode may still be reading
 Layers of a recurrent-state group (Mamba, gated delta net) get no per-layer hook from
 vLLM: they are announced after the step's forward (``wait_for_save``), in layer order,
 and only with a request's final chunk; so are the layers of a group vLLM writes without
-the hook (``hookless_groups``: DeepSeek-V4's caches), with every chunk. The request's
-final report rides on the last of these late layers (else on the last layer, as
-before)."""
+the hook (``hookless_groups``: DeepSeek-V4's caches), with every chunk. A layer vLLM gave
+no hook in a step although its group has one (DeepSeek-V3.2's indexer cache: vLLM calls
+the hook from attention forwards only) is announced after the forward too, so every
+layer is announced in every step. The request's final report rides on the layer
+announced last in time, the one that completes the step's layers, never on a layer
+announced before another (by id it may come first: V3.2's layer-2 indexer has a higher
+id than layer 2's latent, yet is written before it)."""
 
 from __future__ import annotations
 
@@ -63,12 +67,13 @@ _Targets = tuple[list[LayerTarget], dict[str, list[tuple[str, str]]], int]
 
 
 def _block_bytes(layout: SourceLayout | None) -> tuple[int, int]:
-    """Bytes of one main block and of one indexer block (with its scale) of a layer."""
+    """Bytes read of one main block and of one indexer block (with its scale) of a
+    layer: the tensors' pages."""
     if layout is None:
         return 0, 0
     index = (layout.indexer, layout.scale)
-    return (sum(t.bytes_per_block for t in layout.main),
-            sum(t.bytes_per_block for t in index if t is not None))
+    return (sum(t.page for t in layout.main),
+            sum(t.page for t in index if t is not None))
 
 
 class PrefillWorker(ConnectorRole):
@@ -119,11 +124,10 @@ class PrefillWorker(ConnectorRole):
         late = state | frozenset(hookless_groups)
         self._state_layers = frozenset(i for i in self._layers
                                        if self._layer_groups.get(i) in state)
-        # Layers announced after the forward; the final report rides on the last.
+        # Layers announced after the forward (then any layer vLLM called no hook for).
         self._late_layers = tuple(sorted(i for i in self._layers
                                          if self._layer_groups.get(i) in late))
-        last = self._late_layers or tuple(self._layers)
-        self._last_layer = max(last) if last else -1
+        self._unhooked_seen: set[int] = set()  # layers found without a hook (logged once)
         self._clock = clock
         self._log = log
         self.buffer_reuse = buffer_reuse
@@ -207,9 +211,20 @@ class PrefillWorker(ConnectorRole):
 
     def wait_for_save(self) -> None:
         """The step's forward ran every layer: announce the late layers (a state layer's
-        block is in this step's sends with a request's final chunk only)."""
+        block is in this step's sends with a request's final chunk only), then every layer
+        vLLM called no hook for in this step (written by now); the last of them carries
+        the step's final reports."""
         for idx in self._late_layers:
             self._announce(idx)
+        if self._sends:
+            for idx in sorted(self._layers):
+                if idx not in self._dispatched:
+                    if idx not in self._unhooked_seen:
+                        self._unhooked_seen.add(idx)
+                        self._log.info("vLLM called no save hook for a cache layer; it is "
+                                       "announced after each step's forward",
+                                       layer=self._layers[idx])
+                    self._announce(idx)
         self._release()
 
     def _release(self) -> None:
@@ -224,17 +239,19 @@ class PrefillWorker(ConnectorRole):
         self._dispatched.add(idx)
         if not self._sends:
             return
+        # The step's last layer in time: every other one was announced before it.
+        last = len(self._dispatched) == len(self._layers)
         group = self._layer_groups.get(idx)
-        key = (group, idx in self._state_layers, idx == self._last_layer)
+        key = (group, idx in self._state_layers, last)
         known = self._step_targets.get(key)
         if known is None:
-            known = self._targets(idx, group, key[1])
+            known = self._targets(idx, group, key[1], last)
             if self._digest is None:  # digests differ per layer: built for each
                 self._step_targets[key] = known
         targets, names, nbytes = known
         if not targets:
             return
-        final = [s.internal_id for s in self._sends if s.final] if idx == self._last_layer else []
+        final = [s.internal_id for s in self._sends if s.final] if last else []
         hold = False
         if self._min_announce_bytes:
             self._held_bytes += nbytes
@@ -247,9 +264,10 @@ class PrefillWorker(ConnectorRole):
             self._report(self._requests.take_news())
         self.layers_announced += 1
 
-    def _targets(self, idx: int, group: int | None, state: bool) -> _Targets:
+    def _targets(self, idx: int, group: int | None, state: bool, last: bool) -> _Targets:
         """Layer ``idx``'s announcement of this step's sends, per Decode endpoint, and
-        the bytes its reads name in all (``min_announce_bytes``)."""
+        the bytes its reads name in all (``min_announce_bytes``); ``last``: the step's
+        last layer, which carries the final reports."""
         targets: list[LayerTarget] = []
         names: dict[str, list[tuple[str, str]]] = {}
         nbytes = 0
@@ -257,7 +275,7 @@ class PrefillWorker(ConnectorRole):
         for s in self._sends:
             m = compute_mapping(self._p_tp, s.decode.tp_size, self._p_rank)
             req = _read_request(s, group, state)
-            done = s.final and idx == self._last_layer
+            done = s.final and last
             if req is None and not done:
                 continue
             layout = self._layouts.get(idx) if self._digest is not None else None

@@ -1,5 +1,9 @@
 """Read descriptors of one message from its owned blocks, as a per-layer template.
 
+A tensor whose page is its whole block on both sides is read in runs of consecutive
+blocks; one whose page is a part of its block (vLLM's packed layouts: other layers'
+pages lie between) is read one page per block, never the bytes around it.
+
 Every layer of a chunk names the same blocks; only the tensors' base addresses differ
 from layer to layer (their block sizes and head slices are the same). So the block
 arithmetic (runs of consecutive blocks, offsets, lengths) is done once per block plan
@@ -65,14 +69,15 @@ class DescriptorTemplate:
         for comp, pairs, _, slices in groups:
             if comp.src.size == 0 or not pairs:
                 continue
-            if slices is None:
-                p_start, d_start, length = comp.runs
-            else:  # slices of blocks are not contiguous on Decode: no runs
-                p_start, d_start = comp.src, comp.dst
-                length = np.ones(p_start.shape[0], dtype=np.int64)
-            m = p_start.shape[0]
             for t, (src, dst) in enumerate(pairs):
-                nbytes = src.bytes_per_block if slices is None else slices[t].nbytes
+                whole = src.page == src.bytes_per_block and dst.page == dst.bytes_per_block
+                if slices is None and whole:
+                    p_start, d_start, length = comp.runs
+                else:  # slices or pages of blocks are not contiguous: one per block
+                    p_start, d_start = comp.src, comp.dst
+                    length = np.ones(p_start.shape[0], dtype=np.int64)
+                m = p_start.shape[0]
+                nbytes = src.page if slices is None else slices[t].nbytes
                 local.append(d_start * dst.bytes_per_block)
                 remote.append(p_start * src.bytes_per_block)
                 lengths.append(length * nbytes)

@@ -89,9 +89,11 @@ class LayerPair:
             if src.scale is not None and dst.scale is not None:
                 index_pairs += ((src.scale, dst.scale),)
         index_src = [t for t in (src.indexer, src.scale) if t is not None]
-        shape = (tuple((s.bytes_per_block, d.bytes_per_block) for s, d in main_pairs),
+        shape = (tuple((s.bytes_per_block, d.bytes_per_block, s.page, d.page)
+                       for s, d in main_pairs),
                  None if slices is None else tuple(slices),
-                 tuple((s.bytes_per_block, d.bytes_per_block) for s, d in index_pairs))
+                 tuple((s.bytes_per_block, d.bytes_per_block, s.page, d.page)
+                       for s, d in index_pairs))
         return LayerPair(
             src, dst, slices, main_pairs, index_pairs,
             source_limit(src.main), source_limit(index_src),

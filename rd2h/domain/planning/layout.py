@@ -55,10 +55,21 @@ class TensorComponent:
     block_size_scale: int = 1
     group_idx: int = 0
     num_blocks: int | None = None
+    # The bytes of a block that are this tensor's, from the block's start (None: the
+    # whole block). Less than the block where vLLM packs several layers' pages into one
+    # block (its block-outermost layouts: a block holds every layer of a group side by
+    # side) or pads a page: only these bytes are read, written and hashed.
+    page_bytes: int | None = None
 
     @property
     def bytes_per_block(self) -> int:
+        """The distance between two blocks (block b starts at ``base + b * this``)."""
         return self.block_len * self.block_size_scale
+
+    @property
+    def page(self) -> int:
+        """The bytes of each block that are moved: ``page_bytes``, else the whole block."""
+        return self.bytes_per_block if self.page_bytes is None else self.page_bytes
 
 
 @dataclass(frozen=True)
@@ -109,6 +120,9 @@ class SourceLayout:
             num_blocks=() if None in sizes else sizes,  # type: ignore[arg-type]
             main_heads=None if self.heads is None else (
                 self.heads.first, self.heads.count, self.heads.total),
+            # only when a page is not its whole block: the legacy shape otherwise
+            page_bytes=tuple(t.page for t in tensors)
+            if any(t.page != t.bytes_per_block for t in tensors) else (),
         )
 
     @classmethod
@@ -127,14 +141,24 @@ class SourceLayout:
                 layer_name, "main",
                 f"{len(meta.num_blocks)} region sizes for {count} base addresses",
             )
+        if meta.page_bytes and len(meta.page_bytes) != count:
+            raise LayoutMismatch(
+                layer_name, "main",
+                f"{len(meta.page_bytes)} page sizes for {count} base addresses",
+            )
         sizes = meta.num_blocks or (None,) * count
+        pages = meta.page_bytes or (None,) * count
         tensors = [
             TensorComponent(
                 meta.base_addrs[i], meta.block_len[i], meta.block_size_scale[i],
-                meta.tensor_group_idx[i], sizes[i],
+                meta.tensor_group_idx[i], sizes[i], pages[i],
             )
             for i in range(count)
         ]
+        for t in tensors:
+            if t.page_bytes is not None and not 0 < t.page_bytes <= t.bytes_per_block:
+                raise LayoutMismatch(layer_name, "main", f"a {t.page_bytes}-byte page in a "
+                                     f"{t.bytes_per_block}-byte block")
         heads = None if meta.main_heads is None else HeadRange(*meta.main_heads)
         extra = tensors[mc:]
         if not meta.has_indexer:
@@ -156,11 +180,23 @@ class SourceLayout:
 
 @dataclass(frozen=True)
 class DestTensor:
-    """One Decode destination tensor: where block 0 lies and how many blocks fit."""
+    """One Decode destination tensor: where block 0 lies, the distance between blocks,
+    how many blocks fit, and the bytes of each block that are this tensor's page (None:
+    the whole block; see ``TensorComponent.page_bytes``)."""
 
     base_addr: int
     bytes_per_block: int
     num_blocks: int
+    page_bytes: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.page_bytes is not None and not 0 < self.page_bytes <= self.bytes_per_block:
+            raise ValueError(f"a {self.page_bytes}-byte page in a "
+                             f"{self.bytes_per_block}-byte block")
+
+    @property
+    def page(self) -> int:
+        return self.bytes_per_block if self.page_bytes is None else self.page_bytes
 
 
 @dataclass(frozen=True)
@@ -187,13 +223,18 @@ def per_block_bytes_from_rows(row_bytes: int, rows: int, num_blocks: int) -> int
 
 
 def _check_bytes(layer: str, component: str, src: TensorComponent, dst: DestTensor) -> None:
+    """The page each block moves must be the same size on both sides (the blocks around
+    it may differ: one side may pack other layers' pages beside it)."""
     if src.bytes_per_block <= 0:
         raise LayoutMismatch(layer, component, f"source block has {src.bytes_per_block} bytes")
-    if src.bytes_per_block != dst.bytes_per_block:
+    if src.page != dst.page:
+        def what(page: int, block: int) -> str:
+            return f"{block} bytes" if page == block else f"a {page}-byte page of {block}"
         raise LayoutMismatch(
             layer, component,
             f"source block is {src.block_len} x {src.block_size_scale} = "
-            f"{src.bytes_per_block} bytes, destination block is {dst.bytes_per_block} bytes",
+            f"{what(src.page, src.bytes_per_block)}, destination block is "
+            f"{what(dst.page, dst.bytes_per_block)}",
         )
 
 
@@ -228,20 +269,20 @@ def main_slices(src: SourceLayout, dst: DestinationLayout) -> tuple[MainSlice, .
         )
     out = []
     for s, d in zip(src.main, dst.main):
-        if d.bytes_per_block % dh.count or d.bytes_per_block <= 0:
-            raise LayoutMismatch(layer, "main", f"a {d.bytes_per_block}-byte destination "
+        if d.page % dh.count or d.page <= 0:
+            raise LayoutMismatch(layer, "main", f"a {d.page}-byte destination "
                                  f"block does not split into {dh.count} heads")
-        per_head = d.bytes_per_block // dh.count
-        if s.bytes_per_block != per_head * sh.count:
+        per_head = d.page // dh.count
+        if s.page != per_head * sh.count:
             raise LayoutMismatch(
                 layer, "main",
-                f"source block is {s.bytes_per_block} bytes for {sh.count} heads, "
+                f"source block is {s.page} bytes for {sh.count} heads, "
                 f"destination holds {per_head} bytes per head",
             )
         if sh.within(dh):
-            out.append(MainSlice(0, (sh.first - dh.first) * per_head, s.bytes_per_block))
+            out.append(MainSlice(0, (sh.first - dh.first) * per_head, s.page))
         else:
-            out.append(MainSlice((dh.first - sh.first) * per_head, 0, d.bytes_per_block))
+            out.append(MainSlice((dh.first - sh.first) * per_head, 0, d.page))
     return tuple(out)
 
 

@@ -11,7 +11,8 @@ the LIC8 scale (over its indexer block ids). A list is aligned with one of these
   read from contributor member 0 alone (every member holds all of it; a head split,
   where each member holds its own heads, is not checked).
 So each Prefill rank hashes only what its reader reads (``stated_digests``).
-A digest is XXH3-64 of the block's bytes, its top bit cleared (the wire's ints are below
+A digest is XXH3-64 of the block's page (the tensor's own bytes of the block, exactly
+what a read moves: ``TensorComponent.page``), its top bit cleared (the wire's ints are below
 2**63); the hashing itself is an adapter's (``rd2h.adapters.hashing``). Decode checks
 the blocks it read, at their destination addresses, after the read (``block_checks``):
 any difference fails the layer, and so does a block read without a stated digest.
@@ -51,8 +52,10 @@ def source_spans(src: SourceLayout, req: ReadRequest) -> list[tuple[np.ndarray, 
 
 
 def _addrs(tensor: TensorComponent, ids: Sequence[int]) -> tuple[np.ndarray, int]:
-    size = tensor.bytes_per_block
-    return np.asarray(ids, dtype=np.int64) * size + tensor.base_addr, size
+    """The blocks' addresses and the bytes hashed of each: the tensor's page, the bytes
+    a read moves (``TensorComponent.page``), no more."""
+    return (np.asarray(ids, dtype=np.int64) * tensor.bytes_per_block + tensor.base_addr,
+            tensor.page)
 
 
 def stated_range(req: ReadRequest, main: bool, owner: tuple[int, int]) -> tuple[int, int]:
@@ -167,7 +170,7 @@ def block_checks(
                                     f"block list", req.ext_req_id)
             s_t, d_t = srcs[t], dsts[t]
             addrs.append(d_ids * d_t.bytes_per_block + d_t.base_addr)
-            sizes.append(np.full(s_ids.size, s_t.bytes_per_block, dtype=np.int64))
+            sizes.append(np.full(s_ids.size, s_t.page, dtype=np.int64))
             expected.append(np.asarray(digests, dtype=np.int64)[pos])
             blocks.append(s_ids)
             spans.append((req.ext_req_id, name, int(s_ids.size)))

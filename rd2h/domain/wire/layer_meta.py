@@ -26,6 +26,13 @@ NUM_BLOCKS_KEY = "num_blocks"
 # heads pulls each contributor's heads into their slice of its blocks; a peer without
 # the extension ignores the key and refuses the smaller blocks as before.
 MAIN_HEADS_KEY = "main_heads"
+# Optional key (the page extension): per tensor, the bytes of each block that are the
+# tensor's own, from the block's start, where fewer than the block (``block_len`` x
+# ``block_size_scale``, still the distance between blocks): vLLM's block-outermost
+# layouts pack a group's layers side by side in one block. Decode reads exactly these
+# bytes; absent, a page is its whole block (and Decode, whose own page is smaller,
+# refuses the layer).
+PAGE_BYTES_KEY = "page_bytes"
 MAX_KV_HEADS = 1 << 16
 
 
@@ -46,6 +53,7 @@ class LayerMetadata:
     has_indexer: bool
     num_blocks: tuple[int, ...] = ()
     main_heads: tuple[int, int, int] | None = None  # (first, count, total)
+    page_bytes: tuple[int, ...] = ()  # per tensor; empty: whole blocks
 
     def to_map(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -60,6 +68,8 @@ class LayerMetadata:
             out[NUM_BLOCKS_KEY] = list(self.num_blocks)
         if self.main_heads is not None:
             out[MAIN_HEADS_KEY] = list(self.main_heads)
+        if self.page_bytes:
+            out[PAGE_BYTES_KEY] = list(self.page_bytes)
         return out
 
 
@@ -92,6 +102,18 @@ def decode_layer_metadata(name: Any, value: Any) -> LayerMetadata:
             )
     main_heads = _main_heads(value.get(MAIN_HEADS_KEY), layer) if MAIN_HEADS_KEY in value \
         else None
+    page_bytes: tuple[int, ...] = ()
+    if PAGE_BYTES_KEY in value:
+        items = as_seq(value[PAGE_BYTES_KEY], f"MF_META {layer} {PAGE_BYTES_KEY}")
+        page_bytes = tuple(
+            as_int(v, f"MF_META {layer} {PAGE_BYTES_KEY} item", minimum=1, maximum=MAX_WIRE_INT)
+            for v in items
+        )
+        if len(page_bytes) != len(lists["base_addrs"]):
+            raise ProtocolError(
+                f"MF_META layer {layer}: {PAGE_BYTES_KEY} has {len(page_bytes)} items "
+                f"for {len(lists['base_addrs'])} tensors"
+            )
     main_count = as_int(value["main_tensor_count"], f"MF_META {layer} main_tensor_count", minimum=0)
     has_indexer = value["has_indexer"]
     if not isinstance(has_indexer, bool):
@@ -105,6 +127,7 @@ def decode_layer_metadata(name: Any, value: Any) -> LayerMetadata:
         has_indexer=has_indexer,
         num_blocks=num_blocks,
         main_heads=main_heads,
+        page_bytes=page_bytes,
     )
 
 
