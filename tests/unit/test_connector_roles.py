@@ -1043,3 +1043,19 @@ def test_an_unsampled_trace_is_logged_at_debug_only(dsched) -> None:
     assert not [e for e in log.at("info") if e[0] == "pulling KV from prefill"]
     (_, kw), = [e for e in log.at("debug") if e[0] == "pulling KV from prefill"]
     assert kw["traceparent"] == trace
+
+
+def test_the_final_report_rides_on_the_layer_announced_last_in_time(pworker, scripted) -> None:
+    """vLLM calls the save hook for some layers only (DeepSeek-V3.2's indexer cache gets
+    none): the others are announced after the forward, and the request's completion rides
+    on the layer announced last in time, whatever its id, never on one announced before
+    another (Decode would complete the request without the later layer)."""
+    decode = scripted()
+    worker = pworker()
+    worker.bind_connector_metadata(StepPlan(sends=(_send("a" + SUFFIX, (1,), 0, True),)))
+    worker.save_kv_layer(NAMES[2])  # the highest id, hooked first
+    worker.save_kv_layer(NAMES[0])
+    worker.wait_for_save()  # NAMES[1] had no hook: announced now, and last
+    batches = [b for _, b in decode.wait_batches(len(NAMES))]
+    assert [b.layer_name for b in batches] == [NAMES[2], NAMES[0], NAMES[1]]
+    assert [b.done_ext_ids for b in batches] == [(), (), ("a",)]
