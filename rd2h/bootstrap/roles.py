@@ -54,6 +54,17 @@ def build_scheduler_role(options: Rd2hOptions, facts: EngineFacts,
     )
 
 
+def _pages_text(layouts: Mapping[str, Any]) -> dict[str, str]:
+    """Per KV cache group, the distinct ``page/block`` byte sizes of its layers' main
+    tensors (a packed or padded layout moves less than a block): for operators and
+    tests to see exactly what each block moves."""
+    out: dict[str, set[str]] = {}
+    for lay in layouts.values():
+        key = "main" if lay.group is None else f"group {lay.group}"
+        out.setdefault(key, set()).update(f"{t.page}/{t.bytes_per_block}" for t in lay.main)
+    return {k: ",".join(sorted(v)) for k, v in sorted(out.items())}
+
+
 def _log_channel(container: Container, role: str, options: Rd2hOptions) -> None:
     """Say how the control channel is protected (never with what)."""
     container.logger(role=role).info(
@@ -139,6 +150,9 @@ def build_decode_worker(
         exchange=exchange or container.tp_exchange(group=tp_group if facts.tp_size > 1 else None),
         report_invalid_blocks=len(facts.group_layer_names) <= 1,
     )
+    container.logger(role="decode").info(
+        "KV cache pages (bytes moved of each block / bytes between blocks, per group)",
+        pages=_pages_text(destinations.layouts()))
     container.logger(role="decode").info(
         "verify_kv: " + ("the digests a Prefill states are checked after each read"
                          if host_memory else "digests are not checked (destination memory "

@@ -10,12 +10,14 @@ from rd2h.domain.errors import ChunkError, Rd2hError
 from rd2h.domain.planning.chunks import (
     ENGINE_SUFFIX_LEN,
     CacheGroups,
+    LayerNameError,
     chunk_block_range,
     discover_cache_groups,
     external_request_id,
     is_final_chunk,
     is_indexer_layer,
     layer_index,
+    wire_layer_ids,
 )
 
 PROPS = settings(max_examples=300, deadline=None)
@@ -208,6 +210,10 @@ def test_external_request_id_property(internal):
         ("layers.12.mlp", 12),
         ("language_model.model.layers.123.self_attn.mla_attn", 123),
         ("model.layers.007.attn", 7),
+        # No 'layers.N': vLLM's own rule, the one integer among the dotted parts.
+        ("model.4.mixer", 4),  # Falcon-H1's Mamba mixers, offset past the decoder layers
+        ("model.layer.5.attn", 5),
+        ("model.sublayers.5.attn", 5),
     ],
 )
 def test_layer_index(name, idx):
@@ -221,15 +227,22 @@ def test_layer_index(name, idx):
         "model.embed_tokens",
         "model.layers.x.attn",
         "model.layers.",
-        "model.layer.5.attn",
-        "model.sublayers.5.attn",
         "model.layers5.attn",
         "model.layers.-1.attn",
+        "encoder.3.sub.1",  # two integers, no 'layers.N': vLLM cannot place it either
     ],
 )
 def test_layer_index_error(name):
-    with pytest.raises(ValueError):
+    with pytest.raises(LayerNameError, match="cannot place the KV cache layer"):
         layer_index(name)
+
+
+def test_falcon_h1_caches_get_their_own_wire_ids():
+    """Falcon-H1: an attention cache per decoder layer and a Mamba mixer per layer named
+    past them (vLLM's ``model.<i>.mixer``): every cache is placed, none collides."""
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(2)] + [
+        f"model.{2 + i}.mixer" for i in range(2)]
+    assert wire_layer_ids(names) == {names[0]: 0, names[1]: 1, names[2]: 2, names[3]: 3}
 
 
 @given(st.integers(0, 10**6), st.sampled_from(["", "model.", "a.b."]), st.sampled_from(["", ".x"]))

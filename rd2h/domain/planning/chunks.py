@@ -61,12 +61,27 @@ def chunk_block_range(
     return start, max(start, end)
 
 
+class LayerNameError(ChunkError):
+    """A cache layer's name holds no layer index rd2h can place (refused at start)."""
+
+
 def layer_index(layer_name: str) -> int:
-    """The integer after ``layers.`` in a cache name (``model.layers.5.attn`` -> 5)."""
+    """A cache layer's model layer index: the integer after ``layers.`` in its name
+    (``model.layers.5.attn`` -> 5, the spec's rule), else, as vLLM itself places a cache
+    (``extract_layer_index``), the one integer among the name's dotted parts (Falcon-H1's
+    Mamba mixers: ``model.4.mixer`` -> 4). Raises ``LayerNameError`` naming the cache
+    when neither finds exactly one."""
     match = _LAYER_RE.search(layer_name)
-    if match is None:
-        raise ValueError(f"cannot find a layer index ('layers.N') in {layer_name!r}")
-    return int(match.group(1))
+    if match is not None:
+        return int(match.group(1))
+    ints = [int(part) for part in layer_name.split(".") if part.isdigit()]
+    if len(ints) != 1:
+        raise LayerNameError(
+            f"cannot place the KV cache layer {layer_name!r}: its name holds "
+            f"{'no' if not ints else len(ints)} layer index{'es' if len(ints) > 1 else ''} "
+            "('layers.N', or one integer among its dotted parts, as vLLM places caches); "
+            "rd2h cannot move this model's cache")
+    return ints[0]
 
 
 def wire_layer_ids(layer_names: Sequence[str]) -> dict[str, int]:

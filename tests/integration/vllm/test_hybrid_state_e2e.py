@@ -23,8 +23,8 @@ block plus one token, several chunks of 64), eight concurrent prompts, a prompt 
 with a one-token child, and a second turn. Decode must report all but the last prompt
 token supplied (``cached_tokens`` = N-1: the N-1 scheme), the bytes it pulled for a
 fresh prompt must equal what it holds for it, group by group (ceil((N-1)/block)
-attention blocks per attention layer, one state page per state layer), and no digest
-may differ.
+attention blocks per attention layer, per state layer the state's own bytes, not its
+padded page), and no digest may differ.
 
 Tokens: equal to the reference's. For bfloat16 Qwen3-Next that is not always defined:
 vLLM's bfloat16 CPU kernels give results that depend on how a prompt is split into
@@ -148,11 +148,31 @@ def _groups(log_text: str) -> dict[str, list[tuple[int, int]]]:
     return out
 
 
+# The Mamba2 families' state, by vLLM's MambaStateShapeCalculator for their configs
+# (hidden 256, expand 1, 1 group, 8 heads of 32, state 64, conv kernel 4; float32): the
+# conv state (4 - 1) x (256 + 2 x 1 x 64) and the SSM state 8 x 32 x 64, 4 bytes each.
+MAMBA2_STATE_BYTES = (3 * (256 + 2 * 64) + 8 * 32 * 64) * 4  # 70,144
+
+
+def _state_page(log_text: str) -> tuple[int, int]:
+    """The bytes Decode moves of each state block and the block's size, from the pages
+    line rd2h logs at start (``'group i': 'page/block'``, i the group's index; the
+    state groups' indices from the ``kv_groups`` order)."""
+    kinds = re.search(r"'kv_groups': '([^']+)'", log_text).group(1).split(",")
+    found = re.search(r"'pages': \{([^}]*)\}", log_text)
+    assert found, "no 'KV cache pages' line"
+    pages = dict(re.findall(r"'group (\d+)': '([\d/,]+)'", found.group(1)))
+    state = {pages[str(i)] for i, kind in enumerate(kinds) if kind.startswith("state/")}
+    ((text,),) = [state]
+    page, block = (int(x) for x in text.split("/"))
+    return page, block
+
+
 def _expected_bytes(cluster, prompt_len: int, hit: int = 0) -> int:
     """What Decode holds of a prompt, pulled past a local prefix hit of ``hit`` tokens:
     the attention blocks of its first N-1 tokens after the hit (each layer), and the
-    state after them (one page per state layer; the page is the attention page, as vLLM
-    pads a state page to it); nothing for a one-token prompt."""
+    state after them (per state layer the state's own bytes, not the padding vLLM adds
+    to make its page the attention page); nothing for a one-token prompt."""
     loaded = prompt_len - 1
     if loaded <= 0:
         return 0
@@ -162,7 +182,7 @@ def _expected_bytes(cluster, prompt_len: int, hit: int = 0) -> int:
     attention_layers = sum(n for _, n in groups["full"])
     state_layers = sum(n for _, n in groups["state"])
     blocks = math.ceil(loaded / block) - hit // block
-    return (attention_layers * blocks + state_layers) * page
+    return attention_layers * blocks * page + state_layers * cluster["state_page"]
 
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
@@ -191,9 +211,12 @@ def cluster(request, tmp_path_factory):
         free_port(), [servers["prefill"].url], [servers["decode"].url],
         root / "parallel-proxy.log", args=["--dispatch", "parallel"])
     with running(*servers.values()):
-        groups = _groups(servers["decode"].log.read_text(errors="replace"))
+        text = servers["decode"].log.read_text(errors="replace")
+        groups = _groups(text)
+        state_page, state_block = _state_page(text)
         yield {"name": name, "model": str(model), "dtype": dtype, "elem": elem,
                "prefix_caching": prefix_caching, "groups": groups, "root": root,
+               "state_page": state_page, "state_block": state_block,
                "kv_port": kv_port, **servers}
 
 
@@ -208,6 +231,16 @@ def test_state_groups_are_moved_not_refused(cluster):
         text = cluster[side].log.read_text(errors="replace")
         assert "rd2h moves KV cache groups" in text and "MambaSpec" in text, \
             cluster[side].tail(40)
+
+
+def test_only_the_states_own_bytes_move(cluster):
+    """vLLM pads a state page to the attention page; rd2h moves the state's bytes (its
+    conv and SSM tensors), not the padding: for the Mamba2 families exactly vLLM's state
+    size, 70,144 of each 131,072-byte block."""
+    page, block = cluster["state_page"], cluster["state_block"]
+    assert 0 < page <= block
+    if cluster["dtype"] == "float32":
+        assert page == MAMBA2_STATE_BYTES and page < block, (page, block)
 
 
 def test_prompts_of_one_token_to_several_chunks(cluster):
