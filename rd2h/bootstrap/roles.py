@@ -35,6 +35,11 @@ def build_scheduler_role(options: Rd2hOptions, facts: EngineFacts,
     groups = discover_cache_groups(tuple(
         () if i in facts.state_groups else names
         for i, names in enumerate(facts.group_layer_names)))
+    # The N-1 scheme: with state (its state must be after N-1 tokens), and with
+    # DeepSeek-V4's caches (vLLM's window bookkeeping for a hit of all N tokens drops
+    # the block that holds token N-128, which the recomputed last token still reads;
+    # with N-1 tokens loaded, the window Decode keeps is the one that token needs).
+    backoff = bool(facts.state_groups or facts.hookless_groups)
     container = _container(options, facts, overrides)
     container.logger(role=f"{facts.side}-scheduler").info(
         "rd2h moves KV cache groups", groups=facts.groups_text or "one group (no config)",
@@ -43,7 +48,7 @@ def build_scheduler_role(options: Rd2hOptions, facts: EngineFacts,
         return container.prefill_scheduler(
             block_size=facts.block_size, main_group=groups.main, indexer_group=groups.indexer,
             log=container.logger(role="prefill-scheduler"), state_groups=facts.state_groups,
-            group_block_sizes=facts.group_block_sizes,
+            group_block_sizes=facts.group_block_sizes, prompt_backoff=backoff,
         )
     log = container.logger(role="decode-scheduler")
     return container.decode_scheduler(
@@ -51,6 +56,7 @@ def build_scheduler_role(options: Rd2hOptions, facts: EngineFacts,
         engine_id=options.engine_id or facts.engine_id, log=log, main_group=groups.main,
         indexer_group=groups.indexer, state_groups=facts.state_groups,
         block_size=facts.block_size, group_block_sizes=facts.group_block_sizes,
+        prompt_backoff=backoff,
     )
 
 

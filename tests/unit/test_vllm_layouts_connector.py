@@ -72,6 +72,7 @@ class Model:
     cache_dtype: str
     block_size: int  # the engine's --block-size
     hooked: Any  # (layer name) -> whether vLLM calls the per-layer save hook for it
+    backoff: int = 0  # prompt tokens Decode computes itself (the N-1 scheme: V4)
 
 
 def _dsv32_specs(cfg) -> dict[str, Any]:
@@ -95,7 +96,7 @@ def _plain_specs(cfg) -> dict[str, Any]:
 
 
 MODELS = {
-    "dsv4": Model("dsv4", dsv4_specs, "fp8_ds_mla", 256, lambda name: False),
+    "dsv4": Model("dsv4", dsv4_specs, "fp8_ds_mla", 256, lambda name: False, backoff=1),
     "dsv32": Model("dsv32", _dsv32_specs, "auto", 64, lambda name: "indexer" not in name),
     "plain": Model("plain", _plain_specs, "auto", 16, lambda name: True),
 }
@@ -187,11 +188,13 @@ def transfer(eng: Engine, rid: str, prompt: int, chunks: list[int]) -> tuple:
     d, p = eng.sides["kv_consumer"], eng.sides["kv_producer"]
     assert sum(chunks) == prompt
     d_mgr, p_mgr = eng.manager(), eng.manager()
+    loaded = prompt - eng.model.backoff  # Decode computes the rest itself
+    chunks = [*chunks[:-1], chunks[-1] - eng.model.backoff]
     dreq = request(rid + SUFFIX_D, prompt, {"do_remote_prefill": True, "metaserver": URL})
-    assert d.conn_sched.get_num_new_matched_tokens(dreq, 0) == (prompt, True)
-    assert d_mgr.allocate_slots(dreq, 0, num_external_computed_tokens=prompt,
+    assert d.conn_sched.get_num_new_matched_tokens(dreq, 0) == (loaded, True)
+    assert d_mgr.allocate_slots(dreq, 0, num_external_computed_tokens=loaded,
                                 delay_cache_blocks=True) is not None
-    d.conn_sched.update_state_after_alloc(dreq, d_mgr.get_blocks(dreq.request_id), prompt)
+    d.conn_sched.update_state_after_alloc(dreq, d_mgr.get_blocks(dreq.request_id), loaded)
     d.conn_work.bind_connector_metadata(d.conn_sched.build_connector_meta(scheduler_output()))
     d.conn_sched.update_connector_output(KVConnectorOutput(
         kv_connector_worker_meta=d.conn_work.build_connector_worker_meta()))
@@ -199,6 +202,7 @@ def transfer(eng: Engine, rid: str, prompt: int, chunks: list[int]) -> tuple:
 
     preq = request(rid + SUFFIX_P, prompt, post)
     p.conn_sched.on_new_request(preq)
+    assert preq.num_prompt_tokens == loaded  # Prefill computes the first N-1 (V4) or N
     sends = []
     hooked = [n for g in eng.config.kv_cache_groups for n in g.layer_names
               if eng.model.hooked(n)]

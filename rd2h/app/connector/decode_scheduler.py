@@ -62,8 +62,12 @@ class DecodeScheduler(ConnectorRole):
         state_groups: Iterable[int] = (),
         block_size: int = 0,
         group_block_sizes: Sequence[int] = (),
+        prompt_backoff: bool | None = None,
     ) -> None:
+        """``prompt_backoff``: Decode takes all but the prompt's last token from Prefill
+        and computes that token itself (the N-1 scheme; None: with state groups)."""
         self._state = frozenset(state_groups)
+        self._backoff = bool(self._state) if prompt_backoff is None else prompt_backoff
         # Tokens per block (per group where vLLM states them): what a prefix-cache hit
         # covers of each destination list (``_own_prefix``).
         self._bs = int(block_size)
@@ -100,7 +104,7 @@ class DecodeScheduler(ConnectorRole):
         if not params or not params.get("do_remote_prefill"):
             return 0, False
         missing = max(0, request.prompt_len - num_computed_tokens)
-        backoff = STATE_BACKOFF if self._state else 0
+        backoff = STATE_BACKOFF if self._backoff else 0
         count = max(0, missing - backoff)
         if _computes_locally(params, missing) or (missing and not count):
             self._local[request.request_id] = (num_computed_tokens, request.prompt_len)

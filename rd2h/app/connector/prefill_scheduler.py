@@ -127,10 +127,12 @@ class PrefillScheduler(ConnectorRole):
     def __init__(
         self, *, block_size: int, main_group: int, indexer_group: int, p_tp: int,
         log: Logger, timeline: Timeline = NO_TIMELINE, state_groups: Iterable[int] = (),
-        group_block_sizes: Sequence[int] = (),
+        group_block_sizes: Sequence[int] = (), prompt_backoff: bool | None = None,
     ) -> None:
         """``group_block_sizes``: tokens per block of each KV cache group, by index, when
-        they differ (DeepSeek-V4); each group's blocks are then counted in its own."""
+        they differ (DeepSeek-V4); each group's blocks are then counted in its own.
+        ``prompt_backoff``: Prefill computes all but the prompt's last token, which
+        Decode computes (the N-1 scheme; None: with state groups)."""
         self._timeline = timeline
         sizes = tuple(int(b) for b in group_block_sizes)
         state = frozenset(state_groups)
@@ -138,6 +140,7 @@ class PrefillScheduler(ConnectorRole):
         self._group_bs = sizes if len({b for g, b in enumerate(sizes)
                                        if g not in state}) > 1 else ()
         self._state = state
+        self._backoff = bool(state) if prompt_backoff is None else prompt_backoff
         self._shortened: set[str] = set()  # requests whose prompt tail Decode computes
         self._bs = block_size
         self._main = main_group
@@ -151,12 +154,13 @@ class PrefillScheduler(ConnectorRole):
 
     # -- the connector role's hooks
     def prompt_backoff(self, request: RequestFacts) -> int:
-        """With state groups: 1 for a request Prefill will send to a remote Decode (its
-        state must be the state after N-1 tokens), once per request; else 0. A one-token
+        """With state groups (or the N-1 scheme otherwise asked for): 1 for a request
+        Prefill will send to a remote Decode (its state must be the state after N-1
+        tokens), once per request; else 0. A one-token
         prompt is never shortened (Decode computes such a prompt itself and the proxy
         does not dispatch it here)."""
         rid = request.request_id
-        if not self._state or rid in self._shortened or request.num_prompt_tokens <= 1:
+        if not self._backoff or rid in self._shortened or request.num_prompt_tokens <= 1:
             return 0
         try:
             own = resolve_params(external_request_id(rid), request.params)

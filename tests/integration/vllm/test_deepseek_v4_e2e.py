@@ -1,39 +1,63 @@
-"""DeepSeek-V4 on real vLLM engines (issue #40): what this machine proves, and what stands
-in the way of the rest.
+"""DeepSeek-V4 on real vLLM engines (issue #40): disaggregated through rd2h, it serves
+what one plain engine serves.
 
 A tiny random-weight DeepSeek-V4 (``tiny_deepseek_v4``: 4 layers, compress ratios 0, 4,
-128, 0) is served by a Prefill and a Decode engine with rd2h's connector (cma). On
-vLLM 0.32's CPU backend its kernels exist only in the AVX512-BF16 build of vLLM's
-library; on a CPU without AVX512-BF16 (this one: AVX2) the engine gets through start-up
-only with a test-only patch that skips one weight packing (``RD2H_DSV4_START_ONLY``),
-and its first forward then fails in vLLM's own missing kernels (``hc_pre_fused_cpu``):
-no token can be compared here. What the engines do prove here:
+128, 0; 256 experts, top-6) is served on vLLM 0.32's CPU backend by a Prefill and a
+Decode engine with rd2h's connector (cma, ``verify_kv``) behind ``rd2h proxy``, and by a
+plain engine of the same checkpoint (no connector): the reference. Its kernels exist
+only in the AVX512-BF16 build of vLLM's library (``cpu_kernels_available``); on a CPU
+without them the engines start only with a test-only patch that skips one weight
+packing (``RD2H_DSV4_START_ONLY``), no request can be served, and only the start-up
+tests run. The Triton metadata kernels run in Triton's
+interpreter, through the test-only ``sitecustomize`` the checkpoint builder writes.
 
-- both engines start with rd2h, which takes the model's real KV cache config (the
-  scheduler's and the worker's) and moves all seven groups, each in its own block size
-  (``kv_groups``), the model's own ``fp8_ds_mla`` as its bytes, its TP stated;
-- the caches the worker allocated and rd2h registered are the layout the connector unit
-  test moves real bytes through (``tests/unit/test_deepseek_v4_connector.py``): the same
-  layers, view shapes and 47,808-byte pages.
+What it proves:
 
-The block selection against vLLM's own KV cache manager and the bytes over the
-connector pair are proven in that unit test.
+- both engines start with rd2h, which takes the model's real KV cache config and moves
+  all seven groups, each in its own block size (``kv_groups``: the four sliding-window
+  caches 64 tokens a block, the compressed caches 256, the compressor states 4 and 8),
+  the model's own ``fp8_ds_mla`` as its bytes, its TP stated; the caches the worker
+  registered are the layout the connector unit test moves bytes through
+  (``tests/unit/test_vllm_layouts_connector.py``: the same layers and view shapes,
+  47,808-byte blocks, every layer of a group side by side in each block);
+- greedy completions (12 tokens, 5 logprobs) through the proxy equal the plain engine's,
+  tokens and logprobs exactly, for prompts of 5 to 520 tokens that end on either side of
+  every group's block boundaries (64, 256, and the states' 4 and 8); the same for 8
+  prompts at once, and for a prompt sent twice;
+- not vacuously: Decode took the prompt from the connector (``cached_tokens``), its
+  rd2h counters show the bytes it pulled and the blocks it checked against Prefill's
+  digests with no mismatch; and a Prefill serving other weights makes Decode's tokens
+  differ from the plain engine's, so the comparison can fail.
+
+Without AMX, vLLM turns chunked prefill and prefix caching off for this model ("MLA is
+enabled on a non-GPU platform"), so each prompt is prefilled whole, and Decode holds no
+prefix of its own: every request's KV comes from Prefill.
 """
 
 from __future__ import annotations
 
 import re
+import time
+from concurrent.futures import ThreadPoolExecutor
 
+import httpx
 import pytest
 from fakes.net import free_port, quiet_ports
-from servers import rd2h_kv, running, vllm_server
+from servers import proxy_server, rd2h_kv, running, settled_bytes_pulled, vllm_server
 from tiny_deepseek_v4 import cpu_kernels_available, make_tiny_deepseek_v4, serve_patch_dir
+
+from rd2h.demo.tiny_model import VOCAB
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 
+KERNELS = cpu_kernels_available()
+# The tests that serve a request; the start-up ones run on any CPU.
+forwards = pytest.mark.skipif(not KERNELS, reason="vLLM's DeepSeek-V4 CPU kernels "
+                              "(vllm/_C.abi3.so) need AVX512-BF16")
+
 GROUPS = ("slidingw128/64x1,slidingw128/64x1,slidingw128/64x1,slidingw128/64x1,"
           "full/256x3,slidingw8/4x2,slidingw128/8x1")
-PAGE = 47808
+BLOCK_BYTES = 47808  # every group's block: its layers' pages side by side
 # Each cache layer's view as rd2h gets it: (shape after the block dimension, dtype).
 VIEWS = {
     **{f"model.layers.{i}.attn.swa_cache": ((64, 584), "torch.uint8") for i in range(4)},
@@ -46,32 +70,116 @@ VIEWS = {
 }
 ELEM = {"torch.uint8": 1, "torch.float32": 4}
 
+NAME = "tiny-dsv4"  # every engine's --served-model-name (the checkpoints' paths differ)
+MAX_TOKENS = 12
+LOGPROBS = 5
+# Prompt lengths: a few tokens; around the sliding-window caches' 64-token blocks; two
+# of them; around the compressed caches' 256-token blocks; a partial and a third block
+# of 256 (and the compressor states' 4 and 8 on both sides throughout). 191, 255 and 383
+# (64k + 63 from 191 on): the window of the prompt's last token reaches back to the last
+# token of a 64-token block (token N - 128), which vLLM does not keep when it sizes the
+# window for a hit of all N tokens and then rewinds by one to recompute the last token;
+# so rd2h moves N-1 tokens and Decode computes the last one (served wrong before).
+LENGTHS = (5, 63, 64, 65, 128, 191, 255, 256, 257, 300, 383, 520)
+ENGINE_ARGS = ["--dtype", "bfloat16", "--max-model-len", "1024",
+               "--max-num-batched-tokens", "1024", "--served-model-name", NAME]
+OTHER_SEED = 4321  # the negative control's Prefill weights
+
+
+def _prompt(n: int, seed: int) -> list[int]:
+    return [2 + (seed * 131 + i * 17) % (VOCAB - 2) for i in range(n)]
+
+
+PROMPTS = {n: _prompt(n, n) for n in LENGTHS}
+
 
 @pytest.fixture(scope="module")
-def engines(tmp_path_factory):
+def checkpoint(tmp_path_factory):
     root = tmp_path_factory.mktemp("dsv4")
-    model = make_tiny_deepseek_v4(root / "model")
     env = {"TRITON_INTERPRET": "1", "PYTHONPATH": str(serve_patch_dir(root / "patches")),
-           "RD2H_DUMP_KV_CACHES": "1",
-           **({} if cpu_kernels_available() else {"RD2H_DSV4_START_ONLY": "1"})}
+           **({} if KERNELS else {"RD2H_DSV4_START_ONLY": "1"})}
+    return {"root": root, "model": make_tiny_deepseek_v4(root / "model"), "env": env}
+
+
+@pytest.fixture(scope="module")
+def cluster(checkpoint):
+    root, model, env = checkpoint["root"], checkpoint["model"], checkpoint["env"]
     kv_port = quiet_ports(1)  # Decode's control socket binds after its model loads
-    args = ["--dtype", "bfloat16", "--max-model-len", "1024",
-            "--max-num-batched-tokens", "1024"]
-    servers = [vllm_server(role, model, free_port(), root / f"{role}.log",
-                           kv=rd2h_kv(kv, kv_port, {"transport": "cma", "log_level": "INFO"}),
-                           args=args, env=env, block_size=None, tokenizer=True)
-               for role, kv in (("prefill", "kv_producer"), ("decode", "kv_consumer"))]
-    with running(*servers):
-        yield {s.name: s for s in servers}
+    extra = {"transport": "cma", "log_level": "INFO", "verify_kv": True}
+    dump = {**env, "RD2H_DUMP_KV_CACHES": "1"}
+    prefill = vllm_server("dsv4 prefill", model, free_port(), root / "prefill.log",
+                          kv=rd2h_kv("kv_producer", kv_port, extra), args=ENGINE_ARGS,
+                          env=dump, block_size=None, tokenizer=True)
+    # prompt-token details: the response says how many prompt tokens Decode did not
+    # compute itself; stats on: rd2h's Prometheus series.
+    decode = vllm_server("dsv4 decode", model, free_port(), root / "decode.log",
+                         kv=rd2h_kv("kv_consumer", kv_port, extra),
+                         args=[*ENGINE_ARGS, "--enable-prompt-tokens-details"],
+                         env=dump, block_size=None, tokenizer=True, log_stats=True)
+    plain = vllm_server("dsv4 plain", model, free_port(), root / "plain.log",
+                        args=ENGINE_ARGS, env=env, block_size=None, tokenizer=True)
+    proxy = proxy_server(free_port(), [prefill.url], [decode.url], root / "proxy.log")
+    t0 = time.monotonic()
+    with running(prefill, decode, *([plain] if KERNELS else []), proxy):
+        print(f"[dsv4] Prefill, Decode, plain engine and proxy ready in "
+              f"{time.monotonic() - t0:.0f} s")
+        yield {"prefill": prefill, "decode": decode, "plain": plain, "proxy": proxy,
+               "kv_port": kv_port, "reference": {}}
+
+
+def _post(url: str, prompt: list[int], timeout: float = 300.0) -> dict:
+    body = {"model": NAME, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
+            "logprobs": LOGPROBS, "return_token_ids": True}
+    resp = httpx.post(url + "/v1/completions", json=body, timeout=timeout)
+    assert resp.status_code == 200, resp.text
+    return resp.json()
+
+
+def _answer(out: dict) -> dict:
+    """What greedy decoding served: tokens, each one's logprob, the top-5 at each step."""
+    (choice,) = out["choices"]
+    lp = choice["logprobs"]
+    return {"tokens": list(choice["token_ids"]), "logprobs": lp["token_logprobs"],
+            "top": lp["top_logprobs"]}
+
+
+def _reference(c: dict, n: int) -> dict:
+    """The plain engine's answer to ``PROMPTS[n]`` (asked once: it is deterministic)."""
+    if n not in c["reference"]:
+        c["reference"][n] = _answer(_post(c["plain"].url, PROMPTS[n]))
+    return c["reference"][n]
+
+
+def _diff(got: dict, want: dict) -> str:
+    """The first step at which the answers differ, and in what."""
+    for i, step in enumerate(zip(*(got[k] for k in ("tokens", "logprobs", "top")),
+                                 *(want[k] for k in ("tokens", "logprobs", "top")))):
+        g, w = step[:3], step[3:]
+        if g != w:
+            what = [k for k, a, b in zip(("token", "logprob", "top-5"), g, w) if a != b]
+            return (f"first differing step {i} ({', '.join(what)}): token {g[0]} "
+                    f"logprob {g[1]:.6f} != token {w[0]} logprob {w[1]:.6f}")
+    return "equal" if got == want else f"lengths differ: {got} != {want}"
+
+
+def _tails(c: dict) -> str:
+    return "\n".join(f"--- {k}\n{c[k].tail(30)}" for k in ("prefill", "decode", "proxy"))
 
 
 def _log(server) -> str:
     return server.log.read_text(errors="replace")
 
 
+def _metric(server, name: str) -> float:
+    """The sum of series ``name`` on the engine's /metrics (0 when absent)."""
+    text = httpx.get(server.url + "/metrics", timeout=10).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(name) and not line.startswith("#"))
+
+
 @pytest.mark.parametrize("side", ["prefill", "decode"])
-def test_both_engines_start_with_rd2h_moving_all_seven_groups(engines, side) -> None:
-    text = _log(engines[side])
+def test_both_engines_start_with_rd2h_moving_all_seven_groups(cluster, side) -> None:
+    text = _log(cluster[side])
     assert "rd2h moves KV cache groups" in text, text[-3000:]
     assert f"'kv_groups': '{GROUPS}'" in text, text[-3000:]
     assert "'kv_dtype': 'fp8_ds_mla'" in text and "'state_tp': 1" in text, text[-3000:]
@@ -80,10 +188,10 @@ def test_both_engines_start_with_rd2h_moving_all_seven_groups(engines, side) -> 
     assert "control channel" in text, text[-3000:]
 
 
-def test_the_registered_caches_are_the_layout_the_unit_test_moves(engines) -> None:
+def test_the_registered_caches_are_the_layout_the_unit_test_moves(cluster) -> None:
     """The worker's KV caches (the patch's dump when vLLM allocated them): the layers,
-    view shapes and page the connector unit test lays its caches out as."""
-    text = _log(engines["decode"])
+    view shapes and block stride the connector unit test lays its caches out as."""
+    text = _log(cluster["decode"])
     dump = text[text.index("RD2H_KV_CACHES"):]
     seen = {}
     for m in re.finditer(r"^(\S+) -> shape=\((\d+), [^)]*\) dtype=(\S+) stride=\((\d+),[^|]*"
@@ -92,4 +200,90 @@ def test_the_registered_caches_are_the_layout_the_unit_test_moves(engines) -> No
         seen[name] = (tuple(int(x) for x in shape.split(",")), dtype,
                       int(stride) * ELEM[dtype])
     assert {n: (s, d) for n, (s, d, _) in seen.items()} == VIEWS, dump[:3000]
-    assert {p for *_, p in seen.values()} == {PAGE}
+    assert {p for *_, p in seen.values()} == {BLOCK_BYTES}
+
+
+@forwards
+@pytest.mark.parametrize("n", LENGTHS)
+def test_disaggregated_completion_equals_the_plain_engine(cluster, n) -> None:
+    """Tokens and logprobs (top 5 at each of 12 steps) exactly the plain engine's; the
+    prompt but its last token came from the connector (the N-1 scheme: Decode computes
+    the last token itself)."""
+    want = _reference(cluster, n)
+    before = _metric(cluster["decode"], "vllm:rd2h_bytes_pulled_total")
+    out = _post(cluster["proxy"].url, PROMPTS[n])
+    got = _answer(out)
+    assert got == want, f"prompt of {n} tokens: {_diff(got, want)}\n{_tails(cluster)}"
+    cached = out["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached == n - 1, (out["usage"], _tails(cluster))
+    after = settled_bytes_pulled(cluster["decode"], before, 1)
+    assert after > before, f"Decode pulled no bytes for the {n}-token prompt"
+
+
+@forwards
+def test_eight_prompts_at_once_equal_the_plain_engine(cluster) -> None:
+    ns = (5, 63, 65, 128, 256, 257, 300, 520)
+    wants = {n: _reference(cluster, n) for n in ns}
+    with ThreadPoolExecutor(len(ns)) as pool:
+        outs = dict(zip(ns, pool.map(lambda n: _post(cluster["proxy"].url, PROMPTS[n]), ns)))
+    wrong = {n: _diff(_answer(o), wants[n]) for n, o in outs.items()
+             if _answer(o) != wants[n]}
+    assert not wrong, f"{wrong}\n{_tails(cluster)}"
+
+
+@forwards
+def test_a_prompt_sent_twice_is_served_equal_both_times(cluster) -> None:
+    """A second request whose prompt Decode served before: still the plain engine's
+    answer, and its KV was pulled again (prefix caching is off here, so Decode keeps
+    none of the first request's blocks)."""
+    n = 300
+    want = _reference(cluster, n)
+    for attempt in range(2):
+        before = _metric(cluster["decode"], "vllm:rd2h_bytes_pulled_total")
+        got = _answer(_post(cluster["proxy"].url, PROMPTS[n]))
+        assert got == want, f"attempt {attempt}: {_diff(got, want)}\n{_tails(cluster)}"
+        assert settled_bytes_pulled(cluster["decode"], before, 1) > before
+
+
+@forwards
+def test_decode_pulled_the_kv_and_every_digest_matched(cluster) -> None:
+    decode = cluster["decode"]
+    if not cluster["reference"]:  # run alone: one request first
+        test_disaggregated_completion_equals_the_plain_engine(cluster, 65)
+    pulled = _metric(decode, "vllm:rd2h_bytes_pulled_total")
+    verified = _metric(decode, "vllm:rd2h_kv_blocks_verified_total")
+    mismatches = _metric(decode, "vllm:rd2h_kv_digest_mismatches_total")
+    failed = _metric(decode, "vllm:rd2h_requests_failed_total")
+    done = _metric(decode, "vllm:rd2h_requests_done_total")
+    print(f"[dsv4] Decode pulled {pulled:.0f} bytes for {done:.0f} requests, checked "
+          f"{verified:.0f} blocks against Prefill's digests, {mismatches:.0f} mismatched")
+    assert pulled > 0 and done > 0 and verified > 0, _tails(cluster)
+    assert mismatches == 0 and failed == 0, _tails(cluster)
+    text = _log(decode)
+    assert "KV digest mismatch" not in text
+    assert "verify_kv: this prefill peer states KV digests" in text
+
+
+@forwards
+def test_a_prefill_with_other_weights_makes_the_comparison_fail(cluster, checkpoint) -> None:
+    """Negative control: a second Prefill engine on a checkpoint of the same shape but
+    other weights, in front of the same Decode. Decode then continues from KV the plain
+    engine never computed, and most answers differ: the equality above is not one that
+    holds whatever Decode is given."""
+    root, env = checkpoint["root"], checkpoint["env"]
+    other = make_tiny_deepseek_v4(root / "other-model", seed=OTHER_SEED)
+    extra = {"transport": "cma", "log_level": "INFO"}
+    prefill = vllm_server("dsv4 prefill (other weights)", other, free_port(),
+                          root / "other-prefill.log",
+                          kv=rd2h_kv("kv_producer", cluster["kv_port"], extra),
+                          args=ENGINE_ARGS, env=env, block_size=None, tokenizer=True)
+    proxy = proxy_server(free_port(), [prefill.url], [cluster["decode"].url],
+                         root / "other-proxy.log")
+    ns = (5, 64, 65, 128, 257)
+    with running(prefill, proxy):
+        outs = {n: _answer(_post(proxy.url, PROMPTS[n])) for n in ns}
+    differ = [n for n in ns if outs[n]["tokens"] != _reference(cluster, n)["tokens"]]
+    print(f"[dsv4] negative control: {len(differ)}/{len(ns)} answers differ "
+          f"(prompt lengths {differ})")
+    assert len(differ) > len(ns) // 2, {n: _diff(outs[n], _reference(cluster, n))
+                                        for n in ns}

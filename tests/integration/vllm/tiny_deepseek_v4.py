@@ -44,7 +44,7 @@ from pathlib import Path
 
 from rd2h.demo.tiny_model import VOCAB, _built, make_word_tokenizer
 
-MARKER = "rd2h-tiny-dsv4-v1"
+MARKER = "rd2h-tiny-dsv4-v2"
 LAYERS = 4
 HIDDEN = 256
 HEADS = 16
@@ -98,7 +98,7 @@ CONFIG = {
     "hc_eps": 1e-6,
     "n_routed_experts": EXPERTS,
     "n_shared_experts": 1,
-    "num_experts_per_tok": 2,
+    "num_experts_per_tok": 6,  # biased_topk_cpu: top-6, 8 or 9 of 256
     "moe_intermediate_size": EXPERT_WIDTH,
     "norm_topk_prob": True,
     "routed_scaling_factor": 1.5,
@@ -194,7 +194,8 @@ def make_tiny_deepseek_v4(path: str | os.PathLike[str], seed: int = 1234) -> Pat
     """Write config.json, model.safetensors and the tokenizer to ``path`` once
     (idempotent); return the path."""
     out = Path(path)
-    if _built(out, MARKER):
+    marker = MARKER if seed == 1234 else f"{MARKER}-seed{seed}"
+    if _built(out, marker):
         return out
     import torch
     from safetensors.torch import save_file
@@ -209,7 +210,7 @@ def make_tiny_deepseek_v4(path: str | os.PathLike[str], seed: int = 1234) -> Pat
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     make_word_tokenizer(out, vocab=CONFIG["vocab_size"],
                         max_length=CONFIG["max_position_embeddings"])
-    (out / "rd2h-marker.json").write_text(json.dumps({"marker": MARKER}))
+    (out / "rd2h-marker.json").write_text(json.dumps({"marker": marker}))
     return out
 
 
