@@ -11,6 +11,7 @@
 | granite_hybrid | GraniteMoeHybridForCausalLM | Mamba2 layers + attention: recurrent state |
 | nemotron_h | NemotronHForCausalLM | Mamba2, MLP and attention layers ("M-M*"): recurrent state |
 | qwen3_next | Qwen3NextForCausalLM | gated delta net (128-wide heads) + attention, MoE |
+| falcon_h1 | FalconH1ForCausalLM | attention and a Mamba2 mixer in every layer (``model.N.mixer``)|
 
 All use the word-level tokenizer's vocabulary (``tiny_model.VOCAB``), bos 0 / eos 1,
 4 layers, 2,048 positions. torch and transformers are imported inside the builders.
@@ -96,6 +97,19 @@ def _nemotron_h() -> Any:
         chunk_size=64, **_COMMON))
 
 
+def _falcon_h1() -> Any:
+    from transformers import FalconH1Config, FalconH1ForCausalLM
+
+    # Every layer holds an attention cache and a Mamba2 mixer side by side (vLLM names
+    # the mixers ``model.<i>.mixer``, i past the decoder layers' indices).
+    return FalconH1ForCausalLM(FalconH1Config(
+        hidden_size=256, intermediate_size=512, num_hidden_layers=LAYERS,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=64, mamba_d_ssm=256,
+        mamba_n_heads=8, mamba_d_head=32, mamba_n_groups=1, mamba_d_state=64,
+        mamba_d_conv=4, mamba_expand=1, mamba_chunk_size=64, mamba_rms_norm=False,
+        **_COMMON))
+
+
 def _qwen3_next() -> Any:
     from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
 
@@ -116,6 +130,7 @@ BF16 = frozenset({"qwen3_next"})
 BUILDERS: dict[str, Callable[[], Any]] = {
     "qwen3": _qwen3, "mistral": _mistral, "gemma3": _gemma3, "gpt_oss": _gpt_oss,
     "granite_hybrid": _granite_hybrid, "nemotron_h": _nemotron_h, "qwen3_next": _qwen3_next,
+    "falcon_h1": _falcon_h1,
 }
 
 

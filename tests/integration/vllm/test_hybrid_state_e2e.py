@@ -7,6 +7,7 @@ Families (``rd2h.demo.tiny_families``, tiny random weights, 4 layers):
 |---|---|---|---|---|
 | nemotron_h | Nemotron-H ("M-M*": Mamba2, MLP, Mamba2, attention) | Mamba2 | float32 | off |
 | granite_hybrid | Granite-4.0-H style (Mamba2 / attention alternating) | Mamba2 | float32 | off |
+| falcon_h1 | Falcon-H1 (attention and a Mamba2 mixer in every layer) | Mamba2 | float32 | off |
 | qwen3_next | Qwen3-Next (gated delta net / attention, MoE) | GDN | bfloat16 | on |
 | qwen3_next_no_pc | the same | GDN | bfloat16 | off |
 
@@ -85,6 +86,7 @@ TIE = 0.13  # two bfloat16 steps of a logprob near 2 (its spacing there is 1/64)
 FAMILIES = {
     "nemotron_h": ("nemotron_h", "float32", 4, False),
     "granite_hybrid": ("granite_hybrid", "float32", 4, False),
+    "falcon_h1": ("falcon_h1", "float32", 4, False),
     "qwen3_next": ("qwen3_next", "bfloat16", 2, True),
     "qwen3_next_no_pc": ("qwen3_next", "bfloat16", 2, False),
 }
@@ -149,17 +151,18 @@ def _groups(log_text: str) -> dict[str, list[tuple[int, int]]]:
 
 
 # The Mamba2 families' state, by vLLM's MambaStateShapeCalculator for their configs
-# (hidden 256, expand 1, 1 group, 8 heads of 32, state 64, conv kernel 4; float32): the
-# conv state (4 - 1) x (256 + 2 x 1 x 64) and the SSM state 8 x 32 x 64, 4 bytes each.
+# (an inner width of 256: hidden 256 x expand 1, Falcon-H1's mamba_d_ssm; 1 group, 8
+# heads of 32, state 64, conv kernel 4; float32): the conv state (4 - 1) x (256 + 2 x 1 x
+# 64) and the SSM state 8 x 32 x 64, 4 bytes each.
 MAMBA2_STATE_BYTES = (3 * (256 + 2 * 64) + 8 * 32 * 64) * 4  # 70,144
 
 
 def _state_page(log_text: str) -> tuple[int, int]:
     """The bytes Decode moves of each state block and the block's size, from the pages
-    line rd2h logs at start (``'group i': 'page/block'``, i the group's index; the
+    line rd2h logs at start (``pages={'group i': 'page/block'}``, i the group's index; the
     state groups' indices from the ``kv_groups`` order)."""
     kinds = re.search(r"'kv_groups': '([^']+)'", log_text).group(1).split(",")
-    found = re.search(r"'pages': \{([^}]*)\}", log_text)
+    found = re.search(r"pages=\{([^}]*)\}", log_text)
     assert found, "no 'KV cache pages' line"
     pages = dict(re.findall(r"'group (\d+)': '([\d/,]+)'", found.group(1)))
     state = {pages[str(i)] for i, kind in enumerate(kinds) if kind.startswith("state/")}
