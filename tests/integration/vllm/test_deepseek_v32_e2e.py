@@ -226,3 +226,36 @@ def test_a_prefill_with_other_weights_makes_the_comparison_fail(cluster, checkpo
     differ = [n for n in ns if outs[n]["tokens"] != _reference(cluster, n)["tokens"]]
     print(f"[dsv32] negative control: {len(differ)}/{len(ns)} answers differ")
     assert len(differ) > len(ns) // 2, differ
+
+
+def test_a_prefill_at_tp_2_serves_a_decode_at_tp_1(cluster, checkpoint) -> None:
+    """Prefill TP 2 -> Decode TP 1 (the design's p_tp = k x d_tp): vLLM replicates the
+    latent and the indexer cache on both Prefill ranks; each announces every layer to
+    the one Decode rank (contributor members 0 and 1 of 2), member 0's reads move main,
+    and Decode completes a request once both members reported it. Same answers as the
+    plain TP 1 engine."""
+    root, env = checkpoint["root"], checkpoint["env"]
+    extra = {"transport": "cma", "log_level": "INFO", "verify_kv": True,
+             "deadlines": {"request_s": 120.0, "layer_ack_s": 60.0, "meta_ack_s": 30.0}}
+    prefill = vllm_server("dsv32 prefill tp2", checkpoint["model"], free_port(),
+                          root / "tp2-prefill.log",
+                          kv=rd2h_kv("kv_producer", cluster["kv_port"], extra),
+                          args=[*ENGINE_ARGS, "--tensor-parallel-size", "2",
+                                "--distributed-executor-backend", "mp"],
+                          env=env, block_size=None, tokenizer=True)
+    proxy = proxy_server(free_port(), [prefill.url], [cluster["decode"].url],
+                         root / "tp2-proxy.log")
+    ns = (5, 17, 100, 300)
+    with running(prefill, proxy):
+        _post(prefill.url, [5, 6, 7])  # the first forward at TP 2 compiles: paid here
+        before = _metric(cluster["decode"], "vllm:rd2h_bytes_pulled_total")
+        outs = {n: _answer(_post(proxy.url, PROMPTS[n])) for n in ns}
+        expected = sum(math.ceil(n / BLOCK) for n in ns) * (LATENT_PAGE + INDEXER_PAGE) \
+            * LAYERS
+        pulled = settled_bytes_pulled(cluster["decode"], before, expected) - before
+        text = prefill.log.read_text(errors="replace")
+    assert pulled == expected, (pulled, expected)  # from member 0, once per block
+    wrong = {n: _same(outs[n], _reference(cluster, n)) for n in ns
+             if _same(outs[n], _reference(cluster, n))}
+    assert not wrong, f"{wrong}\n{prefill.tail(40)}"
+    assert "rd2h moves KV cache groups" in text and "cannot transfer" not in text
