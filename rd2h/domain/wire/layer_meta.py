@@ -88,32 +88,11 @@ def decode_layer_metadata(name: Any, value: Any) -> LayerMetadata:
     sizes = {len(v) for v in lists.values()}
     if len(sizes) != 1:
         raise ProtocolError(f"MF_META layer {layer}: per-tensor lists differ in length")
-    num_blocks: tuple[int, ...] = ()
-    if NUM_BLOCKS_KEY in value:
-        items = as_seq(value[NUM_BLOCKS_KEY], f"MF_META {layer} {NUM_BLOCKS_KEY}")
-        num_blocks = tuple(
-            as_int(v, f"MF_META {layer} {NUM_BLOCKS_KEY} item", minimum=0, maximum=MAX_WIRE_INT)
-            for v in items
-        )
-        if len(num_blocks) != len(lists["base_addrs"]):
-            raise ProtocolError(
-                f"MF_META layer {layer}: {NUM_BLOCKS_KEY} has {len(num_blocks)} items "
-                f"for {len(lists['base_addrs'])} tensors"
-            )
+    count = len(lists["base_addrs"])
+    num_blocks = _per_tensor(value, NUM_BLOCKS_KEY, layer, count, minimum=0)
     main_heads = _main_heads(value.get(MAIN_HEADS_KEY), layer) if MAIN_HEADS_KEY in value \
         else None
-    page_bytes: tuple[int, ...] = ()
-    if PAGE_BYTES_KEY in value:
-        items = as_seq(value[PAGE_BYTES_KEY], f"MF_META {layer} {PAGE_BYTES_KEY}")
-        page_bytes = tuple(
-            as_int(v, f"MF_META {layer} {PAGE_BYTES_KEY} item", minimum=1, maximum=MAX_WIRE_INT)
-            for v in items
-        )
-        if len(page_bytes) != len(lists["base_addrs"]):
-            raise ProtocolError(
-                f"MF_META layer {layer}: {PAGE_BYTES_KEY} has {len(page_bytes)} items "
-                f"for {len(lists['base_addrs'])} tensors"
-            )
+    page_bytes = _per_tensor(value, PAGE_BYTES_KEY, layer, count, minimum=1)
     main_count = as_int(value["main_tensor_count"], f"MF_META {layer} main_tensor_count", minimum=0)
     has_indexer = value["has_indexer"]
     if not isinstance(has_indexer, bool):
@@ -129,6 +108,21 @@ def decode_layer_metadata(name: Any, value: Any) -> LayerMetadata:
         main_heads=main_heads,
         page_bytes=page_bytes,
     )
+
+
+def _per_tensor(value: Mapping[str, Any], key: str, layer: str, count: int, *,
+                minimum: int) -> tuple[int, ...]:
+    """An optional per-tensor list of ``key`` (empty when absent): one int in
+    ``[minimum, MAX_WIRE_INT]`` per tensor."""
+    if key not in value:
+        return ()
+    items = as_seq(value[key], f"MF_META {layer} {key}")
+    out = tuple(as_int(v, f"MF_META {layer} {key} item", minimum=minimum,
+                       maximum=MAX_WIRE_INT) for v in items)
+    if len(out) != count:
+        raise ProtocolError(
+            f"MF_META layer {layer}: {key} has {len(out)} items for {count} tensors")
+    return out
 
 
 def _main_heads(value: Any, layer: str) -> tuple[int, int, int]:

@@ -34,8 +34,8 @@ import math
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-import httpx
 import pytest
+from completions import answer, metric_sum, post
 from fakes.net import free_port, quiet_ports
 from servers import proxy_server, rd2h_kv, running, settled_bytes_pulled, vllm_server
 from tiny_deepseek_v32 import (
@@ -71,6 +71,11 @@ def _prompt(n: int, seed: int) -> list[int]:
 PROMPTS = {n: _prompt(n, n) for n in LENGTHS}
 
 
+def _ask(url: str, n: int) -> dict:
+    """The completion of ``PROMPTS[n]`` from the server at ``url``."""
+    return post(url, NAME, PROMPTS[n], MAX_TOKENS, LOGPROBS)
+
+
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     root = tmp_path_factory.mktemp("dsv32")
@@ -101,24 +106,10 @@ def cluster(checkpoint):
                "kv_port": kv_port, "reference": {}}
 
 
-def _post(url: str, prompt: list[int], timeout: float = 300.0) -> dict:
-    body = {"model": NAME, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
-            "logprobs": LOGPROBS, "return_token_ids": True}
-    resp = httpx.post(url + "/v1/completions", json=body, timeout=timeout)
-    assert resp.status_code == 200, resp.text
-    return resp.json()
-
-
-def _answer(out: dict) -> dict:
-    (choice,) = out["choices"]
-    lp = choice["logprobs"]
-    return {"tokens": list(choice["token_ids"]), "logprobs": lp["token_logprobs"],
-            "top": lp["top_logprobs"]}
-
 
 def _reference(c: dict, n: int) -> dict:
     if n not in c["reference"]:
-        c["reference"][n] = _answer(_post(c["plain"].url, PROMPTS[n]))
+        c["reference"][n] = answer(_ask(c["plain"].url, n))
     return c["reference"][n]
 
 
@@ -139,12 +130,6 @@ def _same(got: dict, want: dict) -> str | None:
 
 def _tails(c: dict) -> str:
     return "\n".join(f"--- {k}\n{c[k].tail(30)}" for k in ("prefill", "decode", "proxy"))
-
-
-def _metric(server, name: str) -> float:
-    text = httpx.get(server.url + "/metrics", timeout=10).text
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith(name) and not line.startswith("#"))
 
 
 def test_both_engines_move_the_latent_and_the_indexer_cache(cluster) -> None:
@@ -169,9 +154,9 @@ def test_disaggregated_completion_equals_the_plain_engine(cluster, n) -> None:
     """The plain engine's answer; every prompt token but the last from the connector;
     the bytes pulled: every block of the prompt, latent and indexer, in every layer."""
     want = _reference(cluster, n)
-    before = _metric(cluster["decode"], "vllm:rd2h_bytes_pulled_total")
-    out = _post(cluster["proxy"].url, PROMPTS[n])
-    got = _answer(out)
+    before = metric_sum(cluster["decode"], "vllm:rd2h_bytes_pulled_total")
+    out = _ask(cluster["proxy"].url, n)
+    got = answer(out)
     assert _same(got, want) is None, f"{n} tokens: {_same(got, want)}\n{_tails(cluster)}"
     assert out["usage"]["prompt_tokens_details"]["cached_tokens"] == n, out["usage"]
     expected = math.ceil(n / BLOCK) * (LATENT_PAGE + INDEXER_PAGE) * LAYERS
@@ -183,9 +168,9 @@ def test_prompts_at_once_equal_the_plain_engine(cluster) -> None:
     ns = (5, 17, 64, 100, 300, 520)
     wants = {n: _reference(cluster, n) for n in ns}
     with ThreadPoolExecutor(len(ns)) as pool:
-        outs = dict(zip(ns, pool.map(lambda n: _post(cluster["proxy"].url, PROMPTS[n]), ns)))
-    wrong = {n: _same(_answer(o), wants[n]) for n, o in outs.items()
-             if _same(_answer(o), wants[n])}
+        outs = dict(zip(ns, pool.map(lambda n: _ask(cluster["proxy"].url, n), ns)))
+    wrong = {n: _same(answer(o), wants[n]) for n, o in outs.items()
+             if _same(answer(o), wants[n])}
     assert not wrong, f"{wrong}\n{_tails(cluster)}"
 
 
@@ -193,7 +178,7 @@ def test_a_prompt_sent_twice_is_served_equal_both_times(cluster) -> None:
     n = 300
     want = _reference(cluster, n)
     for attempt in range(2):
-        got = _answer(_post(cluster["proxy"].url, PROMPTS[n]))
+        got = answer(_ask(cluster["proxy"].url, n))
         assert _same(got, want) is None, f"attempt {attempt}: {_same(got, want)}"
 
 
@@ -201,9 +186,9 @@ def test_every_digest_matched_and_nothing_failed(cluster) -> None:
     decode = cluster["decode"]
     if not cluster["reference"]:
         test_disaggregated_completion_equals_the_plain_engine(cluster, 17)
-    verified = _metric(decode, "vllm:rd2h_kv_blocks_verified_total")
-    mismatches = _metric(decode, "vllm:rd2h_kv_digest_mismatches_total")
-    failed = _metric(decode, "vllm:rd2h_requests_failed_total")
+    verified = metric_sum(decode, "vllm:rd2h_kv_blocks_verified_total")
+    mismatches = metric_sum(decode, "vllm:rd2h_kv_digest_mismatches_total")
+    failed = metric_sum(decode, "vllm:rd2h_requests_failed_total")
     print(f"[dsv32] Decode checked {verified:.0f} blocks against Prefill's digests, "
           f"{mismatches:.0f} mismatched, {failed:.0f} requests failed")
     assert verified > 0 and mismatches == 0 and failed == 0, _tails(cluster)
@@ -222,7 +207,7 @@ def test_a_prefill_with_other_weights_makes_the_comparison_fail(cluster, checkpo
                          root / "other-proxy.log")
     ns = (5, 17, 64, 100, 300)
     with running(prefill, proxy):
-        outs = {n: _answer(_post(proxy.url, PROMPTS[n])) for n in ns}
+        outs = {n: answer(_ask(proxy.url, n)) for n in ns}
     differ = [n for n in ns if outs[n]["tokens"] != _reference(cluster, n)["tokens"]]
     print(f"[dsv32] negative control: {len(differ)}/{len(ns)} answers differ")
     assert len(differ) > len(ns) // 2, differ
@@ -247,9 +232,9 @@ def test_a_prefill_at_tp_2_serves_a_decode_at_tp_1(cluster, checkpoint) -> None:
                          root / "tp2-proxy.log")
     ns = (5, 17, 100, 300)
     with running(prefill, proxy):
-        _post(prefill.url, [5, 6, 7])  # the first forward at TP 2 compiles: paid here
-        before = _metric(cluster["decode"], "vllm:rd2h_bytes_pulled_total")
-        outs = {n: _answer(_post(proxy.url, PROMPTS[n])) for n in ns}
+        post(prefill.url, NAME, [5, 6, 7])  # the first forward at TP 2 compiles: paid here
+        before = metric_sum(cluster["decode"], "vllm:rd2h_bytes_pulled_total")
+        outs = {n: answer(_ask(proxy.url, n)) for n in ns}
         expected = sum(math.ceil(n / BLOCK) for n in ns) * (LATENT_PAGE + INDEXER_PAGE) \
             * LAYERS
         pulled = settled_bytes_pulled(cluster["decode"], before, expected) - before

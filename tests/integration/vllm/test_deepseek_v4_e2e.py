@@ -40,8 +40,8 @@ import re
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-import httpx
 import pytest
+from completions import answer, metric_sum, post
 from fakes.net import free_port, quiet_ports
 from servers import proxy_server, rd2h_kv, running, settled_bytes_pulled, vllm_server
 from tiny_deepseek_v4 import cpu_kernels_available, make_tiny_deepseek_v4, serve_patch_dir
@@ -93,6 +93,11 @@ def _prompt(n: int, seed: int) -> list[int]:
 PROMPTS = {n: _prompt(n, n) for n in LENGTHS}
 
 
+def _ask(url: str, n: int) -> dict:
+    """The completion of ``PROMPTS[n]`` from the server at ``url``."""
+    return post(url, NAME, PROMPTS[n], MAX_TOKENS, LOGPROBS)
+
+
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     root = tmp_path_factory.mktemp("dsv4")
@@ -127,26 +132,11 @@ def cluster(checkpoint):
                "kv_port": kv_port, "reference": {}}
 
 
-def _post(url: str, prompt: list[int], timeout: float = 300.0) -> dict:
-    body = {"model": NAME, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
-            "logprobs": LOGPROBS, "return_token_ids": True}
-    resp = httpx.post(url + "/v1/completions", json=body, timeout=timeout)
-    assert resp.status_code == 200, resp.text
-    return resp.json()
-
-
-def _answer(out: dict) -> dict:
-    """What greedy decoding served: tokens, each one's logprob, the top-5 at each step."""
-    (choice,) = out["choices"]
-    lp = choice["logprobs"]
-    return {"tokens": list(choice["token_ids"]), "logprobs": lp["token_logprobs"],
-            "top": lp["top_logprobs"]}
-
 
 def _reference(c: dict, n: int) -> dict:
     """The plain engine's answer to ``PROMPTS[n]`` (asked once: it is deterministic)."""
     if n not in c["reference"]:
-        c["reference"][n] = _answer(_post(c["plain"].url, PROMPTS[n]))
+        c["reference"][n] = answer(_ask(c["plain"].url, n))
     return c["reference"][n]
 
 
@@ -168,13 +158,6 @@ def _tails(c: dict) -> str:
 
 def _log(server) -> str:
     return server.log.read_text(errors="replace")
-
-
-def _metric(server, name: str) -> float:
-    """The sum of series ``name`` on the engine's /metrics (0 when absent)."""
-    text = httpx.get(server.url + "/metrics", timeout=10).text
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith(name) and not line.startswith("#"))
 
 
 @pytest.mark.parametrize("side", ["prefill", "decode"])
@@ -210,9 +193,9 @@ def test_disaggregated_completion_equals_the_plain_engine(cluster, n) -> None:
     prompt but its last token came from the connector (the N-1 scheme: Decode computes
     the last token itself)."""
     want = _reference(cluster, n)
-    before = _metric(cluster["decode"], "vllm:rd2h_bytes_pulled_total")
-    out = _post(cluster["proxy"].url, PROMPTS[n])
-    got = _answer(out)
+    before = metric_sum(cluster["decode"], "vllm:rd2h_bytes_pulled_total")
+    out = _ask(cluster["proxy"].url, n)
+    got = answer(out)
     assert got == want, f"prompt of {n} tokens: {_diff(got, want)}\n{_tails(cluster)}"
     cached = out["usage"]["prompt_tokens_details"]["cached_tokens"]
     assert cached == n - 1, (out["usage"], _tails(cluster))
@@ -225,9 +208,9 @@ def test_eight_prompts_at_once_equal_the_plain_engine(cluster) -> None:
     ns = (5, 63, 65, 128, 256, 257, 300, 520)
     wants = {n: _reference(cluster, n) for n in ns}
     with ThreadPoolExecutor(len(ns)) as pool:
-        outs = dict(zip(ns, pool.map(lambda n: _post(cluster["proxy"].url, PROMPTS[n]), ns)))
-    wrong = {n: _diff(_answer(o), wants[n]) for n, o in outs.items()
-             if _answer(o) != wants[n]}
+        outs = dict(zip(ns, pool.map(lambda n: _ask(cluster["proxy"].url, n), ns)))
+    wrong = {n: _diff(answer(o), wants[n]) for n, o in outs.items()
+             if answer(o) != wants[n]}
     assert not wrong, f"{wrong}\n{_tails(cluster)}"
 
 
@@ -239,8 +222,8 @@ def test_a_prompt_sent_twice_is_served_equal_both_times(cluster) -> None:
     n = 300
     want = _reference(cluster, n)
     for attempt in range(2):
-        before = _metric(cluster["decode"], "vllm:rd2h_bytes_pulled_total")
-        got = _answer(_post(cluster["proxy"].url, PROMPTS[n]))
+        before = metric_sum(cluster["decode"], "vllm:rd2h_bytes_pulled_total")
+        got = answer(_ask(cluster["proxy"].url, n))
         assert got == want, f"attempt {attempt}: {_diff(got, want)}\n{_tails(cluster)}"
         assert settled_bytes_pulled(cluster["decode"], before, 1) > before
 
@@ -250,11 +233,11 @@ def test_decode_pulled_the_kv_and_every_digest_matched(cluster) -> None:
     decode = cluster["decode"]
     if not cluster["reference"]:  # run alone: one request first
         test_disaggregated_completion_equals_the_plain_engine(cluster, 65)
-    pulled = _metric(decode, "vllm:rd2h_bytes_pulled_total")
-    verified = _metric(decode, "vllm:rd2h_kv_blocks_verified_total")
-    mismatches = _metric(decode, "vllm:rd2h_kv_digest_mismatches_total")
-    failed = _metric(decode, "vllm:rd2h_requests_failed_total")
-    done = _metric(decode, "vllm:rd2h_requests_done_total")
+    pulled = metric_sum(decode, "vllm:rd2h_bytes_pulled_total")
+    verified = metric_sum(decode, "vllm:rd2h_kv_blocks_verified_total")
+    mismatches = metric_sum(decode, "vllm:rd2h_kv_digest_mismatches_total")
+    failed = metric_sum(decode, "vllm:rd2h_requests_failed_total")
+    done = metric_sum(decode, "vllm:rd2h_requests_done_total")
     print(f"[dsv4] Decode pulled {pulled:.0f} bytes for {done:.0f} requests, checked "
           f"{verified:.0f} blocks against Prefill's digests, {mismatches:.0f} mismatched")
     assert pulled > 0 and done > 0 and verified > 0, _tails(cluster)
@@ -281,7 +264,7 @@ def test_a_prefill_with_other_weights_makes_the_comparison_fail(cluster, checkpo
                          root / "other-proxy.log")
     ns = (5, 64, 65, 128, 257)
     with running(prefill, proxy):
-        outs = {n: _answer(_post(proxy.url, PROMPTS[n])) for n in ns}
+        outs = {n: answer(_ask(proxy.url, n)) for n in ns}
     differ = [n for n in ns if outs[n]["tokens"] != _reference(cluster, n)["tokens"]]
     print(f"[dsv4] negative control: {len(differ)}/{len(ns)} answers differ "
           f"(prompt lengths {differ})")
