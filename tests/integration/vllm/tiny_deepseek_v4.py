@@ -21,24 +21,27 @@ kernels cannot run; the patch registers a stand-in ``cpu`` entry in
 kernels run in Triton's interpreter, and fills in the ``c1a``/``c2a`` tile-scheduler keys
 the CPU sparse-SWA metadata builder omits (``KeyError: 'c1a'``). With
 ``RD2H_DUMP_KV_CACHES=1`` it also prints the KV cache groups and each layer's KV cache
-tensor (shape, dtype, stride) when the worker allocates them; with
-``RD2H_DSV4_START_ONLY=1`` it skips the AVX512-only weight packing so the engine starts
-on a CPU without the kernels (no request can be served then). Nothing in vLLM's files
-is edited.
+tensor (shape, dtype, stride) when the worker allocates them. With
+``RD2H_DSV4_REFERENCE_KERNELS=1`` it defines every DeepSeek-V4 kernel vLLM's loaded library
+lacks with the test-only PyTorch reference in ``dsv4_reference`` (copied beside it), so
+the model serves on a CPU without vLLM's kernels; with ``RD2H_DSV4_SIMULATE_AVX2=1`` (and
+``ATEN_CPU_CAPABILITY=avx2``) it makes an AVX512 CPU behave as an AVX2-only one, so the
+reference path runs on every test machine. Nothing in vLLM's files is edited.
 
 Hardware: vLLM 0.32's DeepSeek-V4 CPU kernels (hc_pre/post/head_fused_cpu,
-flash_mla_with_kvcache_cpu, compress_norm_rope_store_cpu, fp8_paged_mqa_logits_cpu,
-biased_topk_cpu, convert_weight_packed, bmm_cpu, ...) exist only in ``vllm/_C.abi3.so``,
-the AVX512-BF16 build; on an AVX2-only CPU vLLM loads ``_C_AVX2`` and the model loads but
-fails at ``convert_weight_packed`` (and, past that, at the first forward). See
-``cpu_kernels_available()``. Without AMX, vLLM also turns chunked prefill and prefix
-caching off for this model ("MLA is enabled on a non-GPU platform").
+flash_mla_with_kvcache_cpu, compress_norm_rope_store_cpu, biased_topk_cpu,
+convert_weight_packed, bmm_cpu, ...) exist only in ``vllm/_C.abi3.so``, the AVX512-BF16
+build; on an AVX2-only CPU vLLM loads ``_C_AVX2``, and without the reference kernels the
+model fails at ``convert_weight_packed`` while loading. See ``cpu_kernels_available()``.
+Without AMX, vLLM also turns chunked prefill and prefix caching off for this model ("MLA
+is enabled on a non-GPU platform").
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -343,16 +346,33 @@ if os.environ.get("RD2H_DUMP_KV_CACHES") == "1":
         cls.initialize_kv_cache_tensors = initialize_kv_cache_tensors
 
 
-if os.environ.get("RD2H_DSV4_START_ONLY") == "1":
-    @_patch("vllm.models.deepseek_v4.cpu.cpu_sparse")
-    def _skip_wo_a_packing(mod):
-        """START ONLY, on a CPU without AVX512-BF16: skip the weight packing whose kernel
-        (convert_weight_packed) exists only in vLLM's AVX512-BF16 library, so the engine
-        starts, allocates its KV cache and registers it with its connector. Its first
-        forward then fails in the next missing kernel (hc_pre_fused_cpu): no request
-        can be served this way."""
-        mod.DeepseekV4CPUAttention._wrap_wo_a_process_weights_after_loading = (
-            lambda self: None)
+if os.environ.get("RD2H_DSV4_SIMULATE_AVX2") == "1":
+    @_patch("torch.cpu")
+    def _no_avx512(mod):
+        """Behave as an AVX2-only CPU: torch.cpu reports no AVX512, AVX512-BF16 or AMX,
+        so vLLM loads its AVX2 library (vllm/_C_AVX2, without DeepSeek-V4's kernels) and
+        takes its AVX2 code paths. Set ATEN_CPU_CAPABILITY=avx2 too for torch's own."""
+        for name in ("_is_avx512_supported", "_is_avx512_bf16_supported",
+                     "_is_avx512_vnni_supported", "_is_amx_tile_supported",
+                     "_is_amx_fp16_supported"):
+            if hasattr(mod, name):
+                setattr(mod, name, lambda: False)
+
+
+if os.environ.get("RD2H_DSV4_REFERENCE_KERNELS") == "1":
+    @_patch("vllm.platforms.cpu")
+    def _reference_kernels(mod):
+        """After vLLM loads its library, define each DeepSeek-V4 kernel it lacks with the
+        test-only PyTorch reference (the dsv4_reference package beside this file)."""
+        cls = mod.CpuPlatform
+        orig = cls.import_kernels.__func__
+
+        def import_kernels(cls_):
+            orig(cls_)
+            import dsv4_reference
+            dsv4_reference.register()
+
+        cls.import_kernels = classmethod(import_kernels)
 
 
 class _Loader(importlib.abc.Loader):
@@ -397,13 +417,20 @@ def serve_patch_dir(path: str | os.PathLike[str]) -> Path:
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
     (out / "sitecustomize.py").write_text(SITECUSTOMIZE)
+    reference = out / "dsv4_reference"
+    if reference.exists():
+        shutil.rmtree(reference)
+    shutil.copytree(Path(__file__).with_name("dsv4_reference"), reference,
+                    ignore=shutil.ignore_patterns("__pycache__"))
     return out
 
 
 def serve_command(model: str | os.PathLike[str], patch_dir: str | os.PathLike[str],
                   port: int = 8000) -> str:
-    """The shell command that serves the checkpoint on vLLM's CPU backend."""
-    return (f"TRITON_INTERPRET=1 PYTHONPATH={patch_dir} VLLM_CPU_KVCACHE_SPACE=1 "
+    """The shell command that serves the checkpoint on vLLM's CPU backend (with the
+    reference kernels where this CPU lacks vLLM's)."""
+    ref = "" if cpu_kernels_available() else "RD2H_DSV4_REFERENCE_KERNELS=1 "
+    return (f"TRITON_INTERPRET=1 {ref}PYTHONPATH={patch_dir} VLLM_CPU_KVCACHE_SPACE=1 "
             f"{sys.executable} -m vllm.entrypoints.openai.api_server --model {model} "
             f"--dtype bfloat16 --max-model-len 1024 --port {port} --enforce-eager")
 
@@ -416,5 +443,6 @@ if __name__ == "__main__":
     print(patches)
     print(serve_command(model, patches))
     if not cpu_kernels_available():
-        print("note: this CPU has no AVX512-BF16; vLLM's DeepSeek-V4 CPU kernels cannot "
-              "run here", file=sys.stderr)
+        print("note: this CPU has no AVX512-BF16, so vLLM's DeepSeek-V4 CPU kernels "
+              "cannot run here; the command uses the test-only reference kernels",
+              file=sys.stderr)
