@@ -93,3 +93,20 @@ def pytest_terminal_summary(terminalreporter) -> None:
 
 
 _FIRST_CAPTURE = pytest.StashKey[int]()
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """A module whose ``cluster`` fixture is parametrized (``CLUSTER_PARAMS``) and whose
+    tests also parametrize it with other arguments (``indirect``) keeps each cluster's
+    tests together, so each cluster starts once: pytest's own reordering groups only
+    arguments of the fixture's scope. Within a cluster, the module's order."""
+    for module in {item.module for item in items
+                   if hasattr(getattr(item, "module", None), "CLUSTER_PARAMS")}:
+        order = list(module.CLUSTER_PARAMS)
+        at = [i for i, item in enumerate(items) if getattr(item, "module", None) is module]
+        mine = [items[i] for i in at]
+        mine.sort(key=lambda item: (order.index(item.callspec.params["cluster"]),
+                                    item.function.__code__.co_firstlineno))
+        for i, item in zip(at, mine):
+            items[i] = item

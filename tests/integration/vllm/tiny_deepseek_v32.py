@@ -62,6 +62,10 @@ DSA (it attends all tokens), and the stand-in logs a warning once.
 Debug: with ``RD2H_V32_INDEXER_DEBUG=1`` the stand-ins log (stderr) the selected backend,
 and per indexer layer, once, the first write to its cache (token count, checksum and
 non-zero byte count of the whole cache tensor).
+
+On an AVX512 CPU, ``RD2H_SIMULATE_AVX2=1`` (with ``ATEN_CPU_CAPABILITY=avx2``) makes the
+engines behave as on an AVX2-only one (vLLM's AVX2 library and paths); V3.2 uses none of
+the kernels only vLLM's AVX512-BF16 library has, and its e2e module passes so too.
 """
 
 from __future__ import annotations
@@ -226,6 +230,19 @@ def _patch(module_name):
         _PATCHES.setdefault(module_name, []).append(fn)
         return fn
     return register
+
+
+if os.environ.get("RD2H_SIMULATE_AVX2") == "1":
+    @_patch("torch.cpu")
+    def _no_avx512(mod):
+        """Behave as an AVX2-only CPU (torch.cpu reports no AVX512, AVX512-BF16 or AMX):
+        vLLM loads its AVX2 library and takes its AVX2 paths. With
+        ATEN_CPU_CAPABILITY=avx2 for torch's own kernels."""
+        for name in ("_is_avx512_supported", "_is_avx512_bf16_supported",
+                     "_is_avx512_vnni_supported", "_is_amx_tile_supported",
+                     "_is_amx_fp16_supported"):
+            if hasattr(mod, name):
+                setattr(mod, name, lambda: False)
 
 
 @_patch("vllm.platforms.cpu")

@@ -24,7 +24,7 @@ the CPU sparse-SWA metadata builder omits (``KeyError: 'c1a'``). With
 tensor (shape, dtype, stride) when the worker allocates them. With
 ``RD2H_DSV4_REFERENCE_KERNELS=1`` it defines every DeepSeek-V4 kernel vLLM's loaded library
 lacks with the test-only PyTorch reference in ``dsv4_reference`` (copied beside it), so
-the model serves on a CPU without vLLM's kernels; with ``RD2H_DSV4_SIMULATE_AVX2=1`` (and
+the model serves on a CPU without vLLM's kernels; with ``RD2H_SIMULATE_AVX2=1`` (and
 ``ATEN_CPU_CAPABILITY=avx2``) it makes an AVX512 CPU behave as an AVX2-only one, so the
 reference path runs on every test machine. Nothing in vLLM's files is edited.
 
@@ -346,7 +346,7 @@ if os.environ.get("RD2H_DUMP_KV_CACHES") == "1":
         cls.initialize_kv_cache_tensors = initialize_kv_cache_tensors
 
 
-if os.environ.get("RD2H_DSV4_SIMULATE_AVX2") == "1":
+if os.environ.get("RD2H_SIMULATE_AVX2") == "1":
     @_patch("torch.cpu")
     def _no_avx512(mod):
         """Behave as an AVX2-only CPU: torch.cpu reports no AVX512, AVX512-BF16 or AMX,
