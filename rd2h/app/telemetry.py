@@ -80,6 +80,7 @@ class DecodeStats:
     parked: int = 0  # announcements kept until their requests' admission (parallel dispatch)
     parked_expired: int = 0  # of those, handled when their wait ended, not admitted
     parked_wait_s: float = 0.0  # time they waited, in all
+    incomplete: int = 0  # requests reported final before all their layers were read
     shed: int = 0  # messages dropped unread: their peer sent past its receive budget
     shed_bytes: int = 0
     first_ready_at: float | None = None
@@ -105,6 +106,14 @@ def report_decode(outs: Iterable[d.Output], stats: DecodeStats, log: Logger) -> 
                 log.error("read planning failed unexpectedly", layer=out.layer_idx,
                           error=out.reason)
             log.warning("layer read failed", layer=out.layer_idx, error=out.reason)
+        elif isinstance(out, d.Incomplete):
+            progress = True
+            stats.incomplete += len(out.requests)
+            first = out.requests[0][1] if out.requests else ()
+            log.warning("final layer reported before every layer was read; failing the "
+                        "requests", layer=out.layer_idx,
+                        not_read=[clip(str(n), 128) for n in first[:4]],
+                        not_read_count=len(first), **few([e for e, _ in out.requests]))
         elif isinstance(out, d.Skipped):
             stats.skipped += len(out.requests)
             log.info("announced requests not read: no longer known here (aborted)",

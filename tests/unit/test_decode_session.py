@@ -9,6 +9,7 @@ from rd2h.domain.decode.decode_session import (
     DecodeSession,
     Expired,
     Forget,
+    Incomplete,
     LayerDone,
     LayerFailed,
     MetaStored,
@@ -20,6 +21,7 @@ from rd2h.domain.decode.decode_session import (
 )
 from rd2h.domain.decode.request_book import StepOutcome
 from rd2h.domain.errors import AuthenticationError, ProtocolError, UnknownMessageType
+from rd2h.domain.planning.kv_groups import NO_BLOCK
 from rd2h.domain.planning.layout import DestinationLayout, DestTensor, SourceLayout, TensorComponent
 from rd2h.domain.wire.compat import MetaRefused
 from rd2h.domain.wire.protocol import (
@@ -195,4 +197,82 @@ def test_a_prefill_that_restarted_under_its_session_replaces_the_old_one() -> No
     assert not any(isinstance(o, PeerLost) for o in s.receive(b"peer-3", new, 2.0))
     assert s.receive(b"peer-4", META, 2.0)[0] == SendAck(b"peer-4")  # states none
     assert s.counters()["peers"] == 3
+    assert_clean(s)
+
+
+# -- a final report is trusted only once every layer the request needs was read (#58)
+NAME1 = "model.layers.1.attn"
+SRC1 = SourceLayout(NAME1, (TensorComponent(0x20000, BPB, num_blocks=NB),))
+DST1 = DestinationLayout(NAME1, (DestTensor(0xA0000, BPB, NB),))
+META2 = MfMeta("p-session", {NAME: SRC.to_metadata(), NAME1: SRC1.to_metadata()})
+
+
+def two_layer_session(dst1: DestinationLayout = DST1) -> DecodeSession:
+    return DecodeSession(destinations={NAME: DST, NAME1: dst1}, d_rank=0, d_tp=1,
+                         main_shared=False, request_timeout_s=10.0)
+
+
+def read_layer(s: DecodeSession, layer: int, name: str, done: tuple[str, ...] = (),
+               reqs: tuple[ReadRequest, ...] = (ReadRequest("a", (1,), (), 0, 0),)) -> list:
+    outs = s.receive(P, ReadReadyBatch(layer, name, reqs, done), float(layer))
+    (read,) = [o for o in outs if isinstance(o, Read)]
+    assert s.begin_read(read.token)
+    return s.read_done(read.token, float(layer) + 0.5)
+
+
+def test_a_final_report_before_a_layer_was_read_fails_the_request_naming_it() -> None:
+    """The report rides on layer 0 while layer 1 (which the request needs: it has a block
+    in its group) was never read: the request fails, naming layer 1, not completed."""
+    s = two_layer_session()
+    s.receive(P, META2, 0.0)
+    s.admit("a" + X9, [3], [], 0.0)
+    outs = read_layer(s, 0, NAME, done=("a",))
+    assert outs[0] == Reply(P, ReadDone(0))  # the layer itself was read fine
+    assert LayerDone(0, ()) in outs  # ... and completed nothing
+    (short,) = [o for o in outs if isinstance(o, Incomplete)]
+    assert short == Incomplete(0, (("a", (NAME1,)),))
+    out = step(s)
+    assert out.failed == {"a" + X9} and out.invalid_block_ids == {3}
+    assert NAME1 in out.reasons["a" + X9], out.reasons
+    assert_clean(s)
+
+
+def test_a_final_report_after_every_layer_was_read_completes_the_request() -> None:
+    s = two_layer_session()
+    s.receive(P, META2, 0.0)
+    s.admit("a" + X9, [3], [], 0.0)
+    assert LayerDone(0, ()) in read_layer(s, 0, NAME)
+    outs = read_layer(s, 1, NAME1, done=("a",))
+    assert LayerDone(1, ("a",)) in outs and not [o for o in outs if isinstance(o, Incomplete)]
+    out = step(s)
+    assert out.finished == {"a" + X9} and not out.failed
+    assert_clean(s)
+
+
+def test_a_layer_whose_group_holds_no_block_of_the_request_is_not_awaited() -> None:
+    """Layer 1 reads into group 1, where the request has no block (outside a sliding
+    window): Prefill never names it there, and its final report on layer 0 completes."""
+    s = two_layer_session(dataclasses.replace(DST1, group=1))
+    s.receive(P, META2, 0.0)
+    s.admit("a" + X9, [3], [], 0.0, group_block_ids=[[3], [NO_BLOCK]])
+    outs = read_layer(s, 0, NAME, done=("a",))
+    assert LayerDone(0, ("a",)) in outs
+    out = step(s)
+    assert out.finished == {"a" + X9} and not out.failed
+    assert_clean(s)
+
+
+def test_the_layers_read_are_counted_across_chunks() -> None:
+    """Chunked prefill: layer 1 was read with the first chunk, the final chunk's report
+    rides on layer 0: every layer was read for the request, it completes."""
+    s = two_layer_session()
+    s.receive(P, META2, 0.0)
+    s.admit("a" + X9, [3, 4], [], 0.0)
+    read_layer(s, 0, NAME)
+    read_layer(s, 1, NAME1)
+    outs = read_layer(s, 2, NAME, done=("a",),
+                      reqs=(ReadRequest("a", (2,), (), 1, 1),))
+    assert LayerDone(2, ("a",)) in outs
+    out = step(s)
+    assert out.finished == {"a" + X9} and not out.failed
     assert_clean(s)

@@ -71,9 +71,11 @@ CAUSED: dict[str, tuple[str, dict[str, str]]] = {
     "requests_failed_by_cause": (
         "Requests this Decode engine failed to receive, by what it learned (counted per "
         "TP rank): the proxy could not dispatch them to Prefill, their Prefill peer "
-        "disconnected, or no KV arrived by the request deadline.",
+        "disconnected, no KV arrived by the request deadline, or their Prefill peer "
+        "reported the final layer before every layer they need was read.",
         {"failed_dispatch": "prefill_dispatch_failed", "failed_prefill_lost":
-         "prefill_disconnected", "failed_deadline": "deadline"}),
+         "prefill_disconnected", "failed_deadline": "deadline",
+         "failed_incomplete": "incomplete"}),
     "handshakes_refused": (
         "MF_META handshakes refused: by this Decode engine (incompatible build, failed "
         "authentication, peer cap), or refused to this Prefill engine by a Decode engine.",

@@ -21,6 +21,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 _SUMS = ("bytes_pulled", "layers_done", "layers_failed", "reads_failed", "read_seconds",
          "requests_done", "requests_failed", "layers_announced", "requests_aborted",
          "requests_skipped", "failed_dispatch", "failed_prefill_lost", "failed_deadline",
+         "failed_incomplete",
          "refused_incompatible", "refused_unauthenticated", "refused_peer_cap",
          "held_requests", "held_blocks", "reads_past_hold",
          "kv_digest_mismatches", "kv_blocks_verified", "control_frames_shed",

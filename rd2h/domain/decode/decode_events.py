@@ -71,6 +71,15 @@ class LayerFailed:
 
 
 @dataclass(frozen=True)
+class Incomplete:
+    """A peer reported its final layer for requests before every layer they need from it
+    was read here: they fail instead of completing (each with the layers not read)."""
+
+    layer_idx: int
+    requests: tuple[tuple[str, tuple[str, ...]], ...]
+
+
+@dataclass(frozen=True)
 class Skipped:
     """Requests of a layer's announcement this rank no longer knows (aborted, finished,
     never admitted): not read, named in the READ_DONE; the others were read."""
@@ -149,6 +158,7 @@ class Forget:
     peer: Peer
 
 
-Output = (SendAck | SendRefusal | Reply | Read | MetaStored | LayerDone | LayerFailed | Skipped
+Output = (SendAck | SendRefusal | Reply | Read | MetaStored | LayerDone | LayerFailed
+          | Incomplete | Skipped
           | Parked | Unparked
           | PeerLost | Expired | Rejected | Capped | Forget)

@@ -23,6 +23,7 @@ from rd2h.domain.decode.decode_events import (
     Capped,
     Expired,
     Forget,
+    Incomplete,
     LayerDone,
     LayerFailed,
     MetaStored,
@@ -53,6 +54,7 @@ from rd2h.domain.errors import (
     ProtocolError,
     UnknownMessageType,
 )
+from rd2h.domain.planning.kv_groups import NO_BLOCK
 from rd2h.domain.planning.layout import DestinationLayout, SourceLayout
 from rd2h.domain.planning.planning import (
     Destination,
@@ -170,6 +172,9 @@ class DecodeSession:
         self._parked_total = 0
         self._parked_due = False  # some kept announcement's requests were all admitted
         self._parked_capped: set[Hashable] = set()
+        # Admitted request -> peer -> the layers read for it from that peer (spec 7.2's
+        # final report is trusted only once every layer it needs was read: ``_missing``).
+        self._read: dict[str, dict[Peer, set[str]]] = {}
 
     # ------------------------------------------------------------ control inputs
     def receive(self, peer: Peer, message: Message, now: float, *,
@@ -271,6 +276,7 @@ class DecodeSession:
               group_block_ids: Sequence[Sequence[int]] = ()) -> str:
         ext = self._book.admit(internal_id, list(main_block_ids), list(indexer_block_ids), now,
                                group_block_ids)
+        self._read.pop(ext, None)  # a new admission (e.g. after preemption) starts over
         for token in self._parked_for.get(ext, ()):
             parked = self._parked[token]
             parked.waiting.discard(ext)
@@ -286,7 +292,12 @@ class DecodeSession:
         # A request a planned read names may still get bytes written into its blocks.
         busy = {r.ext_req_id for p in self._reads.values() for r in p.batch.read_reqs}
         busy.update(self._parked_for)  # kept announcements still to be read
-        return self._book.finish_step(reports, finished_by_vllm, now=now, busy=busy)
+        outcome = self._book.finish_step(reports, finished_by_vllm, now=now, busy=busy)
+        book = self._book
+        for ext in [e for e in self._read
+                    if book.destination(e) is None or book.is_terminal(e)]:
+            del self._read[ext]
+        return outcome
 
     def drop(self, internal_ids: Iterable[str]) -> None:
         self._book.drop(internal_ids)
@@ -594,9 +605,17 @@ class DecodeSession:
         events: list[Output] = []
         answered: list[ReadReadyBatch] = []
         for lay in layers:
+            for r in lay.read_reqs:
+                self._read.setdefault(r.ext_req_id, {}).setdefault(peer, set()).add(
+                    lay.layer_name)
+        for lay in layers:
             done_ids = lay.done_ext_ids
             if gone:
                 done_ids = tuple(e for e in done_ids if e not in gone)
+            if done_ids:
+                done_ids, short = self._complete_only(peer, done_ids, now)
+                if short:
+                    events.append(Incomplete(lay.layer_idx, tuple(short.items())))
             try:  # most layers of a chunk end no request: nothing to record
                 completed = self._book.record_done(
                     done_ids, lay.group_member_idx, lay.tp_ratio, peer=peer, now=now
@@ -615,6 +634,54 @@ class DecodeSession:
         if skipped:
             out.append(Skipped(first.layer_idx, skipped))
         return out + failed
+
+    def _complete_only(self, peer: Peer, done_ids: Sequence[str], now: float
+                       ) -> tuple[tuple[str, ...], dict[str, tuple[str, ...]]]:
+        """The final reports ``peer`` may make, and the requests it reports final before
+        every layer they need from it was read (each with those layers): these fail here,
+        naming the layers, instead of completing with KV missing."""
+        keep: list[str] = []
+        short: dict[str, tuple[str, ...]] = {}
+        for ext in done_ids:
+            missing = self._missing(peer, ext)
+            if missing:
+                short[ext] = missing
+                shown = ", ".join(missing[:4]) + (f" and {len(missing) - 4} more"
+                                                  if len(missing) > 4 else "")
+                self._book.record_failed(
+                    (ext,), clip(f"the prefill peer reported its final layer before "
+                                 f"{len(missing)} layer(s) it must send were read: {shown}"),
+                    now, peer)
+            else:
+                keep.append(ext)
+        return tuple(keep), short
+
+    def _missing(self, peer: Peer, ext: str) -> tuple[str, ...]:
+        """The layers of ``peer``'s metadata that the admitted request ``ext`` needs from
+        it (this rank has a destination for the layer and the request a block in the
+        layer's group) and that were not read for it yet. Nothing for a request not
+        admitted here or already over (its report is kept or dropped as before), nor from
+        a peer that named it in no layer: a contributor owning none of its blocks still
+        reports it final (spec 8)."""
+        dest = self._book.destination(ext)
+        known = self._peers.get(peer)
+        read = self._read.get(ext, {}).get(peer)
+        if not read or dest is None or known is None or self._book.is_terminal(ext):
+            return ()
+        missing = []
+        holds: dict[int | None, bool] = {}  # group -> the request has a block in it
+        for name, src in known.layers.items():
+            dst = self._destinations.get(name)
+            if name in read or dst is None or isinstance(src, LayoutMismatch):
+                continue
+            if dst.group not in holds:
+                try:
+                    holds[dst.group] = bool((dest.main_for(dst.group) != NO_BLOCK).any())
+                except IndexError:
+                    holds[dst.group] = False
+            if holds[dst.group]:
+                missing.append(name)
+        return tuple(missing)
 
     def _finish(self, peer: Peer, batch: ReadReadyBatch, now: float,
                 skipped: tuple[str, ...] = ()) -> list[Output]:
