@@ -9,12 +9,15 @@ with its scales, its compressor states 512 / 2048 / 1024 floats wide), grouped b
 ``allocate_kv_cache`` in the layout under test: layer-compact (``LBNHC``: each layer its
 own region) or block-outermost (``BLHNC``: one block holds every layer of a group side by
 side, a layer's page at its own offset in it; DeepSeek-V4's only layout, 47,808-byte
-blocks with pages at 0, 8,640 and 46,080). Prefill's memory is random bytes, Decode's
-zeros.
+blocks with pages at 0, 8,640 and 46,080). Models: DeepSeek-V4, DeepSeek-V3.2 (latent and
+indexer), a plain GQA model, and a hybrid (Mamba2 state pages, which vLLM pads to the
+attention page: only the state moves, never the padding). Prefill's memory is random
+bytes, Decode's zeros.
 
 Prefill computes a prompt (in one step or in chunks) with the hooks vLLM calls: the
-per-layer save hook for attention layers only (never for DeepSeek-V3.2's indexer cache
-nor for DeepSeek-V4's caches, which its kernels write), then ``wait_for_save``.
+per-layer save hook for attention layers only (never for DeepSeek-V3.2's indexer cache,
+DeepSeek-V4's caches, which its kernels write, nor a Mamba mixer's state), then
+``wait_for_save``.
 
 What is proven, for each model and layout: Decode's whole cache memory afterwards is
 exactly its memory before with, for every block Decode holds, each layer's page (vLLM's
@@ -57,7 +60,12 @@ from vllm.v1.core.kv_cache_utils import (
 )
 from vllm.v1.core.sched.output import NewRequestData
 from vllm.v1.core.single_type_kv_cache_manager import register_all_kvcache_specs
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, MLAAttentionSpec
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    MambaSpec,
+    MLAAttentionSpec,
+)
 from vllm.v1.kv_cache_layout import KVCacheLayout
 from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.worker.utils import allocate_kv_cache
@@ -95,10 +103,27 @@ def _plain_specs(cfg) -> dict[str, Any]:
         block_size=16, num_kv_heads=2, head_size=32, dtype=torch.float16) for i in range(3)}
 
 
+def _hybrid_specs(cfg) -> dict[str, Any]:
+    """A hybrid (Nemotron-H / Granite-4.0-H style), 4 layers: Mamba2 mixers at 0 and 2 (a
+    conv and an SSM state per request, one page a block, padded by vLLM's rule to the
+    attention page) and full attention at 1 and 3 (2 KV heads of 32, float32, 16 tokens
+    a block)."""
+    attn = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=32,
+                             dtype=torch.float32)
+    state = MambaSpec(block_size=1024, shapes=((3, 96), (4, 8, 32)),
+                      dtypes=(torch.float32, torch.float32),
+                      page_size_padded=attn.page_size_bytes)
+    return {**{f"model.layers.{i}.mixer": state for i in (0, 2)},
+            **{f"model.layers.{i}.self_attn.attn": attn for i in (1, 3)}}
+
+
 MODELS = {
     "dsv4": Model("dsv4", dsv4_specs, "fp8_ds_mla", 256, lambda name: False, backoff=1),
     "dsv32": Model("dsv32", _dsv32_specs, "auto", 64, lambda name: "indexer" not in name),
     "plain": Model("plain", _plain_specs, "auto", 16, lambda name: True),
+    # vLLM calls no per-layer hook for a Mamba mixer's state; the N-1 scheme.
+    "hybrid": Model("hybrid", _hybrid_specs, "auto", 16, lambda name: "mixer" not in name,
+                    backoff=1),
 }
 
 
@@ -169,7 +194,7 @@ class Engine:
 
 
 @pytest.fixture(params=[("dsv4", "BLHNC"), ("dsv32", "LBNHC"), ("dsv32", "BLHNC"),
-                        ("plain", "LBNHC"), ("plain", "BLHNC")],
+                        ("plain", "LBNHC"), ("plain", "BLHNC"), ("hybrid", "LBNHC")],
                 ids=lambda p: f"{p[0]}-{p[1]}")
 def engine(request, tp_group, memory_control, metaserver):  # noqa: F811
     eng = Engine(MODELS[request.param[0]], request.param[1], memory_control[1])
