@@ -25,9 +25,10 @@ What it proves:
   47,808-byte blocks, every layer of a group side by side in each block);
 - greedy completions (12 tokens, 5 logprobs) through the proxy equal the plain engine's,
   tokens and logprobs exactly, for prompts of 5 to 520 tokens that end on either side of
-  every group's block boundaries (64, 256, and the states' 4 and 8) (with the reference
-  kernels all 12 lengths; with vLLM's, where both run, 7 of them: ``lengths``); the same
-  for 8 prompts at once, and for a prompt sent twice;
+  every group's block boundaries (64, 256, and the states' 4 and 8) (where both kinds of
+  kernels run, each serves 7 of the 12 lengths and together all of them; elsewhere the
+  reference kernels serve all 12: ``lengths``); the same for 8 prompts at once, and
+  for a prompt sent twice;
 - not vacuously: Decode took the prompt from the connector (``cached_tokens``), its
   rd2h counters show the bytes it pulled and the blocks it checked against Prefill's
   digests with no mismatch; and a Prefill serving other weights makes Decode's tokens
@@ -86,14 +87,15 @@ LOGPROBS = 5
 # window for a hit of all N tokens and then rewinds by one to recompute the last token;
 # so rd2h moves N-1 tokens and Decode computes the last one (served wrong before).
 LENGTHS = (5, 63, 64, 65, 128, 191, 255, 256, 257, 300, 383, 520)
-# Where both kinds of kernels run, the second (vLLM's own, whose CPU is the one that has
-# them) serves one length on each side of each group's boundaries, the N-1 case and the
-# longest; the reference kernels serve every length on every CPU.
-SHORT = (5, 64, 65, 191, 257, 300, 520)
+# Where both kinds of kernels run, each serves about half of these (both the shortest
+# and the longest), together every one; where only the reference kernels run, they
+# serve every length.
+HALVES = {"vllm": (5, 63, 64, 128, 255, 300, 520), "reference": (5, 65, 191, 256, 257, 383, 520)}
+assert set(HALVES["vllm"]) | set(HALVES["reference"]) == set(LENGTHS)
 
 
 def lengths(mode: str) -> tuple[int, ...]:
-    return SHORT if mode == "vllm" else LENGTHS
+    return HALVES[mode] if len(MODES) > 1 else LENGTHS
 
 
 CASES = [pytest.param(m, n, id=f"{m}-{n}") for m in MODES for n in lengths(m)]
