@@ -13,7 +13,8 @@ weights and cache are the plain engine's own; only where a prefill chunk ends di
 
 How: with one request at a time (``--max-num-seqs 1``), before each step the token
 budget is lowered so that a chunk of the one request in prefill ends at N-1 instead of
-crossing it; every other step keeps the configured budget.
+crossing it; every other step keeps the configured budget. Where vLLM runs without
+chunked prefill, prompts are computed whole, as vLLM computes them.
 """
 
 from __future__ import annotations
@@ -30,7 +31,9 @@ class PdSplitScheduler(Scheduler):
             request = self.waiting.peek_request()
         else:
             request = None
-        if request is not None:
+        # Without chunked prefill (vLLM turns it off for a model with non-causal attention
+        # layers) a prompt is never split: a lower budget would only starve it.
+        if request is not None and self.scheduler_config.enable_chunked_prefill:
             last = request.num_prompt_tokens - 1  # the position Decode computes alone
             done = request.num_computed_tokens
             if done < last:
