@@ -2,8 +2,9 @@
 selective scan), which vLLM's CPU libraries lack: Jamba, Mamba and FalconMamba fail in
 vLLM's first forward on the CPU backend (``torch.ops._C`` has no
 ``selective_scan_fwd``). vLLM has CPU versions of the rest of a Mamba-1 mixer (the
-causal convolution and the one-token ``selective_state_update``), so this one op is
-what stands between the tests and a served Jamba.
+causal convolution and the one-token ``selective_state_update``). With this op a Jamba
+gets through its prefill; vLLM 0.32's CPU ``selective_state_update`` then fails on
+Mamba1's 3-D state (it takes Mamba2's 4-D one), a second gap the model sweep names.
 
 ``register()`` defines the op under ``torch.ops._C`` with the real schema and this body
 where the loaded library has none; ``serve_patch_dir()`` writes a ``sitecustomize`` that

@@ -3,7 +3,9 @@ backend serve Jamba for the model sweep: a hand-computed case, continuation from
 state equal to one pass (what chunked prefill and the N-1 scheme rely on), packed
 sequences independent of each other, the null slot skipped, and the op reachable under
 ``torch.ops._C`` with the real schema. vLLM's CPU library has no such kernel to compare
-with; ``test_model_sweep_e2e`` compares the served Jamba with transformers' own forward.
+with. With it, a served Jamba gets past its prefill and fails at the first decode step in
+vLLM's own CPU ``selective_state_update`` (which takes Mamba2's 4-D state, not Mamba1's
+3-D one), so the model sweep lists Jamba as not runnable, naming that.
 """
 
 from __future__ import annotations
