@@ -6,7 +6,9 @@
 * ``metrics.md``: every Prometheus series: the engines' ``vllm:rd2h_*`` (registered
   from ``rd2h.adapters.vllm.prom``'s tables) and the proxy's ``rd2h_proxy_*`` (read
   from a fresh ``ProxyMetrics`` registry);
-* ``cli.md``: each ``rd2h`` command's ``--help``.
+* ``cli.md``: each ``rd2h`` command's ``--help``;
+* ``models.md``: the model compatibility matrix, from the model sweep's committed
+  results (``benchmarks/results/model_sweep.json``, ``benchmarks/model_sweep.py``).
 
     .venv/bin/python scripts/gen_reference.py          # rewrite the pages
     .venv/bin/python scripts/gen_reference.py --check  # exit 1 when a page is stale
@@ -185,7 +187,76 @@ def _cli(parser: Any) -> str:
     return "".join(out)
 
 
-PAGES = {"configuration.md": configuration, "metrics.md": metrics, "cli.md": cli}
+SWEEP = ROOT / "benchmarks" / "results" / "model_sweep.json"
+VERDICTS = ("EQUAL+PULLED", "REFUSED", "NOT-RUNNABLE", "NOT-BUILT", "CRASH", "WRONG", "HANG")
+
+
+def models() -> str:
+    """The compatibility matrix, from the model sweep's committed results."""
+    import json
+
+    doc = json.loads(SWEEP.read_text())
+    archs = doc["architectures"]
+    counts = {v: sum(1 for r in archs.values() if r["verdict"] == v) for v in VERDICTS}
+    unknown = {r["verdict"] for r in archs.values()} - set(VERDICTS)
+    if unknown:
+        raise ValueError(f"{SWEEP}: unknown verdicts {sorted(unknown)}")
+
+    def cell(text: str) -> str:
+        return text.replace("|", "/").replace("\n", " ").strip() or "-"
+
+    rows = []
+    for arch, r in archs.items():
+        groups = ", ".join(f"`{g}`" for g in r["groups"].split(",")) if r["groups"] else "-"
+        tried = ""
+        if r["verdict"] == "EQUAL+PULLED":
+            tried = (f"prompts of {', '.join(map(str, r['lengths']))} tokens alone, "
+                     f"{', '.join(map(str, r['concurrent']))} at once; "
+                     f"{r['bytes_pulled']:,} bytes pulled")
+        if r.get("harness"):
+            tried = f"{r['harness']}; {tried}" if tried else r["harness"]
+        rows.append(f"| `{arch}` | `{r['model_type']}` | {groups} | {r['dtype'] or '-'} | "
+                    f"**{r['verdict']}** | {cell(r['reason'] or tried)} |")
+    summary = ", ".join(f"{v} {n}" for v, n in counts.items() if n)
+    return HEADER.replace("from the code", "from benchmarks/results/model_sweep.json") + (
+        "# Model compatibility matrix\n\n"
+        f"Every text-generation architecture in vLLM {doc['vllm']}'s registry whose config "
+        f"class transformers {doc['transformers']} provides ({len(archs)}), served through "
+        "rd2h on vLLM's CPU backend by `benchmarks/model_sweep.py` and compared with a "
+        "plain engine. Each gets a tiny random-weight checkpoint with its family's features "
+        "on (4 layers, sliding windows, MoE, MLA, state layers as its config has them), a "
+        "plain reference engine and a Prefill and a Decode engine with rd2h over cma "
+        "(`verify_kv` on) behind `rd2h proxy`. The reference computes each prompt in the "
+        "chunks the P/D pair does (`pd_split_scheduler`), so equal means token for token, "
+        "in bfloat16 too.\n\n"
+        f"**{summary}.**\n\n"
+        "| verdict | meaning |\n|---|---|\n"
+        "| EQUAL+PULLED | every answer equals the plain engine's; Decode loaded each prompt "
+        "from rd2h (`cached_tokens`), bytes were pulled, no block digest differed |\n"
+        "| REFUSED | rd2h refused the model at start, naming the group and why |\n"
+        "| NOT-RUNNABLE | the plain engine itself fails, or answers a prompt differently "
+        "when it is split otherwise (then no plain answer can judge P/D): vLLM's error as "
+        "logged. Some are vLLM reading a field or weight that transformers' config or model "
+        "of the family does not produce, so a released checkpoint may load where the tiny "
+        "one does not |\n"
+        "| NOT-BUILT | no tiny checkpoint: transformers' config or model raised |\n"
+        "| CRASH | the P/D engines failed where the plain one runs, or a request failed |\n"
+        "| WRONG | an answer differed, Decode did not load the prompt, or a digest "
+        "differed |\n"
+        "| HANG | an engine not ready or a request not answered within its deadline |\n\n"
+        "KV groups as rd2h names them at start: `kind/block size x layers`.\n\n"
+        "| architecture | transformers type | KV groups | dtype | verdict | reason, or what "
+        "was tried |\n|---|---|---|---|---|---|\n" + "\n".join(rows) + "\n\n"
+        f"Not swept: {len(doc['not_swept'])} registered architectures whose config class "
+        f"transformers {doc['transformers']} does not provide (their checkpoints bring "
+        "their own code): " + ", ".join(f"`{a}`" for a in doc["not_swept"]) + ".\n\n"
+        "Run it again: `.venv/bin/python benchmarks/model_sweep.py` (all, about an hour "
+        "on 2 cores; `--only A,B` for some), then `.venv/bin/python "
+        "scripts/gen_reference.py`.\n")
+
+
+PAGES = {"configuration.md": configuration, "metrics.md": metrics, "cli.md": cli,
+         "models.md": models}
 
 
 def render() -> dict[str, str]:
