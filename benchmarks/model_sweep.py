@@ -22,6 +22,12 @@ vLLM chose), then four at once. Each architecture gets one verdict:
                 or a digest differed
   HANG          an engine was not ready or a request not answered within its deadline
 
+Four at once: the reference computes one request at a time, Decode batches them. Where
+an answer given at once differs, the same prompt goes through P/D alone and must equal
+the reference token for token, and the difference is put down to vLLM only if Decode,
+computing the same prompts itself (no KV from rd2h), answers differently at once than
+alone; the result keeps a note saying so. Otherwise it is WRONG.
+
 Results go to ``--results`` (JSON, one entry per architecture, merged into what is
 there: a long sweep can be resumed with ``--skip-done``); ``scripts/gen_reference.py``
 writes the compatibility page (``docs/reference/models.md``) from them.
@@ -62,6 +68,7 @@ MAX_TOKENS = 8
 CHUNK = 64
 START_S = 420.0
 REQUEST_S = 120.0
+BATCH_ROUNDS = 4  # plain at-once rounds looking for vLLM's own batch variance
 FAILING = ("CRASH", "WRONG", "HANG")
 T0 = time.monotonic()
 # rd2h's refusals at start: its configuration and layout errors.
@@ -269,18 +276,60 @@ def _check(procs: dict[str, sp.Proc], proxy: sp.Proc, model: str, groups: str) -
     with ThreadPoolExecutor(len(together)) as pool:
         outs = list(pool.map(lambda p: _ask(proxy.url, model, p,
                                             f"P/D, {len(p)} tokens, 4 at once"), together))
-    for p, w, o in zip(together, wants, outs):
-        if o["choices"][0]["token_ids"] != w:
-            raise Verdict("WRONG", f"{len(p)}-token prompt, 4 at once: "
-                                   f"{o['choices'][0]['token_ids']} != plain {w}")
+    differing = [(p, w, o["choices"][0]["token_ids"]) for p, w, o in zip(together, wants, outs)
+                 if o["choices"][0]["token_ids"] != w]
     pulled = _metric(dec, "vllm:rd2h_bytes_pulled_total")
     mismatches = _metric(dec, "vllm:rd2h_kv_digest_mismatches_total")
     if mismatches:
         raise Verdict("WRONG", f"{mismatches:.0f} block digests differed after the read")
     if pulled <= 0:
         raise Verdict("WRONG", "no bytes pulled")
-    return {"lengths": checked, "concurrent": [len(p) for p in together],
-            "block": block, "bytes_pulled": int(pulled)}
+    checked = {"lengths": checked, "concurrent": [len(p) for p in together],
+               "block": block, "bytes_pulled": int(pulled)}
+    if differing:
+        checked["note"] = _batch_variant(procs, proxy, model, together, differing)
+    return checked
+
+
+def _batch_variant(procs: dict[str, sp.Proc], proxy: sp.Proc, model: str,
+                   together: list[list[int]],
+                   differing: list[tuple[list[int], list[int], list[int]]]) -> str:
+    """When an answer given beside others differs from the reference (which computes one
+    request at a time): rd2h is judged by the same prompt through P/D alone, which must
+    equal the reference token for token, and the difference is vLLM's only when its own
+    plain answers move with the batch: Decode computing the same prompts itself (no KV
+    from rd2h), at once against alone, in up to ``BATCH_ROUNDS`` rounds. Otherwise WRONG.
+    Returns the note the result keeps."""
+    for p, want, got in differing:
+        alone = _ask(proxy.url, model, p, f"P/D, {len(p)} tokens, alone again")
+        alone_ids = alone["choices"][0]["token_ids"]
+        if alone_ids != want:
+            raise Verdict("WRONG", f"{len(p)}-token prompt: {got} at once and {alone_ids} "
+                                   f"alone != plain {want}")
+    dec = procs["decode"].url
+    plain = [_ask(dec, model, p, f"Decode plain, {len(p)} tokens")["choices"][0]["token_ids"]
+             for p in together]
+    for r in range(BATCH_ROUNDS):
+        with ThreadPoolExecutor(len(together)) as pool:
+            outs = list(pool.map(lambda p: _ask(dec, model, p, "Decode plain, at once"),
+                                 together))
+        moved = [len(p) for p, a, o in zip(together, plain, outs)
+                 if o["choices"][0]["token_ids"] != a]
+        if moved:
+            lens = ", ".join(str(len(p)) for p, _, _ in differing)
+            one = len(differing) == 1
+            return (f"at once, the answer{'' if one else 's'} to the {lens}-token "
+                    f"prompt{'' if one else 's'} differed from the plain engine's, which "
+                    f"computes one request at a time; alone through P/D "
+                    f"{'it equals' if one else 'they equal'} it token for token. vLLM's "
+                    f"own answers move with the batch here: "
+                    f"Decode computing the prompts itself answered the "
+                    f"{', '.join(map(str, moved))}-token ones differently at once than "
+                    f"alone (round {r + 1})")
+    p, want, got = differing[0]
+    raise Verdict("WRONG", f"{len(p)}-token prompt, 4 at once: {got} != plain {want} (alone "
+                           f"through P/D it equals; vLLM's own answers did not move with the "
+                           f"batch in {BATCH_ROUNDS} rounds)")
 
 
 def sweep_one(arch: str, model_type: str, workdir: Path, guardian: sp.Guardian) -> dict:

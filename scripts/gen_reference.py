@@ -213,6 +213,8 @@ def models() -> str:
             tried = (f"prompts of {', '.join(map(str, r['lengths']))} tokens alone, "
                      f"{', '.join(map(str, r['concurrent']))} at once; "
                      f"{r['bytes_pulled']:,} bytes pulled")
+        if r.get("note"):
+            tried = f"{tried}; {r['note']}"
         if r.get("harness"):
             tried = f"{r['harness']}; {tried}" if tried else r["harness"]
         rows.append(f"| `{arch}` | `{r['model_type']}` | {groups} | {r['dtype'] or '-'} | "
@@ -232,7 +234,10 @@ def models() -> str:
         f"**{summary}.**\n\n"
         "| verdict | meaning |\n|---|---|\n"
         "| EQUAL+PULLED | every answer equals the plain engine's; Decode loaded each prompt "
-        "from rd2h (`cached_tokens`), bytes were pulled, no block digest differed |\n"
+        "from rd2h (`cached_tokens`), bytes were pulled, no block digest differed. An "
+        "answer given beside others that differs counts only where the same prompt alone "
+        "through P/D equals the plain engine and vLLM's own plain answers change with the "
+        "batch (then the row says so) |\n"
         "| REFUSED | rd2h refused the model at start, naming the group and why |\n"
         "| NOT-RUNNABLE | the plain engine itself fails, or answers a prompt differently "
         "when it is split otherwise (then no plain answer can judge P/D): vLLM's error as "

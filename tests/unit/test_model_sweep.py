@@ -121,3 +121,64 @@ def test_committed_results_cover_the_registry() -> None:
             assert res["bytes_pulled"] > 0 and res["lengths"], arch
         else:
             assert res["reason"], arch
+
+
+class _Engine:
+    def __init__(self, url: str) -> None:
+        self.url = url
+
+
+def _answers(monkeypatch: pytest.MonkeyPatch, pd_alone: list[int], plain_alone: list[int],
+             plain_at_once: list[list[int]]) -> list[str]:
+    """Fakes the requests ``_batch_variant`` sends: P/D alone, Decode plain alone, then
+    Decode plain at once (one answer list per round, cycled); returns what was asked."""
+    asked: list[str] = []
+    rounds = iter(plain_at_once)
+    state = {"round": None, "served": 0}
+
+    def ask(url: str, model: str, prompt: list[int], what: str) -> dict:
+        asked.append(what)
+        if url == "proxy":
+            ids = pd_alone
+        elif what.endswith("at once"):
+            if state["served"] % 2 == 0:
+                state["round"] = next(rounds)
+            ids = state["round"][state["served"] % 2]
+            state["served"] += 1
+        else:
+            ids = plain_alone
+        return {"choices": [{"token_ids": ids}]}
+
+    monkeypatch.setattr(SWEEP, "_ask", ask)
+    return asked
+
+
+def test_an_answer_at_once_is_vllms_when_its_own_answers_move_with_the_batch(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    together = [[1, 2], [3, 4]]
+    asked = _answers(monkeypatch, pd_alone=[7, 8], plain_alone=[7, 8],
+                     plain_at_once=[[[7, 8], [7, 8]], [[7, 9], [7, 8]]])
+    note = SWEEP._batch_variant({"decode": _Engine("decode")}, _Engine("proxy"), "m",
+                                together, [([1, 2], [7, 8], [7, 9])])
+    assert "round 2" in note and "alone through P/D it equals" in note
+    assert asked[0] == "P/D, 2 tokens, alone again"
+
+
+def test_an_answer_alone_that_differs_is_wrong(monkeypatch: pytest.MonkeyPatch) -> None:
+    _answers(monkeypatch, pd_alone=[7, 9], plain_alone=[7, 8],
+             plain_at_once=[[[7, 9], [7, 8]]])
+    with pytest.raises(SWEEP.Verdict) as got:
+        SWEEP._batch_variant({"decode": _Engine("decode")}, _Engine("proxy"), "m",
+                             [[1, 2], [3, 4]], [([1, 2], [7, 8], [7, 9])])
+    assert got.value.verdict == "WRONG" and "alone" in got.value.reason
+
+
+def test_a_difference_vllm_does_not_show_itself_is_wrong(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    _answers(monkeypatch, pd_alone=[7, 8], plain_alone=[7, 8],
+             plain_at_once=[[[7, 8], [7, 8]]] * SWEEP.BATCH_ROUNDS)
+    with pytest.raises(SWEEP.Verdict) as got:
+        SWEEP._batch_variant({"decode": _Engine("decode")}, _Engine("proxy"), "m",
+                             [[1, 2], [3, 4]], [([1, 2], [7, 8], [7, 9])])
+    assert got.value.verdict == "WRONG"
+    assert f"did not move with the batch in {SWEEP.BATCH_ROUNDS} rounds" in got.value.reason
