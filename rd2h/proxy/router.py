@@ -60,6 +60,7 @@ class EngineRouter:
             transport=transport, timeout=httpx.Timeout(config.probe_timeout_s),
             limits=httpx.Limits(max_keepalive_connections=0))
         self._task: asyncio.Task[None] | None = None
+        self._rescues: dict[str, asyncio.Future[Any]] = {}
         self.probes = 0
 
     # -- lifecycle
@@ -149,15 +150,22 @@ class EngineRouter:
         return {role: [i.status(now) for i in pool] for role, pool in self.pools.items()}
 
     async def rescue(self, role: str) -> bool:
-        """No ``role`` instance is pickable: probe the ejected ones whose back-off is over
-        now, instead of waiting for the next round (an engine that just came up, a
-        fleet that just recovered); True when one was readmitted."""
+        """No ``role`` instance is pickable: probe the ejected ones now, back-off or not,
+        instead of waiting for the next round (an engine that just came up, a fleet that
+        just recovered); True when one was readmitted. One rescue per role at a time:
+        requests arriving meanwhile wait for its probes instead of sending their own."""
         pool = self.pools[role]
-        now = time.monotonic()
-        due = [i for i in pool if not i.healthy and not i.removed and not i.draining
-               and i.ejected_until <= now]
-        if due:
-            await asyncio.gather(*(self._probe(i, False) for i in due))
+        if pool.ready():
+            return True
+        task = self._rescues.get(role)
+        if task is None or task.done():
+            due = [i for i in pool if not i.healthy and not i.removed and not i.draining]
+            if not due:
+                return False
+            task = asyncio.ensure_future(
+                asyncio.gather(*(self._probe(i, False) for i in due)))
+            self._rescues[role] = task
+        await asyncio.shield(task)
         return pool.ready()
 
     async def _probe_loop(self) -> None:

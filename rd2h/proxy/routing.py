@@ -10,7 +10,11 @@ answer one probe late; a hung one answers none); other failures (a 5xx answer, a
 timeout, a broken stream) eject it after ``eject_after`` in a row. An ejected
 instance stays out for a back-off that doubles with each ejection in a row
 (``eject_base_s`` up to ``eject_max_s``) and is readmitted by the first successful
-probe after that; a request it then serves well resets the back-off.
+probe after that; a request it then serves well resets the back-off. The back-off holds
+only while another instance of the role can serve: with none pickable, the first
+successful probe readmits an ejected instance at once (a restarted engine serves again
+within one probe interval of answering ``/health``; a hung one stays out, since its
+probes time out).
 
 Picking policies (per role): ``least_outstanding`` (the fewest requests the proxy has
 in flight there; ties rotate), ``power_of_two`` (two pickable instances at random,
@@ -238,11 +242,13 @@ class InstancePool:
         return Ejection(inst.url, cause, backoff)
 
     def probed(self, inst: Instance, now: float) -> bool:
-        """A successful probe; True when it readmitted the instance."""
+        """A successful probe; True when it readmitted the instance: after its back-off,
+        or at once when no instance of the role is pickable (a role with nothing to
+        route to takes back the first instance that answers)."""
         inst.probe_timeouts_in_row = 0
         if inst.healthy:
             return False
-        if now < inst.ejected_until:
+        if now < inst.ejected_until and self.ready():
             return False
         inst.healthy = True
         inst.failures_in_row = inst.probe_timeouts_in_row = 0

@@ -448,6 +448,70 @@ def test_an_engine_that_just_came_up_is_probed_at_once_when_none_is_admitted() -
     run(scenario())
 
 
+def test_a_restarted_only_decode_serves_at_once_whatever_its_back_off() -> None:
+    async def scenario() -> None:
+        # Probes every minute and a back-off of a minute: only the rule "nothing else
+        # to route to" can readmit the only Decode in time.
+        s = Setup(config_kw={"probe_interval_s": 60, "eject_base_s": 60,
+                             "eject_max_s": 60})
+        d0 = s.router.apps.pop("d0:8200")  # killed
+        await s.client.get("/health")  # the first probe round ejects it
+        pool = s.proxy.router.pools["decode"]
+        inst = pool.get("http://d0:8200")
+        await until(lambda: not inst.healthy, "ejected")
+        down = await asyncio.gather(*(s.client.post("/v1/completions", json=completion())
+                                      for _ in range(4)))
+        assert [r.status_code for r in down] == [503] * 4
+        assert inst.ejected_until > asyncio.get_running_loop().time()
+        s.router.apps["d0:8200"] = d0  # restarted
+        ups = await asyncio.gather(*(s.client.post("/v1/completions", json=completion())
+                                     for _ in range(8)))
+        assert [r.status_code for r in ups] == [200] * 8 and inst.healthy
+        await s.proxy.aclose()
+
+    run(scenario())
+
+
+def test_rescue_probes_once_for_many_requests_and_keeps_a_hung_engine_out() -> None:
+    async def scenario() -> None:
+        s = Setup(config_kw={"probe_interval_s": 60, "probe_timeout_s": 0.3,
+                             "eject_base_s": 60, "eject_max_s": 60})
+        d0 = s.router.apps.pop("d0:8200")
+        await s.client.get("/health")
+        router = s.proxy.router
+        inst = router.pools["decode"].get("http://d0:8200")
+        await until(lambda: not inst.healthy, "ejected")
+        probes = 0
+        real = router._probe
+
+        async def counted(i, scrape):
+            nonlocal probes
+            probes += 1
+            await asyncio.sleep(0.1)  # a slow answer: requests pile up behind it
+            await real(i, scrape)
+
+        router._probe = counted
+        down = await asyncio.gather(*(s.client.post("/v1/completions", json=completion())
+                                      for _ in range(6)))
+        assert [r.status_code for r in down] == [503] * 6
+        assert probes < 6, probes  # one rescue at a time, not one per request
+        # A hung engine (its /health connects but never answers) stays out.
+        router._probe = real
+
+        async def hang(request: httpx.Request) -> None:  # as httpx's deadline ends it
+            await asyncio.sleep(0.3)
+            raise httpx.ReadTimeout("timed out", request=request)
+
+        s.router.faults[("d0:8200", "/health")] = [hang] * 4
+        s.router.apps["d0:8200"] = d0
+        r = await s.client.post("/v1/completions", json=completion())
+        assert r.status_code == 503 and not inst.healthy
+        s.router.faults.clear()
+        await s.proxy.aclose()
+
+    run(scenario())
+
+
 def test_failover_leaves_no_request_counted_in_flight_on_either_instance() -> None:
     async def scenario() -> None:
         # p0 refuses: the dispatch moves to p1; in-flight counts must end at 0 on both

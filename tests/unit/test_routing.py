@@ -106,6 +106,29 @@ def test_backoff_doubles_while_failing_and_a_probe_readmits_after_it() -> None:
     assert not p.probed(a, now + 1.0)
 
 
+def test_with_nothing_to_route_to_the_first_good_probe_readmits_at_once() -> None:
+    p = pool(eject_base_s=1.0, eject_max_s=30.0)
+    a, b, c = (p.get(u) for u in URLS)
+    for inst in (b, c):
+        p.failed(inst, Failure.CONNECT, "refused", 0.0)
+    now = 0.0
+    for _ in range(6):  # a down for a while: each failed probe pushes its back-off
+        p.failed(a, Failure.PROBE, "down", now)
+        now += 2.0
+    now -= 1.5  # its first good probe comes within its back-off
+    assert a.ejected_until > now and not p.ready()
+    # Nothing pickable: the back-off does not hold the first instance that answers.
+    assert p.probed(a, now) and a.pickable
+    # Now a serves: b's back-off holds again.
+    assert not p.probed(b, 0.5) and not b.pickable
+    assert p.probed(b, 1.0)
+    # A draining instance does not count as one to route to.
+    p.drain(URLS[0])
+    p.drain(URLS[1])
+    p.failed(c, Failure.PROBE, "down", now)
+    assert not p.ready() and p.probed(c, now) and c.pickable
+
+
 def test_drain_and_remove_take_new_requests_away_but_not_running_ones() -> None:
     p = pool()
     a = p.get(URLS[0])
