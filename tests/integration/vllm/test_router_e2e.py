@@ -10,6 +10,8 @@ engine as the token reference.
 * drain a Decode under load (0 failed, drained);
 * kill a Decode, then a Prefill, under load: ejected within the probe interval, every
   request after the ejection succeeds, the restarted engine is readmitted and equal;
+* the only Decode, then the only Prefill, of a proxy at its defaults killed under load
+  and restarted: every request from 1 s after its /health answers is answered, equal;
 * a Prefill answering 500 and a Decode answering 400: the client gets that status and
   the error body;
 * the traceparent a client sends appears in the logs and timelines of both engines;
@@ -116,6 +118,9 @@ def fleet(tmp_path_factory, llama_model, llama_reference) -> Iterator[dict[str, 
                                  "round_robin", "--affinity-chunk", "0"])
     s["local"] = proxy_server(free_port(), prefills, decodes, root / "proxy_local.log",
                               args=[*admin, "--local-prefill-tokens", "64"])
+    # One Prefill and one Decode, every routing flag at its default.
+    s["solo"] = proxy_server(free_port(), [s["p0"].url], [s["d0"].url],
+                             root / "proxy_solo.log")
     with running(*s.values()):
         yield {"model": str(llama_model), "base": llama_reference, "root": root, **s}
 
@@ -365,6 +370,86 @@ def test_a_killed_engine_is_ejected_and_readmitted_when_restarted(fleet, victim)
     print(f"{victim} readmitted {took:.2f} s after it served /health again")
     assert _served(f, victim) > served
     for via in ("rr", "local"):
+        wait_admitted(f[via], f[victim].url)
+
+
+def _healthy_at(server: Server, deadline_s: float = 420.0) -> float:
+    """The monotonic time the engine's own /health first answered 200 (polled at 20 Hz)."""
+    end = time.monotonic() + deadline_s
+    while True:
+        assert server.proc is not None and server.proc.poll() is None, server.tail()
+        try:
+            if httpx.get(server.url + "/health", timeout=1.0).status_code == 200:
+                return time.monotonic()
+        except httpx.HTTPError:
+            pass
+        assert time.monotonic() < end, f"{server.name} not healthy in {deadline_s} s"
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("victim", ["d0", "p0"])
+def test_the_only_engine_of_a_role_serves_once_it_is_back(fleet, victim) -> None:
+    """Issue #60: a proxy at its defaults with one Prefill and one Decode; the victim
+    SIGKILLed under load and kept down long enough for its probes to fail several times,
+    then restarted. Every request sent from 1 s after the engine's /health answers 200
+    is answered, equal to the plain engine (the back-off holds only while another
+    instance of the role can serve)."""
+    f = fleet
+    solo = f["solo"]
+    seed = {"d0": 13000, "p0": 14000}[victim]
+    prompts = [_prompt(120 + 5 * i, seed + i) for i in range(12)]
+    for p in prompts:
+        _reference(f, p)
+
+    async def under_load() -> list[dict[str, Any]]:
+        load = asyncio.create_task(_load([solo.url], f["model"], prompts[:8], 2))
+        async with httpx.AsyncClient(timeout=10) as c:
+            end = time.monotonic() + 120
+            while sum(i["served"] for role in (await c.get(solo.url + "/status")).json()[
+                    "instances"].values() for i in role) < 2 and time.monotonic() < end:
+                await asyncio.sleep(0.02)
+            f[victim].kill()
+            while True:
+                status = (await c.get(solo.url + "/status")).json()["instances"]
+                if any(i["url"] == f[victim].url and i["state"] == "ejected"
+                       for role in status.values() for i in role):
+                    break
+                assert time.monotonic() < end, "never ejected"
+                await asyncio.sleep(0.05)
+        return await load
+
+    results = asyncio.run(under_load())
+    for r in results:
+        if r["status"] == 200:
+            assert r["tokens"] == _reference(f, r["prompt"]), r
+        else:
+            assert r["status"] in (500, 502, 503, 504), r  # a clean error, never a hang
+    time.sleep(8)  # down a while: its probes fail (every 2 s by default)
+    f[victim].start()
+    healthy = _healthy_at(f[victim])
+    sent: list[dict[str, Any]] = []
+    i = 0
+    while sum(1 for r in sent if r["t0"] >= healthy + 1.0) < 8:
+        prompt = prompts[i % len(prompts)]
+        i += 1
+        t0 = time.monotonic()
+        r = httpx.post(solo.url + "/v1/completions", json=_body(f["model"], prompt),
+                       timeout=120)
+        sent.append({"t0": t0, "done": time.monotonic(), "status": r.status_code,
+                     "prompt": prompt, "tokens": _tokens(r) if r.status_code == 200 else None,
+                     "error": r.text[:300] if r.status_code != 200 else ""})
+        assert time.monotonic() - healthy < 180, sent[-1]
+    first = next((f"{r['done'] - healthy:.2f} s" for r in sent if r["status"] == 200),
+                 "never")
+    print(f"\n{victim} (the only one of its role) restarted: first request answered "
+          f"{first} after its /health answered 200; {len(sent)} sent from then, "
+          f"{sum(r['status'] == 200 for r in sent)} answered 200; the 8 sent around the "
+          f"kill: {sum(r['status'] == 200 for r in results)} answered")
+    for r in sent:
+        if r["t0"] >= healthy + 1.0:
+            assert r["status"] == 200, (r, _logs(f, "solo"))
+            assert r["tokens"] == _reference(f, r["prompt"]), r
+    for via in ("proxy", "rr", "local"):
         wait_admitted(f[via], f[victim].url)
 
 
