@@ -218,8 +218,9 @@ class Rd2hOptions(BaseModel):
     )
     auth_secret_file: str | None = Field(
         None, min_length=1,
-        description="file holding auth_secret (readable by its owner only, e.g. a "
-        "Kubernetes Secret mounted with defaultMode 0400; one trailing newline ignored)")
+        description="file holding auth_secret (readable by its owner only or, owned by "
+        "root, its group: a Kubernetes Secret mounted with defaultMode 0440 and an "
+        "fsGroup; one trailing newline ignored)")
     auth_secret_env: str | None = Field(
         None, min_length=1, description="environment variable holding auth_secret")
     curve_secret_key: SecretStr | None = Field(
@@ -232,7 +233,8 @@ class Rd2hOptions(BaseModel):
     )
     curve_secret_key_file: str | None = Field(
         None, min_length=1,
-        description="file holding curve_secret_key (readable by its owner only)")
+        description="file holding curve_secret_key (readable by its owner only or, "
+        "owned by root, its group)")
     curve_secret_key_env: str | None = Field(
         None, min_length=1, description="environment variable holding curve_secret_key")
     curve_server_key: str | None = Field(
@@ -316,7 +318,8 @@ class Rd2hOptions(BaseModel):
                 "start (its 'non-default args' line) and it stays on the engine's command "
                 "line, so every log and process listing would hold the secret. Name where "
                 "it is instead: " + "; ".join(
-                    f"'{k}_file' (a file readable by its owner only, e.g. a Kubernetes "
+                    f"'{k}_file' (a file readable by its owner only, or its group when root "
+                    f"owns it, e.g. a Kubernetes "
                     f"Secret mounted as a file) or '{k}_env' (an environment variable)"
                     for k in inline)
                 + " (docs/security.md, 'Providing secrets')")

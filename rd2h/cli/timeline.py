@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 from rd2h.app.timeline import (
@@ -25,7 +26,10 @@ the time since the previous hop, the p50 of the time since the proxy received th
 request, and who owns that interval ("vLLM": vLLM's own engine loop, IPC or API
 server; "rd2h": the connector's waits; "proxy"; "model": the Prefill forward).
 Then the pull overlap: the share of each request's bytes that Decode had read when
-Prefill's last layer of the prompt was ready, and how long the pull went on after."""
+Prefill's last layer of the prompt was ready, and how long the pull went on after.
+
+Exit status: 0 printed; 1 the folder holds no stamped request; 2 the folder does not
+exist."""
 
 
 def add_timeline_parser(sub: argparse._SubParsersAction) -> None:
@@ -43,11 +47,11 @@ def add_timeline_parser(sub: argparse._SubParsersAction) -> None:
 
 def _run(args: argparse.Namespace) -> int:
     if not args.directory.is_dir():
-        print(f"rd2h timeline: {args.directory} is not a folder")
+        print(f"rd2h timeline: {args.directory} is not a folder", file=sys.stderr)
         return 2
     requests = select(load(args.directory), args.since, args.until)
     if not requests:
-        print(f"rd2h timeline: no stamped requests in {args.directory}")
+        print(f"rd2h timeline: no stamped requests in {args.directory}", file=sys.stderr)
         return 1
     b = breakdown(requests)
     overlap = pull_overlap(requests, load_reads(args.directory))

@@ -4,10 +4,11 @@ chunk bounds, the layout of the shared main pool, and byte verification."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
-from rd2h.app.settings import MIN_SECRET_CHARS, Deadlines
+from rd2h.app.settings import MIN_SECRET_CHARS, Deadlines, Rd2hSettings
 from rd2h.demo.faults import Fault, check_faults
 from rd2h.demo.synthetic import Allocation, Shapes, block_pattern
 from rd2h.domain.planning.chunks import chunk_block_range
@@ -24,6 +25,15 @@ DEADLINE_FLAGS = {
     "layer_ack_timeout_s": ("layer_ack_s", "--layer-ack-timeout"),
     "meta_ack_timeout_s": ("meta_ack_s", "--meta-ack-timeout"),
     "exchange_timeout_s": ("tp_exchange_s", "--exchange-timeout"),
+}
+
+
+# Rd2hSettings field -> the demo flag that sets it (for errors that name the flag)
+SETTINGS_FLAGS = {
+    "kv_port": "--kv-port", "cma_threads": "--cma-threads", "transport": "--transport",
+    "mooncake_protocol": "--mooncake-protocol", "log_level": "--log-level",
+    "auth_secret": "--auth-secret", "host": "--host", "prefill_host": "--prefill-host",
+    "limits": "--layers-per-frame", "deadlines": "a deadline flag",
 }
 
 
@@ -111,6 +121,32 @@ class DemoConfig:
             value = getattr(self, name)
             if value is not None and not value > 0:
                 raise ValueError(f"{flag} must be > 0 seconds, got {value:g}")
+        self._check_rank_settings()
+
+    def _check_rank_settings(self) -> None:
+        """Each rank's settings as the rank processes will build them, checked here, so
+        that a value rd2h's settings refuse (a port past 65535, no CMA thread) is a
+        configuration error naming its flag, not a failed rank process."""
+        from pydantic import ValidationError
+
+        try:
+            rank_settings(self, "prefill", self.prefill_tp - 1, tp_size=self.prefill_tp,
+                          host=self.prefill_host)
+            rank_settings(self, "decode", self.decode_tp - 1, host=self.host,
+                          kv_port=self.kv_port or 30000, tp_size=self.decode_tp)
+        except ValidationError as exc:
+            problems = []
+            for err in exc.errors():
+                key = str(err["loc"][0]) if err["loc"] else ""
+                flag = SETTINGS_FLAGS.get(key, key)
+                if not key:
+                    problems.append(err["msg"].removeprefix("Value error, "))
+                elif "secret" in key:  # never echo a secret
+                    problems.append(f"{flag}: {err['msg'].lower()}")
+                else:
+                    value = getattr(self, key, err["input"])
+                    problems.append(f"{flag} {value}: {err['msg'].lower()}")
+            raise ValueError("; ".join(problems)) from None
         check_faults(self.faults, layers=self.layers, prefill_tp=self.prefill_tp,
                      decode_tp=self.decode_tp)
 
@@ -214,3 +250,13 @@ def main_pool_mismatches(
 def verify_main_pool(cfg: DemoConfig, alloc: Allocation, pool: np.ndarray) -> int:
     """Count main K/V blocks in the shared pool that differ from what Prefill computed."""
     return sum(main_pool_mismatches(cfg, alloc, pool).values())
+
+
+def rank_settings(cfg: DemoConfig, role: str, rank: int, **place: Any) -> Rd2hSettings:
+    """One demo rank's settings: the run's transport, deadlines and secret."""
+    return Rd2hSettings(
+        role=role, tp_rank=rank, transport=cfg.transport, mooncake_protocol=cfg.mooncake_protocol,
+        cma_threads=cfg.cma_threads, log_level=cfg.log_level, deadlines=cfg.deadlines(),
+        auth_secret=cfg.auth_secret,
+        limits={"max_layers_per_frame": cfg.max_layers_per_frame}, **place,
+    )

@@ -9,10 +9,9 @@ from typing import Any
 
 import numpy as np
 
-from rd2h.app.settings import Rd2hSettings
 from rd2h.bootstrap.container import build_container
 from rd2h.bootstrap.gateways import network_namespaces
-from rd2h.demo.config import DemoConfig, layer_name
+from rd2h.demo.config import DemoConfig, layer_name, rank_settings
 from rd2h.demo.faults import KILLED_EXIT_CODE
 from rd2h.demo.synthetic import Allocation
 from rd2h.domain.planning.layout import SourceLayout, TensorComponent
@@ -54,16 +53,6 @@ def threads_cpu(pid: int) -> float | None:
 def killed() -> None:
     """An injected kill: no cleanup, no goodbye (sockets close with the process)."""
     os._exit(KILLED_EXIT_CODE)
-
-
-def rank_settings(cfg: DemoConfig, role: str, rank: int, **place: Any) -> Rd2hSettings:
-    """One demo rank's settings: the run's transport, deadlines and secret."""
-    return Rd2hSettings(
-        role=role, tp_rank=rank, transport=cfg.transport, mooncake_protocol=cfg.mooncake_protocol,
-        cma_threads=cfg.cma_threads, log_level=cfg.log_level, deadlines=cfg.deadlines(),
-        auth_secret=cfg.auth_secret,
-        limits={"max_layers_per_frame": cfg.max_layers_per_frame}, **place,
-    )
 
 
 def prefill_memory(cfg: DemoConfig, p_rank: int, alloc: Allocation) -> tuple[Any, ...]:

@@ -455,12 +455,13 @@ def test_heartbeat_deadlines_are_validated_and_wired() -> None:
 def test_cpu_layers_leave_the_event_helper_asleep_while_the_sender_works() -> None:
     """On CPU a layer's event is None: the sender's loop notifies its condition on every
     pass, and its device-event helper, asleep on a condition of its own, stays asleep."""
-    before = {t.ident for t in threading.enumerate()}
+    # Thread objects, not idents: an ended thread's ident is reused by a new one.
+    before = set(threading.enumerate())
     clients = FakeClients()
     sender = _sender(clients, layer_ack_timeout_s=3.0)
     try:
         helpers = [t for t in threading.enumerate()
-                   if t.ident not in before and t.name == "rd2h-prefill-events"]
+                   if t not in before and t.name == "rd2h-prefill-events"]
         assert len(helpers) == 1
         tid = helpers[0].native_id
         time.sleep(0.05)

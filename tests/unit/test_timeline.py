@@ -122,7 +122,7 @@ def test_the_command_prints_the_breakdown(tmp_path, capsys) -> None:
     assert main(["timeline", str(tmp_path), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["requests"] == 1
     assert main(["timeline", str(tmp_path), "--since", "1000"]) == 1
-    assert "no stamped requests" in capsys.readouterr().out
+    assert "no stamped requests" in capsys.readouterr().err
     assert main(["timeline", str(tmp_path / "missing")]) == 2
 
 
