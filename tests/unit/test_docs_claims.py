@@ -7,6 +7,14 @@ the topologies CI runs on real engines and the variables that narrow them
 point at, and the compatibility keys of MF_META (docs/security.md). The test modules
 under tests/integration/vllm are parsed (ast), not imported: they import the real-engine
 harness.
+
+Issue #60 (docs that hold, kept by tests): every metric name, rd2h flag, stated default,
+proxy endpoint and environment variable a page names is checked against the code: the
+generated references (docs/reference/, scripts/gen_reference.py), the argparse parsers,
+the settings models and the proxy's route table. vLLM's own flags, series and variables
+are left to vLLM (an explicit allowlist of its flags; its series are not rd2h-prefixed;
+its variables are looked up in its envs.py). Each check has a test that feeds it a wrong
+name and expects it reported, so none can pass by reading nothing.
 """
 
 from __future__ import annotations
@@ -224,17 +232,53 @@ def _sources() -> str:
                      if p.resolve() != Path(__file__).resolve())
 
 
-def test_every_rd2h_variable_a_page_names_is_read_by_the_code() -> None:
-    code = _sources()
-    missing = []
-    for page in PAGES:
-        text = _read(page)
-        # A name the reader picks (``"auth_secret_env": "RD2H_AUTH_SECRET"``) is an example.
-        examples = set(re.findall(r'"\w+_env": "(RD2H_\w+)"', text))
-        for name in sorted(set(re.findall(r"\bRD2H_[A-Z0-9_]+\b", text)) - examples):
-            if not re.search(rf"\b{name}\b", code):
-                missing.append(f"{_rel(page)}: {name}")
+def _vllm_variables() -> str | None:
+    """The text of the installed vLLM's ``vllm/envs.py`` (every variable vLLM reads),
+    found without importing vLLM; None when vLLM is not installed."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("vllm")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    envs = Path(next(iter(spec.submodule_search_locations))) / "envs.py"
+    return _read(envs) if envs.exists() else None
+
+
+def _unknown_variables(text: str, code: str, vllm_envs: str | None) -> list[str]:
+    """The ``RD2H_*`` variables ``text`` names that ``code`` never mentions, and the
+    ``VLLM_*`` ones that neither rd2h's code (its sources, tests, scripts and deploy
+    files) nor vLLM's ``envs.py`` does (vLLM's own variables are vLLM's to name)."""
+    # A name the reader picks (``"auth_secret_env": "RD2H_AUTH_SECRET"``) is an example.
+    examples = set(re.findall(r'"\w+_env": "(RD2H_\w+)"', text))
+    unknown = []
+    for name in sorted(set(re.findall(r"\bRD2H_[A-Z0-9_]+\b", text)) - examples):
+        if not re.search(rf"\b{name}\b", code):
+            unknown.append(name)
+    for name in sorted(set(re.findall(r"\bVLLM_[A-Z0-9_]+\b", text))):
+        if re.search(rf"\b{name}\b", code):
+            continue
+        if vllm_envs is not None and not re.search(rf"[\"']{name}[\"']", vllm_envs):
+            unknown.append(name)
+    return unknown
+
+
+def test_every_variable_a_page_names_is_read_by_the_code() -> None:
+    code = _sources() + "\n" + "\n".join(
+        _read(p) for p in (ROOT / "deploy").rglob("*") if p.is_file())
+    vllm_envs = _vllm_variables()
+    missing = [f"{_rel(page)}: {name}" for page in PAGES
+               for name in _unknown_variables(_read(page), code, vllm_envs)]
     assert not missing, missing
+
+
+def test_the_variable_check_reports_a_name_nobody_reads() -> None:
+    code = 'os.environ.get("RD2H_TIMELINE_DIR")'
+    envs = 'environment_variables = {"VLLM_HTTP_TIMEOUT_KEEP_ALIVE": lambda: 5}'
+    page = ("Set `RD2H_TIMELINE_DIR` or `RD2H_TIMELINE_FOLDER`; vLLM reads "
+            "`VLLM_HTTP_TIMEOUT_KEEP_ALIVE` and `VLLM_KEEPALIVE_S`; "
+            '"auth_secret_env": "RD2H_MY_SECRET" is an example.')
+    assert _unknown_variables(page, code, envs) == ["RD2H_TIMELINE_FOLDER",
+                                                    "VLLM_KEEPALIVE_S"]
 
 
 # ----------------------------------------------------------------- (d) links
@@ -318,3 +362,507 @@ def test_the_install_page_states_the_pinned_versions() -> None:
     assert torch and f"torch=={torch.group(1)}" in text
     (vllm,) = project["optional-dependencies"]["vllm"]
     assert f"`{vllm}`" in text
+
+
+# ----------------------------------------------------------------- (f) metric names
+# The generated metrics reference (scripts/gen_reference.py, from the code) is the source:
+# every ``vllm:rd2h_*`` and ``rd2h_*`` series a page names must be one it lists. vLLM's
+# own series (``vllm:num_requests_waiting``) are not rd2h's and are not checked.
+
+REFERENCE = DOCS / "reference"
+# Pages every check reads: the generated references are the truth, not claims.
+CLAIM_PAGES = [p for p in PAGES if not p.is_relative_to(REFERENCE)]
+# ``rd2h:name`` too: never a name rd2h's series have, so always reported.
+_SERIES = re.compile(r"(?<![\w:.])((?:vllm:)?rd2h[_:][a-z0-9_]*[a-z0-9])(?![\w*])")
+
+
+def _series_of_reference(reference: str) -> set[str]:
+    """Every series name a Prometheus scrape can show, from the metrics reference's
+    tables: counters with ``_total``, histograms as ``_bucket`` / ``_sum`` / ``_count``
+    (and their base name, as pages name a histogram)."""
+    names: set[str] = set()
+    for cell in re.findall(r"^\| `([^`]+)` \|", reference, re.MULTILINE):
+        if cell.endswith("_bucket / _sum / _count"):
+            base = cell.split(" ")[0].removesuffix("_bucket")
+            names |= {base, base + "_bucket", base + "_sum", base + "_count"}
+        else:
+            names.add(cell)
+    return names
+
+
+def _unknown_series(text: str, known: set[str]) -> list[str]:
+    return sorted({name for name in _SERIES.findall(text) if name not in known})
+
+
+def test_every_series_a_page_names_is_in_the_metrics_reference() -> None:
+    known = _series_of_reference(_read(REFERENCE / "metrics.md"))
+    assert "vllm:rd2h_bytes_pulled_total" in known and "rd2h_proxy_requests_total" in known
+    wrong = [f"{_rel(page)}: {name}" for page in CLAIM_PAGES
+             for name in _unknown_series(_read(page), known)]
+    assert not wrong, wrong
+
+
+def test_the_series_check_reports_a_name_the_code_does_not_have() -> None:
+    known = _series_of_reference(_read(REFERENCE / "metrics.md"))
+    page = ("Decode's `vllm:rd2h_control_frames_shed_total` and `rd2h:control_frames_shed`, "
+            "`vllm:rd2h_announcements_parked`, `rd2h_proxy_ejections_total`, "
+            "`rd2h_proxy_decode_first_byte_seconds_bucket`, vLLM's "
+            "`vllm:num_requests_waiting`, all `rd2h_proxy_*`, `rd2h_proxy_requests_totl`.")
+    assert _unknown_series(page, known) == ["rd2h:control_frames_shed",
+                                            "rd2h_proxy_requests_totl",
+                                            "vllm:rd2h_announcements_parked"]
+
+
+def _ejection_causes_listed(text: str) -> set[str]:
+    row = re.search(r"\| `instance ejected` \(with `cause`: ([^)]*)\)", text)
+    assert row, "troubleshooting.md no longer lists the ejection causes"
+    return set(re.findall(r"`(\w+)`", row.group(1)))
+
+
+def test_troubleshooting_lists_every_ejection_cause() -> None:
+    from rd2h.proxy.routing import Failure
+
+    listed = _ejection_causes_listed(_read(DOCS / "operations" / "troubleshooting.md"))
+    assert listed == {f.value for f in Failure}
+    # And the check sees a cause left out.
+    short = "| `instance ejected` (with `cause`: `probe`, `connect`, `error`) | x |"
+    assert _ejection_causes_listed(short) != {f.value for f in Failure}
+
+
+# ----------------------------------------------------------------- (g) command-line flags
+
+
+def _commands() -> dict[str, set[str]]:
+    """Every ``rd2h`` command (``"proxy"``, ``"probe mooncake"``, ``""`` for ``rd2h``
+    itself) with its option strings, from the argparse parsers."""
+    import argparse
+
+    from rd2h.cli.main import build_parser
+
+    def options(parser: argparse.ArgumentParser) -> set[str]:
+        return {s for a in parser._actions for s in a.option_strings}
+
+    def subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                return dict(action.choices)
+        return {}
+
+    root = build_parser()
+    out = {"": options(root)}
+    for name, sub in subparsers(root).items():
+        out[name] = options(sub)
+        for inner, parser in subparsers(sub).items():
+            out[f"{name} {inner}"] = options(parser)
+    return out
+
+
+def _flag_defaults() -> dict[str, set[object]]:
+    """Each rd2h flag's default on every command that has it, and any default its help
+    states (``default 64``) where argparse's own is None."""
+    import argparse
+
+    from rd2h.cli.main import build_parser
+
+    out: dict[str, set[object]] = {}
+
+    def walk(parser: argparse.ArgumentParser) -> None:
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for sub in action.choices.values():
+                    walk(sub)
+                continue
+            for flag in action.option_strings:
+                values = out.setdefault(flag, set())
+                if isinstance(action.default, (str, int, float)) \
+                        and action.default is not argparse.SUPPRESS:
+                    values.add(action.default)
+                for said in re.findall(r"default:? (-?\d[\d.]*)", action.help or ""):
+                    values.add(float(said.rstrip(".")))
+
+    walk(build_parser())
+    return out
+
+
+_FENCE = re.compile(r"^```[^\n]*\n(.*?)^```", re.MULTILINE | re.DOTALL)
+_FLAG = re.compile(r"(?<![\w-])(--[a-z][a-z0-9-]*[a-z0-9])")
+
+
+def _invocations(text: str, commands: dict[str, set[str]]) -> list[tuple[str, str]]:
+    """``(command, rest of its line)`` for each ``rd2h COMMAND ...`` a page runs: in a
+    code block (continuation lines joined, comments and what follows a pipe or a
+    ``;`` left out) or in an inline code span that begins with it."""
+    lines: list[str] = []
+    for block in _FENCE.findall(text):
+        for line in block.replace("\\\n", " ").splitlines():
+            lines.append(re.split(r"(?:^|\s)#|\||;|&&|\s&(?:\s|$)", line)[0])
+    prose = _FENCE.sub("", text)
+    lines += re.findall(r"`(rd2h [^`]+)`", prose)
+    found = []
+    for line in lines:
+        # rd2h as the program a line runs: first on it, maybe after a prompt, variable
+        # assignments or a path (.venv/bin/rd2h); not an argument of another program.
+        for m in re.finditer(r"^\s*(?:\$\s+)?(?:\w+=\S*\s+)*(?:exec\s+)?(?:[\w./-]*/)?"
+                             r"rd2h((?:\s+[a-z][a-z-]*){0,2})(?=\s|$)(.*)", line):
+            words, rest = m.group(1).split(), m.group(2)
+            # the longest command the words name: "probe mooncake", "proxy", or rd2h's own
+            for n in (2, 1, 0):
+                name = " ".join(words[:n])
+                if len(words) >= n and name in commands:
+                    tail = " ".join(words[n:])
+                    found.append((name, f"{tail} {rest}".strip()))
+                    break
+    return found
+
+
+def _wrong_invocation_flags(text: str, commands: dict[str, set[str]]) -> list[str]:
+    wrong = []
+    for command, rest in _invocations(text, commands):
+        for flag in _FLAG.findall(rest):
+            if flag not in commands[command]:
+                wrong.append(f"rd2h {command} {flag}".replace("  ", " "))
+    return wrong
+
+
+def test_every_flag_given_to_an_rd2h_command_is_that_commands() -> None:
+    commands = _commands()
+    wrong = [f"{_rel(page)}: {claim}" for page in CLAIM_PAGES
+             for claim in _wrong_invocation_flags(_read(page), commands)]
+    assert not wrong, wrong
+    # The pages do run rd2h with flags, so the check has something to read.
+    assert len(_invocations(_read(DOCS / "guide" / "across-hosts.md"), commands)) >= 4
+
+
+def test_the_invocation_check_reports_a_flag_the_command_lacks() -> None:
+    commands = _commands()
+    page = ("Run `rd2h proxy --dispatch parallel --eject-after-timeouts 3`, then\n\n"
+            "```bash\nrd2h probe mooncake --serve --host 10.0.0.2 \\\n  --peer-url x  # --x\n"
+            "rd2h demo --requests 2 | grep --count ok\n```\n")
+    assert _wrong_invocation_flags(page, commands) == [
+        "rd2h probe mooncake --peer-url", "rd2h proxy --eject-after-timeouts"]
+
+
+# Flags of other programs that pages name: vLLM's engine (``vllm serve`` /
+# ``python -m vllm.entrypoints.openai.api_server``), pip and python -m build, kubectl and
+# container builds. rd2h does not define them, so they are not checked against its parsers.
+VLLM_FLAGS = {
+    "--attention-backend", "--compilation-config", "--disable-hybrid-kv-cache-manager",
+    "--disable-log-stats", "--disable-uvicorn-access-log", "--dtype", "--enable-sleep-mode",
+    "--enforce-eager", "--kv-cache-dtype", "--kv-transfer-config", "--max-num-seqs",
+    "--no-enable-prefix-caching", "--num-gpu-blocks-override", "--tensor-parallel-size",
+}
+TOOL_FLAGS = {
+    "--build-arg", "--constraint", "--dry-run", "--from-file", "--hash", "--index-url",
+    "--no-deps", "--require-hashes", "--sdist", "--wheel-dir", "--find-links", "--no-index",
+}
+# Measurement and developer pages name the benchmarks' and profilers' flags at length;
+# the flags they give rd2h itself are checked above.
+NOT_FLAG_CHECKED = {ROOT / "benchmarks" / "RESULTS.md", DOCS / "development.md"}
+
+
+def _benchmark_flags() -> set[str]:
+    text = "\n".join(_read(p) for p in (ROOT / "benchmarks").glob("*.py"))
+    return set(re.findall(r"[\"'](--[a-z][a-z0-9-]*)[\"']", text))
+
+
+def _unknown_flags(text: str, known: set[str]) -> list[str]:
+    return sorted(set(_FLAG.findall(text)) - known)
+
+
+def test_every_flag_a_page_names_is_rd2hs_or_a_named_tools() -> None:
+    known = set().union(*_commands().values(), VLLM_FLAGS, TOOL_FLAGS, _benchmark_flags())
+    wrong = [f"{_rel(page)}: {flag}" for page in CLAIM_PAGES if page not in NOT_FLAG_CHECKED
+             for flag in _unknown_flags(_read(page), known)]
+    assert not wrong, wrong
+
+
+def test_the_flag_check_reports_a_flag_nobody_defines() -> None:
+    known = set().union(*_commands().values(), VLLM_FLAGS, TOOL_FLAGS)
+    page = ("Lower `--decode-timeout`; vLLM's `--enforce-eager`; `--eject-after-probe-timeout` "
+            "and `--upstream-socket aiohttp`; pip's `--require-hashes`.")
+    assert _unknown_flags(page, known) == ["--eject-after-probe-timeout", "--upstream-socket"]
+
+
+# ----------------------------------------------------------------- (h) stated defaults
+
+_UNITS = {"KiB": 2**10, "MiB": 2**20, "GiB": 2**30}
+_NAME = r"--[a-z][a-z0-9-]*|(?:deadlines\.|limits\.)?[a-z][a-z0-9]*_[a-z0-9_]+"
+_NUMBER = r"(-?\d[\d,]*(?:\.\d+)?)(?: ?(s|ms|KiB|MiB|GiB))?"
+_NUMBER_UNIT = r"(-?\d[\d,]*(?:\.\d+)?) ?(s|ms|KiB|MiB|GiB)\b"
+# `name` (N unit) | `name` (N unit; ... | `name` (N unit by default | `name` N unit,
+# `name`, default N | `name`, N unit,
+_STATED = [
+    re.compile(rf"`({_NAME})` \({_NUMBER}(?:\)|;| by default)"),
+    re.compile(rf"`({_NAME})`,? default {_NUMBER}(?=[,;.)]| \(|$)"),
+    re.compile(rf"`({_NAME})`,? {_NUMBER_UNIT}(?=[,;.)]| \(|$)"),
+]
+# `--flag value`, the default | by default, `--flag value` | `--flag value` (the default
+_STATED_VALUE = [
+    re.compile(r"`(--[a-z][a-z0-9-]*) ([^`\s]+)`(?:,| \(|) the (?:new )?default\b"),
+    re.compile(r"\bby default, `(--[a-z][a-z0-9-]*) ([^`\s]+)`"),
+    re.compile(r"`[^`]*?(--[a-z][a-z0-9-]*)[^`]*` \(default `([^`]+)`\)"),
+]
+# `--flag {a,b,c}`: the choices a page lists must be the parser's, all of them.
+_CHOICES = re.compile(r"`[^`]*?(--[a-z][a-z0-9-]*) \{([\w,-]+)\}`")
+
+
+def _config_defaults() -> dict[str, object]:
+    """Every ``kv_connector_extra_config`` key's default: ``name``, ``deadlines.name``,
+    ``limits.name``; a nested key also under its bare name when no other key has it."""
+    from pydantic_core import PydanticUndefined
+
+    from rd2h.app.settings import Deadlines, Limits, Rd2hOptions
+
+    out: dict[str, object] = {}
+    bare: dict[str, list[object]] = {}
+    for prefix, model in (("", Rd2hOptions), ("deadlines.", Deadlines), ("limits.", Limits)):
+        for name, field in model.model_fields.items():
+            if field.default is PydanticUndefined:
+                continue
+            out[prefix + name] = field.default
+            bare.setdefault(name, []).append(field.default)
+    for name, values in bare.items():
+        if len(values) == 1:
+            out.setdefault(name, values[0])
+    return out
+
+
+def _value(number: str, unit: str | None, name: str) -> float:
+    value = float(number.replace(",", ""))
+    if unit in _UNITS:
+        return value * _UNITS[unit]
+    if unit == "ms" and not name.endswith("_ms"):
+        return value / 1000
+    if unit == "s" and name.endswith("_ms"):
+        return value * 1000
+    return value
+
+
+def _numeric(value: object) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return float(value)
+
+
+def _table_defaults(text: str) -> list[tuple[str, str, str | None]]:
+    """``(name, number, unit)`` of each row of a table with a ``default`` column whose
+    first cell begins with a name in code style (``| `limits.recv_hwm` | 64 | ...``)."""
+    out = []
+    column = None
+    for line in text.splitlines():
+        if not line.startswith("|"):
+            column = None
+            continue
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if column is None:
+            column = cells.index("default") if "default" in cells else -1
+            continue
+        if column < 0 or len(cells) <= column or set(cells[0]) <= set("-: "):
+            continue
+        name = re.match(rf"`({_NAME})`", cells[0])
+        value = re.fullmatch(_NUMBER, cells[column])
+        if name and value:
+            out.append((name.group(1), value.group(1), value.group(2)))
+    return out
+
+
+def _flag_choices() -> dict[str, set[str]]:
+    """The choices of each rd2h flag that has them (the same on every command)."""
+    import argparse
+
+    from rd2h.cli.main import build_parser
+
+    out: dict[str, set[str]] = {}
+
+    def walk(parser: argparse.ArgumentParser) -> None:
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for sub in action.choices.values():
+                    walk(sub)
+            elif action.choices is not None:
+                for flag in action.option_strings:
+                    out[flag] = {str(c) for c in action.choices}
+
+    walk(build_parser())
+    return out
+
+
+def _wrong_defaults(text: str, flags: dict[str, set[object]],
+                    keys: dict[str, object],
+                    choices: dict[str, set[str]] | None = None) -> list[str]:
+    """Each default ``text`` states for an rd2h flag or configuration key that is not
+    the code's. Names that are neither (vLLM's flags, request fields) are left alone."""
+    flat = _flat(text)
+    choices = _flag_choices() if choices is None else choices
+    wrong = []
+    claims: list[tuple[str, str, str | None]] = []
+    for pattern in _STATED:
+        claims += pattern.findall(flat)
+    claims += _table_defaults(text)
+    for name, number, unit in claims:
+        if name.startswith("--"):
+            code = {v for v in map(_numeric, flags.get(name, ())) if v is not None}
+        else:
+            one = _numeric(keys.get(name))
+            code = set() if one is None else {one}
+        if not code:
+            continue  # not an rd2h flag or key with a numeric default
+        stated = _value(number, unit, name)
+        if not any(abs(stated - c) <= 1e-9 * max(1.0, abs(c)) for c in code):
+            wrong.append(f"{name}: {number}{' ' + unit if unit else ''}")
+    for pattern in _STATED_VALUE:
+        for flag, value in pattern.findall(flat):
+            code_values = {str(v) for v in flags.get(flag, ())}
+            if code_values and value not in code_values:
+                wrong.append(f"{flag}: {value}")
+    for flag, listed in _CHOICES.findall(flat):
+        code_choices = choices.get(flag)
+        if code_choices is not None and set(listed.split(",")) != code_choices:
+            wrong.append(f"{flag}: {{{listed}}}")
+    return wrong
+
+
+def test_every_default_a_page_states_is_the_codes() -> None:
+    flags, keys = _flag_defaults(), _config_defaults()
+    wrong = [f"{_rel(page)}: {claim}" for page in CLAIM_PAGES if page not in NOT_FLAG_CHECKED
+             for claim in _wrong_defaults(_read(page), flags, keys)]
+    assert not wrong, wrong
+    # The check reads what the pages state (a table, a flag in prose, a nested key).
+    assert len(_table_defaults(_read(DOCS / "security.md"))) >= 8
+
+
+def test_the_default_check_reports_a_default_the_code_does_not_have() -> None:
+    flags, keys = _flag_defaults(), _config_defaults()
+    page = ("Probes every `--probe-interval` (2 s) with `--probe-timeout` (3 s); "
+            "`--eject-after` 5 s, `--upstream-sockets asyncio`, the default; by default, "
+            "`--affinity-chunk 64`; `admission_wait_s`, 5 s; `deadlines.request_s` (60 s); "
+            "`limits.max_queued_bytes` (256 MiB; ...); `idle_wait_ms`, default 5; vLLM's "
+            "`--max-num-seqs` (256); `heartbeat_timeout_s` (5000 ms); `request_s` 20; "
+            "`rd2h proxy --upstream-sockets {asyncio,anyio}`; "
+            "`--dispatch {decode-first,parallel}`; "
+            "`--decode-policy P` (default `round_robin`); `--client-keepalive` 60 s.\n\n"
+            "| limit | default | bounds |\n|---|---|---|\n"
+            "| `limits.recv_hwm` | 64 | x |\n| `limits.max_peers` | 2048 | x |\n")
+    assert _wrong_defaults(page, flags, keys) == [
+        "--probe-timeout: 3 s", "deadlines.request_s: 60 s", "--client-keepalive: 60 s",
+        "limits.max_peers: 2048",
+        "--upstream-sockets: asyncio", "--decode-policy: round_robin",
+        "--upstream-sockets: {asyncio,anyio}"]
+
+
+# ----------------------------------------------------------------- (i) proxy endpoints
+
+
+def _proxy_routes() -> set[tuple[str, str]]:
+    """``(method, path)`` of every route ``rd2h proxy`` serves, from its app."""
+    from fastapi.routing import APIRoute
+
+    from rd2h.proxy.options import ProxyConfig
+    from rd2h.proxy.service import create_app
+
+    url = "http://127.0.0.1:9"
+    app = create_app(ProxyConfig(prefill=(url,), decode=(url,), public_url=url))
+    return {(method, route.path) for route in app.routes if isinstance(route, APIRoute)
+            for method in route.methods}
+
+
+_METHOD_PATH = re.compile(r"\b(GET|POST|PUT|PATCH|DELETE) (/[\w/.-]*\w)")
+# Paths named alone in code style that only the proxy (or an engine beside it) serves.
+_PATH_SPAN = re.compile(r"`((?:/v1|/admin)/[\w/.-]*\w|/health|/healthcheck|/status|/metrics|"
+                        r"/tokenize|/detokenize)[`?\s]")
+
+
+def _unknown_endpoints(text: str, routes: set[tuple[str, str]]) -> list[str]:
+    paths = {path for _, path in routes}
+    wrong = {f"{method} {path}" for method, path in _METHOD_PATH.findall(text)
+             if (method, path) not in routes}
+    wrong |= {path for path in _PATH_SPAN.findall(text) if path not in paths}
+    return sorted(wrong)
+
+
+def test_every_endpoint_a_page_names_is_the_proxys() -> None:
+    routes = _proxy_routes()
+    assert ("POST", "/tokenize") in routes and ("GET", "/health") in routes
+    # The generated cli.md counts here: it is the proxy's --help, written by hand.
+    wrong = [f"{_rel(page)}: {claim}" for page in PAGES
+             for claim in _unknown_endpoints(_read(page), routes)]
+    assert not wrong, wrong
+
+
+def test_the_endpoint_check_reports_a_route_the_proxy_lacks() -> None:
+    routes = _proxy_routes()
+    page = ("`POST /v1/completions`, `GET /v1/models`, `GET /tokenize`, `POST /v1/embeddings`, "
+            "`/admin/instances/drain?role=R`, `/admin/instance`, `/healthz` and `/metrics`.")
+    assert _unknown_endpoints(page, routes) == ["/admin/instance", "GET /tokenize",
+                                                "POST /v1/embeddings"]
+
+
+def _unnamed_routes(help_text: str, routes: set[tuple[str, str]]) -> list[str]:
+    """Client-facing routes the proxy's --help does not name: all but the metaserver's
+    (the engines' own) and the admin API's (``/admin/...``, 'rd2h proxy-admin')."""
+    missing = []
+    for method, path in sorted(routes):
+        if path.startswith(("/v1/metaserver", "/admin/")):
+            continue
+        if not re.search(rf"(?<![\w/]){re.escape(path)}(?![\w/])", help_text):
+            missing.append(f"{method} {path}")
+    return missing
+
+
+def test_the_proxy_help_names_every_client_endpoint() -> None:
+    cli = _read(REFERENCE / "cli.md")
+    help_text = cli[cli.index("## `rd2h proxy`"):cli.index("## `rd2h proxy-admin`")]
+    routes = _proxy_routes()
+    assert not _unnamed_routes(help_text, routes)
+    assert _unnamed_routes(help_text.replace("/tokenize", "/tokenise"), routes) == [
+        "POST /tokenize"]
+
+
+def test_the_proxy_page_names_every_endpoint() -> None:
+    text = _read(DOCS / "guide" / "proxy.md")
+    missing = [path for _, path in sorted(_proxy_routes())
+               if not re.search(rf"(?<![\w/]){re.escape(path)}(?![\w/])", text)]
+    assert not missing, missing
+
+
+# ----------------------------------------------------------------- (j) installing rd2h
+
+
+def _installs_by_name(text: str) -> list[str]:
+    """``pip install`` lines of a page that take rd2h by its name from a package index
+    (``pip install 'rd2h[mooncake]'``), where rd2h is not published: a file, a folder or
+    a ``rd2h @ URL`` requirement is fine."""
+    lines = [line for block in _FENCE.findall(text) for line in block.splitlines()]
+    prose = _FENCE.sub("", text)
+    for span in re.finditer(r"`([^`]+)`", prose):  # inline code, paired left to right
+        before = prose[max(0, span.start() - 30):span.start()].lower()
+        if "not run" not in before and "never" not in before:  # a warning names it
+            lines.append(span.group(1))
+    found = []
+    for line in lines:
+        if "pip install " not in line:
+            continue
+        args = line.split("pip install ", 1)[1].split("#", 1)[0]
+        for word in re.findall(r"[^\s\"']+", args.replace("'", " ").replace('"', " ")):
+            if re.fullmatch(r"rd2h(?:\[[\w,-]+\])?(?:[=<>~!]=?[\w.*]+)?", word) \
+                    and not re.search(rf"{re.escape(word)}\s*@", args):
+                found.append(line.strip())
+    return found
+
+
+def test_no_page_installs_rd2h_by_name() -> None:
+    found = [f"{_rel(page)}: {line}" for page in PAGES for line in _installs_by_name(_read(page))]
+    assert not found, found
+    text = _read(DOCS / "guide" / "install.md")
+    assert "Do not run `pip install rd2h`" in text and "--require-hashes" in text
+    assert re.search(r'pip install "rd2h\[mooncake\] @ git\+https://\S+@<commit>"', text)
+
+
+def test_the_install_check_reports_rd2h_by_name() -> None:
+    page = ("```bash\npip install 'rd2h[mooncake]'   # engine hosts\n"
+            "pip install './rd2h-0.1.0-py3-none-any.whl[proxy]'\n"
+            'pip install "rd2h[mooncake] @ git+https://example.org/rd2h@0123abc"\n'
+            "pip install -e '.[dev]'\n```\nor `pip install rd2h==0.1.0`; "
+            "do not run `pip install rd2h`: pip installs rd2h from the index.")
+    assert _installs_by_name(page) == ["pip install 'rd2h[mooncake]'   # engine hosts",
+                                       "pip install rd2h==0.1.0"]
