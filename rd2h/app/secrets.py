@@ -4,9 +4,10 @@ on a command line (docs/security.md, "Providing secrets").
 vLLM prints the whole ``--kv-transfer-config`` in its log at start (its "non-default
 args" line) and keeps it on the engine's command line (``/proc/<pid>/cmdline``), so a
 secret written there reaches every log shipper and every process listing. A
-deployment names where the secret is instead: a file readable only by its owner (a
-Kubernetes Secret mounted as a file with ``defaultMode: 0400``) or an environment
-variable. Errors name the file or the variable, never the value.
+deployment names where the secret is instead: a file no one but its owner can read,
+or a root-owned file its group may also read (a Kubernetes Secret mounted as a file
+with ``defaultMode: 0440`` and the pod's ``fsGroup``), or an environment variable.
+Errors name the file or the variable, never the value.
 """
 
 from __future__ import annotations
@@ -24,9 +25,17 @@ class SecretSourceError(ValueError):
 
 
 def read_secret_file(path: str | os.PathLike[str], what: str) -> str:
-    """The secret in file ``path``: a regular file (a link to one is followed), with no
-    permission for group or others, holding at most ``MAX_SECRET_BYTES`` of UTF-8. One
-    trailing line break is not part of the secret (``echo ... > file`` leaves one)."""
+    """The secret in file ``path``: a regular file (a link to one is followed) holding at
+    most ``MAX_SECRET_BYTES`` of UTF-8. One trailing line break is not part of the secret
+    (``echo ... > file`` leaves one).
+
+    Its permissions follow PostgreSQL's rule for its TLS key: accepted when only its
+    owner has any permission (``mode & 0o077 == 0``: 0400, 0600), or when it is owned by
+    root and its group may read it but not write or execute it, and others have no
+    permission (``mode & 0o037 == 0``: 0440, 0640). The second form is what Kubernetes
+    gives a pod's non-root user: a Secret volume's files belong to root and to the
+    pod's ``fsGroup``, and ``defaultMode: 0440`` lets that group read them. Anything
+    else is refused, naming the file, its mode and the rule."""
     p = Path(path)
     try:
         st = p.stat()
@@ -35,11 +44,14 @@ def read_secret_file(path: str | os.PathLike[str], what: str) -> str:
     if not stat.S_ISREG(st.st_mode):
         raise SecretSourceError(f"{what}: {str(p)!r} is not a regular file")
     mode = stat.S_IMODE(st.st_mode)
-    if mode & 0o077:
+    if not secret_mode_allowed(mode, st.st_uid):
+        owner = "root" if st.st_uid == 0 else f"uid {st.st_uid}"
         raise SecretSourceError(
-            f"{what}: {str(p)!r} is open to group or others (mode {mode:04o}); a secret "
-            f"file must be readable by its owner only (chmod 0400 or 0600; a Kubernetes "
-            f"Secret volume: defaultMode: 0400)")
+            f"{what}: {str(p)!r} is open to group or others (mode {mode:04o}, owned by "
+            f"{owner}); a secret file must be readable by its owner only (chmod 0400 or "
+            f"0600), or be owned by root and readable by its group only (0440 or 0640, "
+            f"no group write, nothing for others: a Kubernetes Secret volume with "
+            f"defaultMode: 0440 and the pod's fsGroup)")
     if st.st_size > MAX_SECRET_BYTES:
         raise SecretSourceError(f"{what}: {str(p)!r} holds {st.st_size} bytes (a secret "
                                 f"of at most {MAX_SECRET_BYTES} is expected)")
@@ -53,6 +65,12 @@ def read_secret_file(path: str | os.PathLike[str], what: str) -> str:
     if not value:
         raise SecretSourceError(f"{what}: {str(p)!r} is empty")
     return value
+
+
+def secret_mode_allowed(mode: int, uid: int) -> bool:
+    """Whether a file of permission bits ``mode`` owned by ``uid`` may hold a secret:
+    owner-only, or root-owned with at most group read (``read_secret_file``)."""
+    return mode & 0o077 == 0 or (uid == 0 and mode & 0o037 == 0)
 
 
 def read_secret_env(name: str, what: str, environ: Mapping[str, str] | None = None) -> str:

@@ -10,12 +10,18 @@ fail), and what the schemas cannot see checked against rd2h itself:
   ``--prefill`` / ``--decode`` URLs name Services (or, as a sidecar, its pod's engine)
   and ports that reach an engine of that role; readiness is the pair-aware ``/health``,
   liveness a route the proxy serves;
-- secrets are files (mode 0400, read-only, no fsGroup, run as their owner) that the
-  options name, and no Secret value appears in any argument or env value; the shipped
-  placeholders are refused by rd2h;
+- secrets are files that the options name, read-only, whose mode as the kubelet makes
+  it (``defaultMode``, group-read added by ``fsGroup``) passes rd2h's own rule
+  (``secret_mode_allowed``) and that the container's user can read; no Secret value
+  appears in any argument or env value; the shipped placeholders are refused by rd2h;
 - every ZeroMQ and Mooncake port an engine opens is a containerPort, on a headless
   Service that selects the pod, and admitted between the engine pods by the
   NetworkPolicy.
+- every pod passes Pod Security Standards' ``restricted`` profile (``restricted_problems``,
+  the profile's rules written out here); every NetworkPolicy ingress rule names its
+  clients (``from``); every Prefill and Decode workload drains in a preStop hook, has
+  the grace period for it and a PodDisruptionBudget; the gpu and ascend overlays
+  request their accelerator, with the matching image and transport.
 
 Each check returns its problems; the last tests break a rendered manifest in each of
 these ways and assert the check names it. kubectl (with built-in kustomize, v1.14+)
@@ -44,12 +50,13 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
-OVERLAYS = ("mooncake-tcp", "llm-d")
+OVERLAYS = ("mooncake-tcp", "llm-d", "gpu", "ascend")
 # The Kubernetes API version the objects are validated against (bundled by the pinned
 # kubernetes-validate).
 K8S_VERSION = "1.35"
-SECRET_MODE = 0o400
+SECRET_MODE = 0o440  # root-owned, read by the pods' fsGroup (rd2h.app.secrets)
 POD_IP = "10.1.2.3"  # what the downward API gives a pod, in the simulated expansion
+POD_ORDINAL = 0  # the simulated pod is the workload's first: NAME-0
 LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 WILDCARD = {"0.0.0.0", "::", ""}
 ENGINE_MODULE = "vllm.entrypoints.openai.api_server"
@@ -118,8 +125,9 @@ def is_proxy(c: Obj) -> bool:
     return c.get("command", [])[:2] == ["rd2h", "proxy"]
 
 
-def env_values(c: Obj, objects: list[Obj]) -> dict[str, str]:
-    """The container's environment as the kubelet gives it (pod IP: ``POD_IP``)."""
+def env_values(c: Obj, objects: list[Obj], pod: str = "pod") -> dict[str, str]:
+    """The container's environment as the kubelet gives it (pod IP: ``POD_IP``; the pod
+    of workload ``pod`` is named ``pod-0``)."""
     env: dict[str, str] = {}
     for e in c.get("env", []):
         src = e.get("valueFrom", {})
@@ -127,6 +135,8 @@ def env_values(c: Obj, objects: list[Obj]) -> dict[str, str]:
             env[e["name"]] = expand(e["value"], env)
         elif src.get("fieldRef", {}).get("fieldPath") == "status.podIP":
             env[e["name"]] = POD_IP
+        elif src.get("fieldRef", {}).get("fieldPath") == "metadata.name":
+            env[e["name"]] = f"{pod}-{POD_ORDINAL}"
         elif "configMapKeyRef" in src:
             ref = src["configMapKeyRef"]
             cm = by_name(objects, "ConfigMap", ref["name"]) or {}
@@ -384,7 +394,7 @@ def proxy_problems(objects: list[Obj], tmp: Path) -> list[str]:
     for name, spec, c in [(n, s, c) for n, _, s in pods(objects)
                           for c in s["containers"] if is_proxy(c)]:
         where = f"{name}/{c['name']}"
-        env = env_values(c, objects)
+        env = env_values(c, objects, name)
         args = [expand(a, env) for a in c.get("args", [])]
         token = option(args, "--admin-token-file")
         if option(args, "--admin-token") is not None:
@@ -405,13 +415,13 @@ def proxy_problems(objects: list[Obj], tmp: Path) -> list[str]:
         if container_port({"containers": [c]}, port) is None:
             problems.append(f"{where}: --port {port} is not a containerPort")
         public = urlsplit(config.public_url)
-        own_pod = public.hostname == POD_IP or (
+        own_pod = public.hostname in (POD_IP, pod_dns_name(objects, name)) or (
             public.hostname in LOOPBACK and all(urlsplit(u).hostname in LOOPBACK
                                                 for u in config.decode))
         if not own_pod or public.port != port:
             problems.append(f"{where}: --public-url {config.public_url} is not this pod's "
-                            f"own address and port {port} (the pod IP, or 127.0.0.1 for a "
-                            "sidecar of the Decode engine)")
+                            f"own address and port {port} (its StatefulSet pod's DNS name, "
+                            "the pod IP, or 127.0.0.1 for a sidecar of the Decode engine)")
         for role, urls in (("prefill", config.prefill), ("decode", config.decode)):
             for url in urls:
                 problems += [f"{where}: --{role} {url}: {p}"
@@ -432,12 +442,42 @@ def proxy_problems(objects: list[Obj], tmp: Path) -> list[str]:
     return problems
 
 
+def pod_dns_name(objects: list[Obj], workload: str) -> str | None:
+    """``NAME-0.SERVICE``: the DNS name of a StatefulSet's first pod, when its
+    serviceName is a headless Service of the render that selects the pod."""
+    sts = by_name(objects, "StatefulSet", workload)
+    if sts is None:
+        return None
+    svc = by_name(objects, "Service", sts["spec"].get("serviceName", ""))
+    labels = sts["spec"]["template"].get("metadata", {}).get("labels", {})
+    if svc is None or svc["spec"].get("clusterIP") != "None" or not matches(
+            svc["spec"].get("selector", {}), labels):
+        return None
+    return f"{workload}-{POD_ORDINAL}.{svc['metadata']['name']}"
+
+
+def _stateful_pod(host: str, objects: list[Obj]) -> Obj | None:
+    """The pod spec a ``NAME-N.SERVICE[.NS...]`` host names (a StatefulSet's pod)."""
+    labels = host.split(".")
+    if len(labels) < 2:
+        return None
+    for sts in of_kind(objects, "StatefulSet"):
+        name = sts["metadata"]["name"]
+        m = re.fullmatch(re.escape(name) + r"-(\d+)", labels[0])
+        if m and int(m.group(1)) < sts["spec"].get("replicas", 1) and pod_dns_name(
+                objects, name) == f"{name}-{POD_ORDINAL}.{labels[1]}":
+            return sts["spec"]["template"]["spec"]
+    return None
+
+
 def _url_problems(url: str, role: str, spec: Obj, services: list[Obj],
                   objects: list[Obj]) -> list[str]:
     parts = urlsplit(url)
     host, port = parts.hostname or "", parts.port or 80
     if host in LOOPBACK:  # a sidecar: the pod's own engine
         targets = [(spec, port)]
+    elif (pod_spec := _stateful_pod(host, objects)) is not None:  # one pod, by name
+        targets = [(pod_spec, port)]
     else:
         svc = next((s for s in services if s["metadata"]["name"] == host.split(".")[0]), None)
         if svc is None:
@@ -463,21 +503,26 @@ def _url_problems(url: str, role: str, spec: Obj, services: list[Obj],
 
 
 def secret_problems(objects: list[Obj]) -> list[str]:
+    """Secret files as the kubelet makes them: owned by root, mode ``defaultMode`` (or
+    the item's), group-read added and group set to ``fsGroup`` when the pod has one.
+    rd2h's own rule must accept that mode and the container's user must read it."""
+    from rd2h.app.secrets import secret_mode_allowed
+
     problems = []
     values = [v for s in of_kind(objects, "Secret")
               for v in secret_data(objects, s["metadata"]["name"]).values() if len(v) >= 4]
     for name, _, spec in pods(objects):
         ctx = spec.get("securityContext", {})
+        fs_group = ctx.get("fsGroup")
         secret_vols = {v["name"]: v["secret"] for v in spec.get("volumes", []) if "secret" in v}
-        if "fsGroup" in ctx:
-            problems.append(f"{name}: fsGroup makes Secret files group-readable, which rd2h "
-                            "refuses")
         for vname, src in secret_vols.items():
             modes = [src.get("defaultMode", 0o644)] + [
                 i["mode"] for i in src.get("items", []) if "mode" in i]
-            if any(m != SECRET_MODE for m in modes):
-                problems.append(f"{name}: Secret volume {vname} mode "
-                                f"{', '.join(f'{m:04o}' for m in modes)}, not 0400")
+            for mode in modes:
+                made = mode | 0o440 if fs_group is not None else mode
+                if not secret_mode_allowed(made, 0):
+                    problems.append(f"{name}: Secret volume {vname} mode {mode:04o} (files "
+                                    f"{made:04o}, owned by root): rd2h refuses it")
         for c in [*spec.get("initContainers", []), *spec["containers"]]:
             where = f"{name}/{c['name']}"
             texts = [*command_line(c), *(e.get("value", "") for e in c.get("env", []))]
@@ -489,9 +534,134 @@ def secret_problems(objects: list[Obj]) -> list[str]:
                 if not m.get("readOnly"):
                     problems.append(f"{where}: Secret volume {m['name']} mounted writable")
             user = c.get("securityContext", {}).get("runAsUser", ctx.get("runAsUser"))
-            if mounts and user != 0:
-                problems.append(f"{where}: reads 0400 Secret files owned by root but runs "
-                                f"as runAsUser {user!r} (set 0, or use secretKeyRef env)")
+            if mounts and user != 0 and fs_group is None:
+                problems.append(f"{where}: reads Secret files owned by root as runAsUser "
+                                f"{user!r} without fsGroup (set fsGroup and defaultMode "
+                                "0440)")
+    return problems
+
+
+# Pod Security Standards, "restricted" (https://kubernetes.io/docs/concepts/security/
+# pod-security-standards/), every rule of the profile (it includes "baseline").
+RESTRICTED_VOLUMES = {"configMap", "csi", "downwardAPI", "emptyDir", "ephemeral",
+                      "persistentVolumeClaim", "projected", "secret"}
+RESTRICTED_ADD_CAPS = {"NET_BIND_SERVICE"}
+SECCOMP_OK = {"RuntimeDefault", "Localhost"}
+
+
+def restricted_problems(objects: list[Obj]) -> list[str]:
+    """What the Pod Security admission controller at level ``restricted`` would refuse,
+    each problem naming the rule."""
+    problems: list[str] = []
+    for name, _, spec in pods(objects):
+        ctx = spec.get("securityContext", {})
+        for key in ("hostNetwork", "hostPID", "hostIPC"):
+            if spec.get(key):
+                problems.append(f"{name}: host namespaces: {key} is true")
+        for v in spec.get("volumes", []):
+            kinds = set(v) - {"name"}
+            if not kinds <= RESTRICTED_VOLUMES:
+                problems.append(f"{name}: volume types: {v['name']} is "
+                                f"{', '.join(sorted(kinds - RESTRICTED_VOLUMES))}")
+        if ctx.get("runAsUser") == 0:
+            problems.append(f"{name}: running as non-root user: pod runAsUser is 0")
+        pod_seccomp = ctx.get("seccompProfile", {}).get("type")
+        if pod_seccomp is not None and pod_seccomp not in SECCOMP_OK:
+            problems.append(f"{name}: seccomp: pod seccompProfile {pod_seccomp}")
+        for opt in ("windowsOptions",):
+            if ctx.get(opt, {}).get("hostProcess"):
+                problems.append(f"{name}: host process: {opt}.hostProcess")
+        containers = [*spec.get("initContainers", []), *spec["containers"],
+                      *spec.get("ephemeralContainers", [])]
+        for c in containers:
+            where = f"{name}/{c['name']}"
+            sc = c.get("securityContext", {})
+            if sc.get("privileged"):
+                problems.append(f"{where}: privileged containers: privileged is true")
+            if sc.get("allowPrivilegeEscalation") is not False:
+                problems.append(f"{where}: privilege escalation: allowPrivilegeEscalation "
+                                "is not false")
+            caps = sc.get("capabilities", {})
+            if "ALL" not in caps.get("drop", []):
+                problems.append(f"{where}: capabilities: drop does not hold ALL")
+            if set(caps.get("add", [])) - RESTRICTED_ADD_CAPS:
+                problems.append(f"{where}: capabilities: adds "
+                                f"{sorted(set(caps.get('add', [])) - RESTRICTED_ADD_CAPS)}")
+            if sc.get("runAsNonRoot", ctx.get("runAsNonRoot")) is not True:
+                problems.append(f"{where}: running as non-root: runAsNonRoot is not true "
+                                "(pod or container)")
+            if sc.get("runAsUser") == 0:
+                problems.append(f"{where}: running as non-root user: runAsUser is 0")
+            seccomp = sc.get("seccompProfile", {}).get("type", pod_seccomp)
+            if seccomp not in SECCOMP_OK:
+                problems.append(f"{where}: seccomp: seccompProfile is {seccomp!r}, not "
+                                "RuntimeDefault or Localhost (pod or container)")
+            if any(p.get("hostPort") for p in c.get("ports", [])):
+                problems.append(f"{where}: host ports: a hostPort is set")
+            if sc.get("procMount", "Default") != "Default":
+                problems.append(f"{where}: /proc mount type: {sc['procMount']}")
+            if sc.get("seLinuxOptions", {}).get("type") not in (
+                    None, "", "container_t", "container_init_t", "container_kvm_t"):
+                problems.append(f"{where}: SELinux: type {sc['seLinuxOptions']['type']}")
+    return problems
+
+
+def policy_problems(objects: list[Obj]) -> list[str]:
+    """Every ingress rule of every NetworkPolicy names its clients; every pod is under
+    one (engines and proxy alike)."""
+    problems = []
+    policies = of_kind(objects, "NetworkPolicy")
+    for pol in policies:
+        for i, rule in enumerate(pol["spec"].get("ingress", [])):
+            if not rule.get("from"):
+                problems.append(f"NetworkPolicy {pol['metadata']['name']}: ingress rule {i} "
+                                "has no from: it admits every pod of the cluster")
+    for name, meta, _ in pods(objects):
+        if not any(matches(p["spec"]["podSelector"], meta.get("labels", {}))
+                   for p in policies):
+            problems.append(f"{name}: no NetworkPolicy selects this pod")
+    return problems
+
+
+def drain_problems(objects: list[Obj]) -> list[str]:
+    """Each Prefill and Decode workload drains before it stops: a preStop hook on its
+    engine, a grace period longer than the hook's wait, and a PodDisruptionBudget."""
+    problems = []
+    budgets = of_kind(objects, "PodDisruptionBudget")
+    for name, meta, spec, c in engines(objects):
+        labels = meta.get("labels", {})
+        hook = c.get("lifecycle", {}).get("preStop", {}).get("exec", {}).get("command", [])
+        text = " ".join(hook)
+        if not hook:
+            problems.append(f"{name}/{c['name']}: no preStop hook")
+        waits = [int(w) for w in re.findall(r"(?:--wait|sleep) (\d+)", text)]
+        grace = spec.get("terminationGracePeriodSeconds", 30)
+        if hook and (not waits or grace <= max(waits)):
+            problems.append(f"{name}: terminationGracePeriodSeconds {grace} does not "
+                            f"outlast its preStop hook's wait {waits}")
+        if "proxy-admin" in text and " drain " not in text:
+            problems.append(f"{name}/{c['name']}: preStop calls proxy-admin but not drain")
+        if not any(matches(b["spec"].get("selector", {}), labels) for b in budgets):
+            problems.append(f"{name}: no PodDisruptionBudget selects its pods")
+    return problems
+
+
+ACCELERATORS = {"gpu": ("nvidia.com/gpu", "rd2h-vllm-cuda", "mooncake"),
+                "ascend": ("huawei.com/Ascend910", "rd2h-vllm-ascend", "memfabric")}
+
+
+def accelerator_problems(objects: list[Obj], overlay: str) -> list[str]:
+    resource, image, transport = ACCELERATORS[overlay]
+    problems = []
+    for name, _, _, c in engines(objects):
+        limits = c.get("resources", {}).get("limits", {})
+        if int(limits.get(resource, 0)) < 1:
+            problems.append(f"{name}: requests no {resource} (resources.limits)")
+        if image not in c.get("image", ""):
+            problems.append(f"{name}: image {c.get('image')} is not {image}")
+        extra = (engine_config(c, objects)[0] or {}).get("kv_connector_extra_config", {})
+        if extra.get("transport") != transport:
+            problems.append(f"{name}: transport {extra.get('transport')!r}, not {transport}")
     return problems
 
 
@@ -549,11 +719,13 @@ def port_problems(objects: list[Obj]) -> list[str]:
                        for s in headless for sp in s["spec"]["ports"]):
                 problems.append(f"{where}: KV port {port} is on no headless Service "
                                 "selecting this pod")
-            for pol in policies:
-                if matches(pol["spec"]["podSelector"], labels) and not _admitted(
-                        pol, port, spec, engine_labels):
-                    problems.append(f"{where}: NetworkPolicy {pol['metadata']['name']} "
-                                    f"does not admit KV port {port} from the engine pods")
+            # Policies add up: a port is open when any policy selecting the pod admits it.
+            selecting = [p for p in policies if matches(p["spec"]["podSelector"], labels)]
+            if selecting and not any(_admitted(p, port, spec, engine_labels)
+                                     for p in selecting):
+                problems.append(f"{where}: NetworkPolicy "
+                                f"{', '.join(p['metadata']['name'] for p in selecting)} "
+                                f"does not admit KV port {port} from the engine pods")
     return problems
 
 
@@ -587,7 +759,8 @@ def overlay(request: pytest.FixtureRequest) -> str:
 
 def test_kubectl_renders_the_overlay(overlay: str) -> None:
     kinds = {o["kind"] for o in render(overlay)}
-    assert {"Deployment", "Service", "Secret", "ConfigMap", "NetworkPolicy"} <= kinds
+    assert {"StatefulSet", "Service", "Secret", "ConfigMap", "NetworkPolicy",
+            "PodDisruptionBudget"} <= kinds
 
 
 def test_objects_validate_against_the_kubernetes_schemas(overlay: str) -> None:
@@ -608,7 +781,7 @@ def test_proxy_urls_probes_and_arguments(overlay: str, tmp_path: Path) -> None:
     no_problems(proxy_problems(objects, tmp_path))
 
 
-def test_secrets_are_owner_only_files(overlay: str) -> None:
+def test_secrets_are_files_rd2h_accepts(overlay: str) -> None:
     no_problems(secret_problems(render(overlay)))
 
 
@@ -637,15 +810,82 @@ def test_the_placeholder_secrets_are_refused(overlay: str, tmp_path: Path) -> No
 
 def test_overlay_shapes() -> None:
     tcp, llmd = render("mooncake-tcp"), render("llm-d")
-    assert by_name(tcp, "Deployment", "rd2h-proxy") is not None
-    assert by_name(llmd, "Deployment", "rd2h-proxy") is None
+    assert by_name(tcp, "StatefulSet", "rd2h-proxy") is not None
+    assert by_name(llmd, "StatefulSet", "rd2h-proxy") is None
     (decode,) = [s for n, _, s in pods(llmd) if n == "rd2h-decode"]
     (sidecar,) = [c for c in decode["containers"] if is_proxy(c)]
     assert "--prefiller-header" in sidecar["args"]
-    for objects in (tcp, llmd):
+    assert "prefill-allowlist" in {c["name"] for c in decode["containers"]}
+    for overlay in ("mooncake-tcp", "llm-d", "gpu"):
+        objects = render(overlay)
         for *_, c in engines(objects):
             extra = engine_config(c, objects)[0]["kv_connector_extra_config"]
             assert (extra["transport"], extra["mooncake_protocol"]) == ("mooncake", "tcp")
+
+
+def test_pods_pass_the_restricted_pod_security_standard(overlay: str) -> None:
+    objects = render(overlay)
+    assert list(pods(objects))
+    no_problems(restricted_problems(objects))
+
+
+def test_network_policies_name_their_clients(overlay: str) -> None:
+    no_problems(policy_problems(render(overlay)))
+
+
+def test_engines_drain_before_they_stop(overlay: str) -> None:
+    no_problems(drain_problems(render(overlay)))
+
+
+@pytest.mark.parametrize("overlay", sorted(ACCELERATORS))
+def test_accelerator_overlays_request_their_devices(overlay: str) -> None:
+    no_problems(accelerator_problems(render(overlay), overlay))
+
+
+def test_no_url_holds_a_bare_pod_ip(overlay: str) -> None:
+    """``http://$(POD_IP):PORT`` is not a URL on an IPv6 cluster: URLs name pods by DNS."""
+    for name, _, spec in pods(render(overlay)):
+        for c in spec["containers"]:
+            for text in [*command_line(c), *(" ".join(
+                    c.get("lifecycle", {}).get(h, {}).get("exec", {}).get("command", []))
+                    for h in ("postStart", "preStop"))]:
+                assert not re.search(r"https?://\$\(?POD_IP", text), (name, text)
+
+
+def test_the_prefill_allowlist_plan() -> None:
+    """llm-d: the sidecar's allowlist follows the Prefill pods (prefill-allowlist.py)."""
+    import importlib.util
+
+    path = DEPLOY / "overlays" / "llm-d" / "prefill-allowlist.py"
+    spec = importlib.util.spec_from_file_location("prefill_allowlist", path)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.instance_url("10.1.2.3", 8100) == "http://10.1.2.3:8100"
+    assert mod.instance_url("fd00::5", 8100) == "http://[fd00::5]:8100"
+    static, a, b = "http://rd2h-prefill-0.rd2h-prefill-kv:8100", "http://a:1", "http://b:1"
+    assert mod.plan({static}, set(), {a, b}) == ({a, b}, set())
+    assert mod.plan({static, a, b}, {a, b}, {b}) == (set(), {a})
+    assert mod.plan({static, a}, {a}, {a}) == (set(), set())
+    assert mod.resolve("localhost", 8100) <= {"http://127.0.0.1:8100", "http://[::1]:8100"}
+    # The header names a pod as IP:port; the proxy compares it with the URL's host:port.
+    assert mod.instance_url("fd00::5", 8100).split("://", 1)[1] == "[fd00::5]:8100"
+
+
+def test_the_restricted_check_names_each_rule() -> None:
+    """A deliberately broken pod: each rule it breaks is named."""
+    pod = {"kind": "Pod", "metadata": {"name": "bad"}, "spec": {
+        "hostNetwork": True, "securityContext": {"runAsUser": 0},
+        "volumes": [{"name": "host", "hostPath": {"path": "/"}}],
+        "containers": [{"name": "c", "image": "x", "ports": [{"containerPort": 1,
+                                                              "hostPort": 1}],
+                        "securityContext": {"privileged": True,
+                                            "capabilities": {"add": ["SYS_ADMIN"]}}}]}}
+    text = "\n".join(restricted_problems([pod]))
+    for rule in ("host namespaces", "volume types: host is hostPath", "runAsUser is 0",
+                 "privileged", "allowPrivilegeEscalation", "drop does not hold ALL",
+                 "adds ['SYS_ADMIN']", "runAsNonRoot", "seccomp", "hostPort"):
+        assert rule in text, text
 
 
 @pytest.mark.parametrize("name", ["Containerfile", "Containerfile.ascend"])
@@ -692,7 +932,7 @@ def _break_inline_secret(o: list[Obj]) -> None:
 
 
 def _break_policy(o: list[Obj]) -> None:
-    by_name(o, "NetworkPolicy", "rd2h-engines")["spec"]["ingress"][1]["ports"].pop()
+    by_name(o, "NetworkPolicy", "rd2h-engines")["spec"]["ingress"][0]["ports"].pop()
 
 
 def _break_sidecar_decode(o: list[Obj]) -> None:
@@ -725,12 +965,14 @@ BREAKS: list[tuple[str, str, Callable[[list[Obj]], None], str]] = [
                             lambda cfg: cfg.update(kv_role="kv_producer")),
      "component=decode"),
     ("proxy", "--prefill names a missing Service",
-     lambda o: _set_arg(_container(o, "rd2h-proxy", "proxy"), "http://rd2h-prefill:8100",
+     lambda o: _set_arg(_container(o, "rd2h-proxy", "proxy"),
+                        "http://rd2h-prefill-0.rd2h-prefill-kv:8100",
                         "http://rd2h-prefil:8100"),
      "no Service 'rd2h-prefil'"),
     ("proxy", "--decode names the Prefill Service",
-     lambda o: _set_arg(_container(o, "rd2h-proxy", "proxy"), "http://rd2h-decode:8200",
-                        "http://rd2h-prefill:8100"),
+     lambda o: _set_arg(_container(o, "rd2h-proxy", "proxy"),
+                        "http://rd2h-decode-0.rd2h-decode-kv:8200",
+                        "http://rd2h-prefill-0.rd2h-prefill-kv:8100"),
      "decode engine"),
     ("proxy", "readiness probe on /healthcheck",
      lambda o: _container(o, "rd2h-proxy", "proxy")["readinessProbe"]["httpGet"].update(
@@ -742,23 +984,28 @@ BREAKS: list[tuple[str, str, Callable[[list[Obj]], None], str]] = [
      "liveness probe '/livez'"),
     ("proxy", "--public-url names the Service",
      lambda o: _set_arg(_container(o, "rd2h-proxy", "proxy"),
-                        "--public-url=http://$(POD_IP):8000",
+                        "--public-url=http://$(POD_NAME).rd2h-proxy-pods:8000",
                         "--public-url=http://rd2h-proxy:8000"),
      "own address"),
+    ("proxy", "--decode names a pod the StatefulSet does not have",
+     lambda o: _set_arg(_container(o, "rd2h-proxy", "proxy"),
+                        "http://rd2h-decode-0.rd2h-decode-kv:8200",
+                        "http://rd2h-decode-1.rd2h-decode-kv:8200"),
+     "no Service 'rd2h-decode-1'"),
     ("proxy", "admin token on the command line",
      lambda o: _set_arg(_container(o, "rd2h-proxy", "proxy"),
                         "--admin-token-file=/var/run/secrets/rd2h/admin-token",
                         "--admin-token=CHANGE-ME"),
      "command line"),
-    ("secrets", "group-readable Secret volume",
-     lambda o: _spec(o, "rd2h-decode")["volumes"][0]["secret"].update(defaultMode=0o440),
-     "0440"),
-    ("secrets", "fsGroup",
-     lambda o: _spec(o, "rd2h-prefill")["securityContext"].update(fsGroup=1000),
-     "fsGroup"),
-    ("secrets", "non-root user reading a root-owned 0400 file",
-     lambda o: _spec(o, "rd2h-proxy")["securityContext"].update(runAsUser=1000),
-     "runAsUser 1000"),
+    ("secrets", "Secret volume readable by others",
+     lambda o: _spec(o, "rd2h-decode")["volumes"][0]["secret"].update(defaultMode=0o444),
+     "0444"),
+    ("secrets", "group-writable Secret volume",
+     lambda o: _spec(o, "rd2h-decode")["volumes"][0]["secret"].update(defaultMode=0o460),
+     "rd2h refuses it"),
+    ("secrets", "non-root user without fsGroup",
+     lambda o: _spec(o, "rd2h-proxy")["securityContext"].pop("fsGroup"),
+     "runAsUser 10001 without fsGroup"),
     ("secrets", "a Secret value in an env value",
      lambda o: _container(o, "rd2h-proxy", "proxy")["env"].append(
          {"name": "TOKEN", "value": "CHANGE-ME"}),
@@ -778,11 +1025,49 @@ BREAKS: list[tuple[str, str, Callable[[list[Obj]], None], str]] = [
                             lambda cfg: cfg["kv_connector_extra_config"].pop("mooncake_env")),
      "cannot be declared"),
     ("ports", "NetworkPolicy without the Mooncake range", _break_policy, "does not admit"),
+    ("restricted", "a container running as root",
+     lambda o: _container(o, "rd2h-decode", "vllm").setdefault(
+         "securityContext", {}).update(runAsUser=0),
+     "runAsUser is 0"),
+    ("restricted", "a hostPath volume",
+     lambda o: _spec(o, "rd2h-prefill")["volumes"].append(
+         {"name": "driver", "hostPath": {"path": "/usr/local/Ascend"}}),
+     "volume types: driver is hostPath"),
+    ("restricted", "capabilities not dropped",
+     lambda o: _container(o, "rd2h-proxy", "proxy")["securityContext"].pop("capabilities"),
+     "drop does not hold ALL"),
+    ("restricted", "no seccomp profile",
+     lambda o: _spec(o, "rd2h-proxy")["securityContext"].pop("seccompProfile"),
+     "seccomp"),
+    ("policy", "an HTTP rule open to every pod",
+     lambda o: by_name(o, "NetworkPolicy", "rd2h-engine-http")["spec"]["ingress"][0].pop(
+         "from"),
+     "has no from"),
+    ("policy", "the proxy under no policy",
+     lambda o: o.remove(by_name(o, "NetworkPolicy", "rd2h-proxy")),
+     "rd2h-proxy: no NetworkPolicy selects this pod"),
+    ("drain", "no preStop hook",
+     lambda o: _container(o, "rd2h-decode", "vllm")["lifecycle"].pop("preStop"),
+     "no preStop hook"),
+    ("drain", "the default grace period",
+     lambda o: _spec(o, "rd2h-prefill").pop("terminationGracePeriodSeconds"),
+     "does not outlast"),
+    ("drain", "no PodDisruptionBudget",
+     lambda o: o.remove(by_name(o, "PodDisruptionBudget", "rd2h-decode")),
+     "rd2h-decode: no PodDisruptionBudget"),
+    ("gpu@gpu", "no GPU requested",
+     lambda o: _container(o, "rd2h-decode", "vllm")["resources"].pop("limits"),
+     "requests no nvidia.com/gpu"),
+    ("ascend@ascend", "Mooncake on Ascend",
+     lambda o: _edit_config(_container(o, "rd2h-prefill", "vllm"),
+                            lambda cfg: cfg["kv_connector_extra_config"].update(
+                                transport="mooncake")),
+     "not memfabric"),
     ("proxy@llm-d", "sidecar's --decode not its pod's engine", _break_sidecar_decode,
      "does not reach a decode engine"),
     ("proxy@llm-d", "sidecar's --prefill allowlist names a missing Service",
      lambda o: _set_arg(_container(o, "rd2h-decode", "rd2h-proxy"),
-                        "http://rd2h-prefill:8100", "http://prefill-0:8100"),
+                        "http://rd2h-prefill-0.rd2h-prefill-kv:8100", "http://prefill-0:8100"),
      "no Service 'prefill-0'"),
 ]
 
@@ -795,7 +1080,10 @@ def test_each_check_catches_a_broken_manifest(check: str, what: str,
     checks: dict[str, Callable[[list[Obj]], list[str]]] = {
         "schema": schema_problems, "secrets": secret_problems, "ports": port_problems,
         "connector": lambda o: connector_problems(o, tmp_path),
-        "proxy": lambda o: proxy_problems(o, tmp_path)}
+        "proxy": lambda o: proxy_problems(o, tmp_path), "restricted": restricted_problems,
+        "policy": policy_problems, "drain": drain_problems,
+        "gpu": lambda o: accelerator_problems(o, "gpu"),
+        "ascend": lambda o: accelerator_problems(o, "ascend")}
     check, _, overlay = check.partition("@")
     objects = render(overlay or "mooncake-tcp")
     no_problems(checks[check](objects))

@@ -4,11 +4,17 @@ refusal holds any part of a secret."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 
-from rd2h.app.secrets import MAX_SECRET_BYTES, SecretSourceError, read_secret
+from rd2h.app.secrets import (
+    MAX_SECRET_BYTES,
+    SecretSourceError,
+    read_secret,
+    secret_mode_allowed,
+)
 from rd2h.app.settings import ConnectorConfigError, Rd2hOptions
 from rd2h.cli.proxy import admin_token
 
@@ -37,15 +43,58 @@ def test_a_link_to_a_private_file_is_followed(tmp_path) -> None:
     assert read_secret("auth_secret", file=str(link)) == SECRET
 
 
-@pytest.mark.parametrize(("mode", "shown"), [(0o640, "0640"), (0o604, "0604"),
-                                             (0o660, "0660"), (0o644, "0644")])
+@pytest.mark.parametrize(("mode", "shown"), [(0o604, "0604"), (0o660, "0660"),
+                                             (0o644, "0644"), (0o460, "0460"),
+                                             (0o404, "0404"), (0o450, "0450")])
 def test_a_file_open_to_group_or_others_is_refused(tmp_path, mode, shown) -> None:
+    """Refused whoever owns it: group write or execute, or any permission for others."""
     path = _file(tmp_path, SECRET, mode)
     with pytest.raises(SecretSourceError) as info:
         read_secret("auth_secret", file=path)
     text = str(info.value)
     assert f"mode {shown}" in text and "0400" in text and path in text
+    assert "owned by root" in text and "0440" in text  # states the rule
     assert SECRET not in text
+
+
+ROOT = os.geteuid() == 0
+NOT_ROOT = 12345  # any uid but root
+
+
+def _owned(path: str, uid: int) -> str:
+    os.chown(path, uid, -1)
+    return path
+
+
+@pytest.mark.parametrize("mode", [0o400, 0o600])
+def test_an_owner_only_file_is_accepted_whoever_owns_it(tmp_path, mode) -> None:
+    path = _file(tmp_path, SECRET, mode)
+    assert read_secret("auth_secret", file=path) == SECRET
+    if ROOT:
+        assert read_secret("auth_secret", file=_owned(path, NOT_ROOT)) == SECRET
+
+
+@pytest.mark.skipif(not ROOT, reason="needs root to give a file to root and to another uid")
+@pytest.mark.parametrize("mode", [0o440, 0o640])
+def test_a_group_readable_file_is_accepted_only_when_root_owns_it(tmp_path, mode) -> None:
+    """PostgreSQL's rule for its TLS key: what a Kubernetes Secret volume with
+    ``defaultMode: 0440`` and ``fsGroup`` gives a non-root pod (root-owned, group-read)."""
+    path = _owned(_file(tmp_path, SECRET, mode), 0)
+    assert read_secret("auth_secret", file=path) == SECRET
+    _owned(path, NOT_ROOT)
+    with pytest.raises(SecretSourceError) as info:
+        read_secret("auth_secret", file=path)
+    text = str(info.value)
+    assert f"mode {mode:04o}" in text and f"owned by uid {NOT_ROOT}" in text
+    assert "owned by root" in text and SECRET not in text
+
+
+@pytest.mark.parametrize(("mode", "uid", "ok"), [
+    (0o400, 0, True), (0o600, NOT_ROOT, True), (0o440, 0, True), (0o640, 0, True),
+    (0o440, NOT_ROOT, False), (0o460, 0, False), (0o404, 0, False), (0o470, 0, False),
+    (0o444, 0, False), (0o420, 0, False)])
+def test_the_mode_rule(mode, uid, ok) -> None:
+    assert secret_mode_allowed(mode, uid) is ok
 
 
 @pytest.mark.parametrize(("make", "why"), [
