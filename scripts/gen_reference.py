@@ -255,7 +255,7 @@ def models() -> str:
         f"Not swept: {len(doc['not_swept'])} registered architectures whose config class "
         f"transformers {doc['transformers']} does not provide (their checkpoints bring "
         "their own code): " + ", ".join(f"`{a}`" for a in doc["not_swept"]) + ".\n\n"
-        "Run it again: `.venv/bin/python benchmarks/model_sweep.py` (all, about an hour "
+        "Run it again: `.venv/bin/python benchmarks/model_sweep.py` (all, about 40 minutes "
         "on 2 cores; `--only A,B` for some), then `.venv/bin/python "
         "scripts/gen_reference.py`.\n")
 
