@@ -182,7 +182,8 @@ class SfaRemoteD2HConnector(KVConnectorBase_V1, SupportsHMA):
         tp_group = self._on_worker()
         if self.side == "prefill":
             layouts, regions = source_layouts(kv_caches, self._facts.num_blocks,
-                                              self._facts.kv_heads(), self._facts.layer_groups())
+                                              self._facts.kv_heads(), self._facts.layer_groups(),
+                                              self._state_shard())
             self._role = build_prefill_worker(self.options, self._facts, layouts, regions,
                                               host_memory=_on_host(kv_caches),
                                               overrides=self._overrides)
@@ -195,9 +196,16 @@ class SfaRemoteD2HConnector(KVConnectorBase_V1, SupportsHMA):
         self._role = build_decode_worker(
             self.options, self._facts,
             VllmCacheDestinations(kv_caches, self._facts.num_blocks, self._facts.kv_heads(),
-                                  self._facts.layer_groups()),
+                                  self._facts.layer_groups(), self._state_shard()),
             tp_group=tp_group, host_memory=_on_host(kv_caches), overrides=self._overrides,
         )
+
+    def _state_shard(self) -> Any:
+        """The state geometry and this rank's ``(rank, tp)`` (None: equal TP only)."""
+        geometry = self._facts.state_geometry
+        if geometry is None:
+            return None
+        return geometry, self._facts.tp_rank, self._facts.tp_size
 
     def register_sparse_kv_pool(self, manager: Any, indexer_caches: Any = None,
                                 scale_caches: Any = None) -> None:

@@ -83,6 +83,7 @@ def engine(vllm_config: Any, kv_cache_config: Any) -> tuple[Rd2hOptions, EngineF
     hookless = tuple(g.index for g in moved if not g.hooked)
     block_size = (attention[0].block_size if attention
                   else vllm_config.cache_config.block_size)
+    geometry, why = _state_geometry(vllm_config, groups, state, hookless)
     facts = EngineFacts(
         side=side,  # type: ignore[arg-type]
         kv_port=int(ktc.kv_port),
@@ -98,17 +99,37 @@ def engine(vllm_config: Any, kv_cache_config: Any) -> tuple[Rd2hOptions, EngineF
             kv_groups=_compat_text(groups_summary(moved)) if moved else None,
             spec_decode=spec_decode(vllm_config),
             # State is split over TP ranks by its own layout (conv channels, SSM heads):
-            # rd2h moves it between equal TP sizes only, refused at the handshake else.
-            # So are DeepSeek-V4's caches, proven between equal TP sizes only.
-            state_tp=int(pc.tensor_parallel_size) if state or hookless else None),
+            # with its geometry stated, a Decode rank of another TP size reads its parts
+            # (both sides must state the same geometry); without one (a layout rd2h cannot
+            # describe), and for DeepSeek-V4's caches, proven between equal TP sizes only,
+            # the TP size itself is stated, so unequal TP is refused at the handshake.
+            state_layout=geometry.text() if geometry is not None else None,
+            state_tp=int(pc.tensor_parallel_size)
+            if (state and geometry is None) or hookless else None),
         moved_groups=tuple(g.index for g in moved),
         state_groups=state,
         group_block_sizes=tuple(int(g.kv_cache_spec.block_size) for g in groups),
         hookless_groups=hookless,
-        groups_text="; ".join(g.describe() for g in moved),
+        groups_text="; ".join(g.describe() for g in moved) + (
+            f"; state across TP sizes: {why}" if why else ""),
+        state_geometry=geometry,
         total_kv_heads=split_kv_heads(vllm_config),
     )
     return options, facts
+
+
+def _state_geometry(vllm_config: Any, groups: Any, state: tuple[int, ...],
+                    hookless: tuple[int, ...]) -> tuple[Any, str]:
+    """The state groups' geometry (``rd2h.adapters.vllm.state_geometry``) and "", or None
+    and why not ("" without state)."""
+    if not state:
+        return None, ""
+    if hookless:
+        return None, "not with caches vLLM gives no per-layer hook (equal TP only)"
+    from rd2h.adapters.vllm.state_geometry import state_geometry
+
+    geometry, why = state_geometry(vllm_config, [groups[i].kv_cache_spec for i in state])
+    return geometry, (f"equal TP only: {why}" if geometry is None else "")
 
 
 # Model layouts whose caches rd2h moves (``model_version`` of vLLM's spec): every group

@@ -18,6 +18,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from rd2h.adapters.torch.tensors import head_major, main_views, region_of, state_page
+from rd2h.domain.errors import LayoutMismatch
 from rd2h.domain.planning.layout import (
     DestinationLayout,
     DestTensor,
@@ -25,6 +26,10 @@ from rd2h.domain.planning.layout import (
     SourceLayout,
     TensorComponent,
 )
+from rd2h.domain.planning.state_split import StateGeometry
+
+# A state geometry and this rank's place: ``(geometry, rank, tp)``.
+StateShard = tuple[StateGeometry, int, int]
 
 __all__ = ["VllmCacheDestinations", "main_views", "region_of", "source_layouts"]
 
@@ -53,6 +58,33 @@ def _heads(tensor: Any, num_blocks: int, heads: HeadRange | None) -> HeadRange |
     return heads if head_major(tensor, num_blocks, heads.count) else None
 
 
+def _state_position(name: str, value: Any, num_blocks: int, state: StateShard | None
+                    ) -> tuple[int, int] | None:
+    """A state layer's ``(rank, tp)`` when its tensors lie in its page as the geometry
+    says (each tensor right after the one before, from the page's first byte), else None
+    (a layer of another kind, no geometry). A state page laid out otherwise is refused:
+    rd2h would otherwise split it by a layout it does not have."""
+    if state is None or not _is_state(value):
+        return None
+    geometry, rank, tp = state
+    sizes = geometry.tensor_bytes(tp)
+    parts = list(value)
+    base = parts[0].data_ptr() if parts else 0
+    at = 0
+    got = []
+    for t, size in zip(parts, sizes):
+        got.append((t.data_ptr() - base, t.numel() * t.element_size()))
+        if t.data_ptr() - base != at or t.numel() * t.element_size() != size:
+            raise LayoutMismatch(
+                name, "main", f"state tensors at (offset, bytes) {got} of the page; the "
+                f"{geometry.kind} geometry at TP {tp} gives sizes {sizes} one after another")
+        at += size
+    if len(parts) != len(sizes):
+        raise LayoutMismatch(name, "main", f"{len(parts)} state tensors; the "
+                             f"{geometry.kind} geometry has {len(sizes)}")
+    return rank, tp
+
+
 def _moved(kv_caches: Mapping[str, Any], groups: Mapping[str, int] | None
            ) -> list[tuple[str, Any, int]]:
     """The cache layers rd2h moves with their KV cache group (``groups``: layer name ->
@@ -65,12 +97,13 @@ def _moved(kv_caches: Mapping[str, Any], groups: Mapping[str, int] | None
 
 def source_layouts(
     kv_caches: Mapping[str, Any], num_blocks: int, heads: HeadRange | None = None,
-    groups: Mapping[str, int] | None = None,
+    groups: Mapping[str, int] | None = None, state: StateShard | None = None,
 ) -> tuple[dict[str, SourceLayout], list[tuple[int, int]]]:
     """Prefill: one ``SourceLayout`` per cache layer, and the regions to expose.
     ``heads``: the KV heads this rank holds (stated per layer where blocks are
     head-major: the head-split extension); ``groups``: each moved layer's KV cache
-    group (MF_META's ``tensor_group_idx``)."""
+    group (MF_META's ``tensor_group_idx``); ``state``: the state geometry and this
+    rank's ``(rank, tp)``, stated per state layer (MF_META's ``state_shard``)."""
     layouts: dict[str, SourceLayout] = {}
     regions: dict[tuple[int, int], None] = {}
     for name, tensor, group in _moved(kv_caches, groups):
@@ -81,6 +114,7 @@ def source_layouts(
                                         page_bytes=None if p == n else p)
                         for b, n, p in views),
             heads=_heads(tensor, num_blocks, heads),
+            state=_state_position(name, tensor, num_blocks, state),
         )
         regions[_region(tensor)] = None
     return layouts, list(regions)
@@ -93,8 +127,8 @@ class VllmCacheDestinations:
     main_sharing = "rank_local"
 
     def __init__(self, kv_caches: Mapping[str, Any], num_blocks: int,
-                 heads: HeadRange | None = None, groups: Mapping[str, int] | None = None
-                 ) -> None:
+                 heads: HeadRange | None = None, groups: Mapping[str, int] | None = None,
+                 state: StateShard | None = None) -> None:
         """``groups``: each moved layer's KV cache group, whose block ids address it
         (None: one group, the request's main list)."""
         self._layouts: dict[str, DestinationLayout] = {}
@@ -106,6 +140,8 @@ class VllmCacheDestinations:
                             for b, n, p in views),
                 heads=_heads(tensor, num_blocks, heads),
                 group=None if groups is None else group,
+                state=(position := _state_position(name, tensor, num_blocks, state)),
+                geometry=None if position is None or state is None else state[0],
             )
             regions[_region(tensor)] = None
         self._regions = list(regions)

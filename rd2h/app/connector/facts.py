@@ -8,6 +8,7 @@ from typing import Literal
 
 from rd2h.app.settings import Rd2hOptions, Rd2hSettings
 from rd2h.domain.planning.layout import HeadRange
+from rd2h.domain.planning.state_split import StateGeometry
 from rd2h.domain.wire.compat import Compat
 
 
@@ -41,6 +42,14 @@ class EngineFacts:
     # The moved groups whose layers vLLM gives no per-layer save hook (announced after
     # the step's forward, like state).
     hookless_groups: tuple[int, ...] = ()
+    # The state groups' geometry (``rd2h.domain.planning.state_split.StateGeometry``):
+    # a Decode rank of another TP size reads its parts of each state page (None: the
+    # state moves between equal TP sizes only).
+    state_geometry: StateGeometry | None = None
+
+    def state_position(self) -> tuple[int, int] | None:
+        """This rank's ``(rank, tp)`` for its state layers, when they split by TP."""
+        return None if self.state_geometry is None else (self.tp_rank, self.tp_size)
 
     def layer_groups(self) -> dict[str, int] | None:
         """Cache layer name -> the group whose block ids address it (moved groups only);

@@ -17,6 +17,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from rd2h.domain.errors import LayoutMismatch
 from rd2h.domain.planning.layout import (
     DestinationLayout,
     DestTensor,
@@ -26,6 +27,7 @@ from rd2h.domain.planning.layout import (
     main_slices,
     validate_layout,
 )
+from rd2h.domain.planning.state_split import StateSplitError, state_slices
 
 _INT64_MAX = (1 << 63) - 1
 
@@ -57,6 +59,38 @@ def source_limit(tensors: Sequence[TensorComponent]) -> int:
     return min((block_limit(t)[0] for t in tensors), default=_INT64_MAX)
 
 
+def _state_split(src: SourceLayout, dst: DestinationLayout) -> tuple[MainSlice, ...] | None:
+    """The runs of a state page this Decode rank reads from this Prefill rank when their
+    TP sizes differ and both state their position (``state_split``); None otherwise
+    (equal TP: the page moves whole; a side that does not state it: pages must match).
+    Each side's page must be exactly its rank's state bytes."""
+    geometry = dst.geometry
+    if geometry is None or dst.state is None or src.state is None:
+        return None
+    if src.state[1] == dst.state[1]:
+        return None
+    layer = dst.layer_name
+    if len(src.main) != 1 or len(dst.main) != 1:
+        raise LayoutMismatch(layer, "main", "a state layer split across TP sizes must have "
+                             f"one page (prefill {len(src.main)}, decode {len(dst.main)})")
+    for side, pos, tensor in (("prefill", src.state, src.main[0]),
+                              ("decode", dst.state, dst.main[0])):
+        try:
+            _, nbytes = geometry.local(pos[1], pos[0])
+        except StateSplitError as exc:
+            raise LayoutMismatch(layer, "main", f"{side}: {exc}") from None
+        if tensor.page != nbytes:
+            raise LayoutMismatch(layer, "main", f"{side} rank {pos[0]} of TP {pos[1]} states "
+                                 f"a {tensor.page}-byte state page; its state is {nbytes} "
+                                 f"bytes ({geometry.kind})")
+    runs = state_slices(geometry, src.state, dst.state, layer)
+    if not runs:
+        raise LayoutMismatch(layer, "main", f"prefill rank {src.state[0]} of TP "
+                             f"{src.state[1]} holds none of decode rank {dst.state[0]}'s "
+                             "state")
+    return runs
+
+
 @dataclass(frozen=True)
 class LayerPair:
     """The per-pair constants of planning (see the module docstring)."""
@@ -80,9 +114,14 @@ class LayerPair:
     @staticmethod
     def of(src: SourceLayout, dst: DestinationLayout) -> LayerPair:
         """Check the pair (``validate_layout``: raises ``LayoutMismatch``) and derive it."""
-        validate_layout(src, dst)
-        slices = main_slices(src, dst)
-        main_pairs = tuple(zip(src.main, dst.main))
+        split = _state_split(src, dst)
+        validate_layout(src, dst, state_split=split is not None)
+        if split is None:
+            slices = main_slices(src, dst)
+            main_pairs = tuple(zip(src.main, dst.main))
+        else:  # one descriptor row per run of the state page
+            slices = split
+            main_pairs = ((src.main[0], dst.main[0]),) * len(split)
         index_pairs: Pairs = ()
         if src.indexer is not None and dst.indexer is not None:
             index_pairs = ((src.indexer, dst.indexer),)

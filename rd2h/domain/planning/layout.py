@@ -14,6 +14,7 @@ its slice of each Decode block: ``main_slices`` gives the byte offset per tensor
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from rd2h.domain.errors import LayoutMismatch
 from rd2h.domain.wire.protocol import LayerMetadata
@@ -81,6 +82,9 @@ class SourceLayout:
     indexer: TensorComponent | None = None
     scale: TensorComponent | None = None
     heads: HeadRange | None = None  # the KV heads of the main tensors (head-major blocks)
+    # A recurrent-state layer's TP position ``(rank, tp)`` (the state-split extension:
+    # a Decode rank of another TP size reads its parts, ``layer_pair``); None: not stated.
+    state: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
         if len(self.main) > MAX_MAIN_TENSORS:
@@ -123,6 +127,7 @@ class SourceLayout:
             # only when a page is not its whole block: the legacy shape otherwise
             page_bytes=tuple(t.page for t in tensors)
             if any(t.page != t.bytes_per_block for t in tensors) else (),
+            state_shard=self.state,
         )
 
     @classmethod
@@ -167,7 +172,7 @@ class SourceLayout:
                     layer_name, "indexer",
                     f"{len(extra)} tensors beyond the main ones but has_indexer is false",
                 )
-            return cls(layer_name, tuple(tensors[:mc]), heads=heads)
+            return cls(layer_name, tuple(tensors[:mc]), heads=heads, state=meta.state_shard)
         if not extra:
             raise LayoutMismatch(layer_name, "indexer", "has_indexer is true but no indexer tensor")
         if len(extra) > 2:
@@ -175,7 +180,7 @@ class SourceLayout:
                 layer_name, "scale", f"{len(extra)} tensors after main (indexer + scale at most)"
             )
         scale = extra[1] if len(extra) == 2 else None
-        return cls(layer_name, tuple(tensors[:mc]), extra[0], scale, heads)
+        return cls(layer_name, tuple(tensors[:mc]), extra[0], scale, heads, meta.state_shard)
 
 
 @dataclass(frozen=True)
@@ -211,6 +216,11 @@ class DestinationLayout:
     # The KV cache group whose block ids address the main tensors (None: the request's
     # main list): a layer of a second group reads into that group's own blocks.
     group: int | None = None
+    # A recurrent-state layer: this rank's TP position ``(rank, tp)`` and the model's
+    # state geometry (``state_split.StateGeometry``), so a Prefill rank of another TP
+    # size that states its own position fills this rank's parts (None: equal TP only).
+    state: tuple[int, int] | None = None
+    geometry: Any = None
 
 
 def per_block_bytes_from_rows(row_bytes: int, rows: int, num_blocks: int) -> int:
@@ -286,15 +296,17 @@ def main_slices(src: SourceLayout, dst: DestinationLayout) -> tuple[MainSlice, .
     return tuple(out)
 
 
-def validate_layout(src: SourceLayout, dst: DestinationLayout) -> None:
-    """Raise ``LayoutMismatch`` naming the layer and the first mismatching component."""
+def validate_layout(src: SourceLayout, dst: DestinationLayout, *,
+                    state_split: bool = False) -> None:
+    """Raise ``LayoutMismatch`` naming the layer and the first mismatching component
+    (``state_split``: main is a state page split by TP, checked by its own rule)."""
     layer = dst.layer_name
     if len(src.main) != len(dst.main):
         raise LayoutMismatch(
             layer, "main",
             f"prefill advertises {len(src.main)} main tensors, decode expects {len(dst.main)}",
         )
-    if main_slices(src, dst) is None:
+    if not state_split and main_slices(src, dst) is None:
         for s, d in zip(src.main, dst.main):
             _check_bytes(layer, "main", s, d)
     for component in ("indexer", "scale"):

@@ -638,7 +638,7 @@ def _checked(batch: ReadReadyBatch, blocks: BlockPlan, pair: LayerPair,
         _check_source(
             layer, "indexer", index, [t for t in (src.indexer, src.scale) if t is not None],
             reqs)
-    built, empty = blocks.built(len(src.main), 1 + (src.scale is not None))
+    built, empty = blocks.built(len(pair.main_pairs), 1 + (src.scale is not None))
     if empty is not None:
         raise PlanningError(layer, "this rank owns blocks but built no descriptor",
                             reqs[empty].ext_req_id)

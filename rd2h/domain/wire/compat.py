@@ -41,7 +41,10 @@ KNOWN: dict[str, type] = {
     "auth": str,  # the signing envelope version, "none" without a secret
     "kv_groups": str,  # the KV cache groups rd2h moves: kind, window, block size, layers
     "spec_decode": str,  # speculative decoding (its draft layers own KV), "none" without
-    "state_tp": int,  # TP size of an engine whose model carries recurrent state
+    "state_tp": int,  # TP size of an engine whose state moves between equal TP only
+    # How the model's recurrent state splits over TP ranks (``state_split``), the same
+    # at every TP size: a Decode rank of another TP size reads its parts
+    "state_layout": str,
 }
 MAX_KEYS = 32
 MAX_KEY_CHARS = 64

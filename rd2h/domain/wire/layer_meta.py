@@ -33,6 +33,12 @@ MAIN_HEADS_KEY = "main_heads"
 # bytes; absent, a page is its whole block (and Decode, whose own page is smaller,
 # refuses the layer).
 PAGE_BYTES_KEY = "page_bytes"
+# Optional key (the state-split extension, docs/guide/vllm.md "Recurrent state"): a
+# recurrent-state layer's TP position ``[rank, tp]``, so a Decode rank of another TP
+# size reads exactly its parts of this rank's state page. Absent: equal TP only (the
+# page sizes then differ and Decode refuses the layer).
+STATE_SHARD_KEY = "state_shard"
+MAX_TP = 1 << 12
 MAX_KV_HEADS = 1 << 16
 
 
@@ -54,6 +60,7 @@ class LayerMetadata:
     num_blocks: tuple[int, ...] = ()
     main_heads: tuple[int, int, int] | None = None  # (first, count, total)
     page_bytes: tuple[int, ...] = ()  # per tensor; empty: whole blocks
+    state_shard: tuple[int, int] | None = None  # (rank, tp) of a state layer
 
     def to_map(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -70,6 +77,8 @@ class LayerMetadata:
             out[MAIN_HEADS_KEY] = list(self.main_heads)
         if self.page_bytes:
             out[PAGE_BYTES_KEY] = list(self.page_bytes)
+        if self.state_shard is not None:
+            out[STATE_SHARD_KEY] = list(self.state_shard)
         return out
 
 
@@ -93,6 +102,8 @@ def decode_layer_metadata(name: Any, value: Any) -> LayerMetadata:
     main_heads = _main_heads(value.get(MAIN_HEADS_KEY), layer) if MAIN_HEADS_KEY in value \
         else None
     page_bytes = _per_tensor(value, PAGE_BYTES_KEY, layer, count, minimum=1)
+    state_shard = _state_shard(value[STATE_SHARD_KEY], layer) if STATE_SHARD_KEY in value \
+        else None
     main_count = as_int(value["main_tensor_count"], f"MF_META {layer} main_tensor_count", minimum=0)
     has_indexer = value["has_indexer"]
     if not isinstance(has_indexer, bool):
@@ -107,6 +118,7 @@ def decode_layer_metadata(name: Any, value: Any) -> LayerMetadata:
         num_blocks=num_blocks,
         main_heads=main_heads,
         page_bytes=page_bytes,
+        state_shard=state_shard,
     )
 
 
@@ -135,6 +147,16 @@ def _main_heads(value: Any, layer: str) -> tuple[int, int, int]:
     first = as_int(items[0], f"{what} first", minimum=0, maximum=total - 1)
     count = as_int(items[1], f"{what} count", minimum=1, maximum=total - first)
     return first, count, total
+
+
+def _state_shard(value: Any, layer: str) -> tuple[int, int]:
+    """``[rank, tp]``: a rank inside a TP size of at most ``MAX_TP``."""
+    what = f"MF_META {layer} {STATE_SHARD_KEY}"
+    items = as_seq(value, what)
+    if len(items) != 2:
+        raise ProtocolError(f"{what} must be [rank, tp], got {len(items)} items")
+    tp = as_int(items[1], f"{what} tp", minimum=1, maximum=MAX_TP)
+    return as_int(items[0], f"{what} rank", minimum=0, maximum=tp - 1), tp
 
 
 def decode_layer_map(value: Any) -> dict[str, LayerMetadata]:
