@@ -71,6 +71,15 @@ def _pages_text(layouts: Mapping[str, Any]) -> dict[str, str]:
     return {k: ",".join(sorted(v)) for k, v in sorted(out.items())}
 
 
+def _split_text(facts: EngineFacts) -> str | None:
+    """How this rank's state layers split over TP (None: no state)."""
+    if not facts.state_groups:
+        return None
+    if facts.state_geometry is None:
+        return "equal TP only" + (f" ({facts.state_note})" if facts.state_note else "")
+    return f"rank {facts.tp_rank} of TP {facts.tp_size}, {facts.state_geometry.kind}"
+
+
 def _log_channel(container: Container, role: str, options: Rd2hOptions) -> None:
     """Say how the control channel is protected (never with what)."""
     container.logger(role=role).info(
@@ -118,6 +127,10 @@ def build_prefill_worker(
     container.logger(role="prefill").info(
         "verify_kv: " + ("every announced block states its digest" if options.verify_kv
                          else "off (no digests stated)"))
+    if facts.state_groups:
+        container.logger(role="prefill").info(
+            "state layers", state_split=_split_text(facts),
+            split_layers=sum(1 for lay in layouts.values() if lay.state is not None))
     _log_channel(container, "prefill", options)
     worker.start()
     return worker
@@ -158,7 +171,9 @@ def build_decode_worker(
     )
     container.logger(role="decode").info(
         "KV cache pages (bytes moved of each block / bytes between blocks, per group)",
-        pages=_pages_text(destinations.layouts()))
+        pages=_pages_text(destinations.layouts()), state_split=_split_text(facts),
+        split_layers=sum(1 for lay in destinations.layouts().values()
+                         if getattr(lay, "state", None) is not None))
     container.logger(role="decode").info(
         "verify_kv: " + ("the digests a Prefill states are checked after each read"
                          if host_memory else "digests are not checked (destination memory "

@@ -205,7 +205,8 @@ class SfaRemoteD2HConnector(KVConnectorBase_V1, SupportsHMA):
         geometry = self._facts.state_geometry
         if geometry is None:
             return None
-        return geometry, self._facts.tp_rank, self._facts.tp_size
+        return (geometry, self._facts.tp_rank, self._facts.tp_size,
+                frozenset(self._facts.state_groups))
 
     def register_sparse_kv_pool(self, manager: Any, indexer_caches: Any = None,
                                 scale_caches: Any = None) -> None:

@@ -113,6 +113,7 @@ def engine(vllm_config: Any, kv_cache_config: Any) -> tuple[Rd2hOptions, EngineF
         groups_text="; ".join(g.describe() for g in moved) + (
             f"; state across TP sizes: {why}" if why else ""),
         state_geometry=geometry,
+        state_note=why,
         total_kv_heads=split_kv_heads(vllm_config),
     )
     return options, facts

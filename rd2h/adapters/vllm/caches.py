@@ -28,8 +28,9 @@ from rd2h.domain.planning.layout import (
 )
 from rd2h.domain.planning.state_split import StateGeometry
 
-# A state geometry and this rank's place: ``(geometry, rank, tp)``.
-StateShard = tuple[StateGeometry, int, int]
+# A state geometry, this rank's place and the state groups: ``(geometry, rank, tp,
+# groups)``.
+StateShard = tuple[StateGeometry, int, int, frozenset[int]]
 
 __all__ = ["VllmCacheDestinations", "main_views", "region_of", "source_layouts"]
 
@@ -58,30 +59,38 @@ def _heads(tensor: Any, num_blocks: int, heads: HeadRange | None) -> HeadRange |
     return heads if head_major(tensor, num_blocks, heads.count) else None
 
 
-def _state_position(name: str, value: Any, num_blocks: int, state: StateShard | None
-                    ) -> tuple[int, int] | None:
-    """A state layer's ``(rank, tp)`` when its tensors lie in its page as the geometry
-    says (each tensor right after the one before, from the page's first byte), else None
-    (a layer of another kind, no geometry). A state page laid out otherwise is refused:
-    rd2h would otherwise split it by a layout it does not have."""
-    if state is None or not _is_state(value):
+def _state_position(name: str, value: Any, num_blocks: int, state: StateShard | None,
+                    group: int) -> tuple[int, int] | None:
+    """A state layer's ``(rank, tp)`` when its bytes lie in its page as the geometry says
+    (the tensors one after another from the page's first byte), else None (a layer of
+    another kind, no geometry). vLLM hands a state layer over as its list of views or as
+    one view of the page's state bytes. A state page laid out otherwise is refused: rd2h
+    would otherwise split it by a layout it does not have."""
+    if state is None or group not in state[3]:
         return None
-    geometry, rank, tp = state
+    geometry, rank, tp, _ = state
     sizes = geometry.tensor_bytes(tp)
+    if not _is_state(value):  # one view of the state's bytes
+        (_, _, page), = main_views(name, value, num_blocks)
+        if page != sum(sizes):
+            raise LayoutMismatch(name, "main", f"a {page}-byte state page; the "
+                                 f"{geometry.kind} geometry at TP {tp} gives {sum(sizes)}")
+        return rank, tp
     parts = list(value)
-    base = parts[0].data_ptr() if parts else 0
+    if len(parts) != len(sizes):
+        raise LayoutMismatch(name, "main", f"{len(parts)} state tensors; the "
+                             f"{geometry.kind} geometry has {len(sizes)}")
+    base = parts[0].data_ptr()
     at = 0
     got = []
     for t, size in zip(parts, sizes):
-        got.append((t.data_ptr() - base, t.numel() * t.element_size()))
-        if t.data_ptr() - base != at or t.numel() * t.element_size() != size:
+        nbytes = t.numel() // max(1, int(t.shape[0])) * t.element_size()  # one block's
+        got.append((t.data_ptr() - base, nbytes))
+        if t.data_ptr() - base != at or nbytes != size:
             raise LayoutMismatch(
                 name, "main", f"state tensors at (offset, bytes) {got} of the page; the "
                 f"{geometry.kind} geometry at TP {tp} gives sizes {sizes} one after another")
         at += size
-    if len(parts) != len(sizes):
-        raise LayoutMismatch(name, "main", f"{len(parts)} state tensors; the "
-                             f"{geometry.kind} geometry has {len(sizes)}")
     return rank, tp
 
 
@@ -114,7 +123,7 @@ def source_layouts(
                                         page_bytes=None if p == n else p)
                         for b, n, p in views),
             heads=_heads(tensor, num_blocks, heads),
-            state=_state_position(name, tensor, num_blocks, state),
+            state=_state_position(name, tensor, num_blocks, state, group),
         )
         regions[_region(tensor)] = None
     return layouts, list(regions)
@@ -140,7 +149,7 @@ class VllmCacheDestinations:
                             for b, n, p in views),
                 heads=_heads(tensor, num_blocks, heads),
                 group=None if groups is None else group,
-                state=(position := _state_position(name, tensor, num_blocks, state)),
+                state=(position := _state_position(name, tensor, num_blocks, state, group)),
                 geometry=None if position is None or state is None else state[0],
             )
             regions[_region(tensor)] = None

@@ -46,6 +46,7 @@ class EngineFacts:
     # a Decode rank of another TP size reads its parts of each state page (None: the
     # state moves between equal TP sizes only).
     state_geometry: StateGeometry | None = None
+    state_note: str = ""  # why the state moves between equal TP sizes only
 
     def state_position(self) -> tuple[int, int] | None:
         """This rank's ``(rank, tp)`` for its state layers, when they split by TP."""
