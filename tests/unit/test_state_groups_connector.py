@@ -257,14 +257,19 @@ def test_a_prompt_list_shortens_each_child_that_goes_to_a_remote_decode(engines)
     assert [r.num_prompt_tokens for r in reqs] == [6, 6, 7]
 
 
-def test_state_groups_state_their_tp_size_for_the_handshake() -> None:
-    """State is split over TP ranks by its own layout: between different TP sizes it is
-    refused at the MF_META handshake, naming ``state_tp``."""
+def test_state_whose_geometry_is_unknown_states_its_tp_size_for_the_handshake() -> None:
+    """State is split over TP ranks by its model's layout. Here the model (a Llama config
+    with a state group added by hand) does not size that state by vLLM's calculator, so
+    rd2h has no geometry to split it by: it states ``state_tp`` and between different TP
+    sizes the MF_META handshake refuses, naming it; the start line says why."""
     conns = [SfaRemoteD2HConnector(vllm_config(role, tp=tp), KVConnectorRole.SCHEDULER,
                                    hybrid())
              for role, tp in (("kv_producer", 2), ("kv_consumer", 1))]
     p, d = (c._facts.compat for c in conns)
     assert p.values["state_tp"] == 2 and p.values["kv_groups"] == "state/512x2,full/4x2"
+    assert "state_layout" not in p.values
+    assert conns[0]._facts.state_geometry is None
+    assert "state across TP sizes: equal TP only" in conns[0]._facts.groups_text
     refusal = compare(p, d)
     assert refusal is not None and "state_tp: prefill 2, decode 1" in refusal.describe()
     for c in conns:

@@ -359,9 +359,11 @@ def _state_bytes_at(cluster, tp: int) -> int:
     if cluster["dtype"] == "float32":  # the Mamba2 families (MAMBA2_STATE_BYTES)
         geo = mamba2(intermediate_size=256, n_groups=1, num_heads=8, head_dim=32,
                      state_size=64, conv_kernel=4, conv_elem=4, ssm_elem=4)
-    else:  # tiny Qwen3-Next: 2 key and 2 value heads of 128, kernel 4, bfloat16
+    else:  # tiny Qwen3-Next: 2 key and 2 value heads of 128, kernel 4; a bfloat16 conv
+        # state, a float32 recurrent one
         geo = gated_delta_net(num_k_heads=2, num_v_heads=2, head_k_dim=128, head_v_dim=128,
-                              conv_kernel_size=4, conv_elem=2, ssm_elem=2)
+                              conv_kernel_size=4, conv_elem=2, ssm_elem=4)
+    assert geo.local(1, 0)[1] == cluster["state_page"]  # what a TP 1 engine moves
     return sum(geo.local(tp, r)[1] for r in range(tp))
 
 
