@@ -123,6 +123,7 @@ def build_prefill_worker(
         layouts=by_idx, digest=container.digest() if options.verify_kv else None,
         main_shared=(facts.compat is not None
                      and facts.compat.values.get("main_sharing") == "shared_pool"),
+        state_geometry=facts.state_geometry,
     )
     container.logger(role="prefill").info(
         "verify_kv: " + ("every announced block states its digest" if options.verify_kv

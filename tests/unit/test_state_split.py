@@ -257,3 +257,50 @@ def test_state_shard_survives_the_wire():
     bad = dict(meta.to_map(), state_shard=[2, 2])
     with pytest.raises(ProtocolError, match="state_shard rank"):
         decode_layer_metadata(s.layer_name, bad)
+
+
+@pytest.mark.parametrize("p_tp,d_tp", [(2, 1), (1, 2)])
+def test_split_state_digests_check_every_run_and_catch_a_wrong_byte(p_tp, d_tp):
+    """``verify_kv`` on a state page split across TP sizes: each Prefill rank states one
+    digest per run its reader reads (``stated_split_digests``); Decode checks each run at
+    its destination after the copy (``split_checks``): all equal, and one changed byte
+    in Decode's copy is caught, naming the request and the block."""
+    from rd2h.adapters.hashing import digest_blocks
+    from rd2h.domain.wire.digests import split_checks, stated_split_digests
+    from rd2h.domain.wire.protocol import ReadRequest
+
+    geo = _geometry("mamba2", MAMBA2_G1, SD)
+    nb, blocks = 4, (2, 3)  # the request's state blocks on both sides (the same ids)
+    src_pages = {}
+    for r in range(p_tp):
+        page = np.frombuffer(_page("mamba2", MAMBA2_G1, p_tp, r, SD), dtype=np.uint8)
+        buf = np.zeros((nb, 8192), dtype=np.uint8)
+        buf[:, :page.size] = page
+        buf[3, :page.size] = page[::-1]  # another block holds other bytes
+        src_pages[r] = buf
+    req = ReadRequest("req-1", blocks, ())
+    for dr in range(d_tp):
+        srcs = range(dr * (p_tp // d_tp), (dr + 1) * (p_tp // d_tp)) if p_tp >= d_tp \
+            else [dr // (d_tp // p_tp)]
+        dst = np.zeros((nb, 8192), dtype=np.uint8)
+        dtensor = DestTensor(dst.ctypes.data, 8192, nb, geo.local(d_tp, dr)[1])
+        checks = []
+        for sr in srcs:
+            runs = state_slices(geo, (sr, p_tp), (dr, d_tp))
+            src = SourceLayout("l", (TensorComponent(src_pages[sr].ctypes.data, 8192,
+                                                     num_blocks=nb),))
+            stated = ReadRequest("req-1", blocks, (),
+                                 digests=stated_split_digests(src, req, digest_blocks, runs))
+            assert len(stated.digests[0]) == len(blocks) * len(runs)
+            ids = np.asarray(blocks, dtype=np.int64)
+            for b in blocks:
+                for cut in runs:
+                    dst[b, cut.dst_offset:cut.dst_offset + cut.nbytes] = \
+                        src_pages[sr][b, cut.src_offset:cut.src_offset + cut.nbytes]
+            checks.append(split_checks("l", [stated], [(ids, ids)], runs, dtensor))
+        for c in checks:
+            assert (digest_blocks(c.addrs, c.sizes) == c.expected).all()
+        dst[3, 5] ^= 0xFF  # one byte of Decode's copy of block 3
+        bad = [c.describe(np.flatnonzero(digest_blocks(c.addrs, c.sizes) != c.expected))
+               for c in checks]
+        assert [("req-1", "main", 3)] in bad, bad

@@ -24,13 +24,14 @@ from typing import Any
 from rd2h.app.connector.plans import PrefillSend, StepPlan
 from rd2h.app.connector.roles import ConnectorRole, TransferResults
 from rd2h.app.prefill import LayerTarget, PrefillSender
-from rd2h.domain.errors import CompletionError
+from rd2h.domain.errors import CompletionError, LayoutMismatch
 from rd2h.domain.planning.chunks import layer_index
 from rd2h.domain.planning.layout import SourceLayout
+from rd2h.domain.planning.state_split import StateGeometry, state_slices
 from rd2h.domain.planning.topology import compute_mapping, remote_port, tcp_endpoint
 from rd2h.domain.prefill.prefill_book import Announced, RequestFailed, RequestWithheld
 from rd2h.domain.prefill.prefill_session import RequestNews
-from rd2h.domain.wire.digests import stated_digests
+from rd2h.domain.wire.digests import stated_digests, stated_split_digests
 from rd2h.domain.wire.protocol import ReadRequest
 from rd2h.ports.runtime import (
     NO_TIMELINE,
@@ -100,8 +101,12 @@ class PrefillWorker(ConnectorRole):
         digest: Digest | None = None,
         main_shared: bool = False,
         min_announce_bytes: int = 0,
+        state_geometry: StateGeometry | None = None,
     ) -> None:
         self._timeline = timeline
+        # A state layer split across TP sizes states, per block, a digest of each run its
+        # reader reads (``stated_split_digests``): the geometry gives the runs.
+        self._state_geometry = state_geometry
         # ``verify_kv``: each announced block's digest, from the layer's source bytes;
         # with ``main_shared`` (this rank states a shared main pool, which the handshake
         # holds Decode to), main only for the reading Decode rank's share.
@@ -286,12 +291,18 @@ class PrefillWorker(ConnectorRole):
                 endpoint = tcp_endpoint(s.decode.host, remote_port(s.decode.base_port, d_rank))
                 ask = req
                 if req is not None and layout is not None and self._digest is not None:
-                    owner = (d_rank, m.d_tp) if self._main_shared else (0, 1)
-                    ask = stated.get(owner)
-                    if ask is None:
-                        ask = stated[owner] = dataclasses.replace(req, digests=stated_digests(
-                            layout, req, self._digest, member=m.member, ratio=m.ratio,
-                            main_owner=owner))
+                    runs = self._split_runs(layout, d_rank, m.d_tp)
+                    if runs is not None:
+                        ask = dataclasses.replace(req, digests=stated_split_digests(
+                            layout, req, self._digest, runs))
+                    else:
+                        owner = (d_rank, m.d_tp) if self._main_shared else (0, 1)
+                        ask = stated.get(owner)
+                        if ask is None:
+                            ask = stated[owner] = dataclasses.replace(
+                                req, digests=stated_digests(
+                                    layout, req, self._digest, member=m.member, ratio=m.ratio,
+                                    main_owner=owner))
                 targets.append(LayerTarget(endpoint, ask, done, m.member, m.ratio, s.ext_id,
                                            s.awaits))
                 names.setdefault(endpoint, []).append((s.internal_id, s.ext_id))
@@ -299,6 +310,17 @@ class PrefillWorker(ConnectorRole):
                     nbytes += (len(req.p_main_block_ids) * main_bpb
                                + len(req.p_indexer_block_ids) * index_bpb)
         return targets, names, nbytes
+
+    def _split_runs(self, layout: SourceLayout, d_rank: int, d_tp: int) -> Any:
+        """The runs Decode rank ``d_rank`` of ``d_tp`` reads of this state layer's pages
+        when the TP sizes differ (``state_slices``); None otherwise."""
+        geometry = self._state_geometry
+        if geometry is None or layout.state is None or d_tp == layout.state[1]:
+            return None
+        try:
+            return state_slices(geometry, layout.state, (d_rank, d_tp), layout.layer_name)
+        except LayoutMismatch:
+            return None  # Decode refuses the pair itself, naming why
 
     # -- preemption
     def handle_preemptions(self, plan: StepPlan) -> None:

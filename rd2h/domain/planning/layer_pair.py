@@ -110,6 +110,8 @@ class LayerPair:
         default_factory=dict, compare=False, repr=False)
     # What a block plan depends on besides the message: main, indexer, head split, group.
     kind: tuple[object, ...] = ()
+    # ``slices`` are a state page's runs across TP sizes (``state_split``), not heads.
+    state_split: bool = False
 
     @staticmethod
     def of(src: SourceLayout, dst: DestinationLayout) -> LayerPair:
@@ -140,6 +142,7 @@ class LayerPair:
             min((d.num_blocks for _, d in index_pairs), default=_INT64_MAX),
             shape,
             kind=(bool(src.main), src.indexer is not None, slices is not None, dst.group),
+            state_split=split is not None,
         )
 
     def bases(self, main: bool, index: bool) -> Bases:

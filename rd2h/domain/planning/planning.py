@@ -37,7 +37,7 @@ from rd2h.domain.planning.layout import (
     TensorComponent,
 )
 from rd2h.domain.planning.topology import owned_ranges
-from rd2h.domain.wire.digests import BlockChecks, block_checks
+from rd2h.domain.wire.digests import BlockChecks, block_checks, split_checks
 from rd2h.domain.wire.protocol import ReadReadyBatch, ReadRequest
 
 __all__ = ["BlockPlan", "Destination", "PlanMemo", "ReadPlan", "RequestOwnership", "coalesce",
@@ -655,6 +655,11 @@ def _plan_layer(batch: ReadReadyBatch, blocks: BlockPlan, pair: LayerPair, src: 
     built = _checked(batch, blocks, pair, src)
     local, remote, lengths, nbytes = blocks.descriptors(pair, layer)
     checks = None
+    if pair.state_split and any(r.digests is not None for r in reqs):
+        cut_m = np.cumsum(main.counts)[:-1]
+        checks = split_checks(layer, reqs, list(zip(np.split(main.src, cut_m),
+                                                    np.split(main.dst, cut_m))),
+                              slices, dst.main[0])
     if slices is None and any(r.digests is not None for r in reqs):  # head split: unchecked
         cut_m, cut_i = np.cumsum(main.counts)[:-1], np.cumsum(index.counts)[:-1]
         owned = [(m, i) for m, i in zip(zip(np.split(main.src, cut_m), np.split(main.dst, cut_m)),

@@ -9,7 +9,9 @@ the LIC8 scale (over its indexer block ids). A list is aligned with one of these
   handshake refuses a Decode that states otherwise), the indexer over the members;
 - nothing: empty, for a tensor Decode never reads from this Prefill rank. Main K/V is
   read from contributor member 0 alone (every member holds all of it; a head split,
-  where each member holds its own heads, is not checked).
+  where each member holds its own heads, is not checked). A state layer split across TP
+  sizes (``state_split``) is checked run by run: each contributor states, per block,
+  one digest per run its reader reads (``stated_split_digests``, ``split_checks``).
 So each Prefill rank hashes only what its reader reads (``stated_digests``).
 A digest is XXH3-64 of the block's page (the tensor's own bytes of the block, exactly
 what a read moves: ``TensorComponent.page``), its top bit cleared (the wire's ints are below
@@ -26,7 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from rd2h.domain.errors import PlanningError
-from rd2h.domain.planning.layout import DestTensor, SourceLayout, TensorComponent
+from rd2h.domain.planning.layout import DestTensor, MainSlice, SourceLayout, TensorComponent
 from rd2h.domain.planning.topology import owned_range
 from rd2h.domain.wire.protocol import ReadRequest
 
@@ -84,6 +86,70 @@ def stated_digests(src: SourceLayout, req: ReadRequest,
         out.append(tuple(digest(part, np.full(part.size, size, dtype=np.int64)).tolist())
                    if part.size else ())
     return tuple(out)
+
+
+def stated_split_digests(src: SourceLayout, req: ReadRequest,
+                         digest: Callable[[np.ndarray, np.ndarray], np.ndarray],
+                         runs: Sequence[MainSlice]) -> tuple[tuple[int, ...], ...]:
+    """A state layer split across TP sizes (``state_split``): for its one main tensor,
+    per block of ``req``, one digest per run its reader reads (``runs``: the reader's
+    ``state_slices``), block by block; every contributor states its own."""
+    t = src.main[0]
+    base = np.asarray(req.p_main_block_ids, dtype=np.int64) * t.bytes_per_block + t.base_addr
+    offsets = np.fromiter((r.src_offset for r in runs), dtype=np.int64, count=len(runs))
+    sizes = np.fromiter((r.nbytes for r in runs), dtype=np.int64, count=len(runs))
+    addrs = (base[:, None] + offsets[None, :]).ravel()
+    return (tuple(digest(addrs, np.tile(sizes, base.size)).tolist()) if addrs.size else (),)
+
+
+def split_checks(layer: str, reqs: Sequence[ReadRequest],
+                 owned: Sequence[tuple[np.ndarray, np.ndarray]], runs: Sequence[MainSlice],
+                 dst: DestTensor) -> BlockChecks | None:
+    """The checks of a state layer split across TP sizes: ``owned[r]`` = (source ids,
+    destination ids) of the main blocks this rank read for request ``r``; each run of
+    each block is checked at its destination against the digest Prefill stated for it
+    (``stated_split_digests``). None when no request states digests."""
+    n = len(runs)
+    d_offsets = np.fromiter((r.dst_offset for r in runs), dtype=np.int64, count=n)
+    run_sizes = np.fromiter((r.nbytes for r in runs), dtype=np.int64, count=n)
+    addrs, sizes, expected, blocks = [], [], [], []
+    spans: list[tuple[str, str, int]] = []
+    stated = False
+    for req, (s_ids, d_ids) in zip(reqs, owned):
+        if req.digests is None:
+            continue
+        stated = True
+        ids = req.p_main_block_ids
+        if len(req.digests) != 1 or len(req.digests[0]) not in (0, len(ids) * n):
+            raise PlanningError(layer, f"KV digests for {len(req.digests)} tensors do not "
+                                f"match the state page's {n} runs of {len(ids)} blocks",
+                                req.ext_req_id)
+        if not s_ids.size:
+            continue
+        if not req.digests[0]:
+            raise PlanningError(layer, "Prefill stated no KV digests for the state runs "
+                                "this rank reads from it", req.ext_req_id)
+        listed = np.asarray(ids, dtype=np.int64)
+        order = np.argsort(listed, kind="stable")
+        at = np.searchsorted(listed, s_ids, sorter=order)
+        pos = order[np.minimum(at, order.size - 1)]
+        if not np.array_equal(listed[pos], s_ids):
+            raise PlanningError(layer, "a state block read is not in the request's block "
+                                "list", req.ext_req_id)
+        grid = np.asarray(req.digests[0], dtype=np.int64).reshape(len(ids), n)[pos]
+        addrs.append(((d_ids * dst.bytes_per_block + dst.base_addr)[:, None]
+                      + d_offsets[None, :]).ravel())
+        sizes.append(np.tile(run_sizes, s_ids.size))
+        expected.append(grid.ravel())
+        blocks.append(np.repeat(s_ids, n))
+        spans.append((req.ext_req_id, "main", int(s_ids.size) * n))
+    if not stated:
+        return None
+
+    def cat(parts: list[np.ndarray]) -> np.ndarray:
+        return np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, np.int64)
+
+    return BlockChecks(cat(addrs), cat(sizes), cat(expected), cat(blocks), tuple(spans))
 
 
 @dataclass(frozen=True)

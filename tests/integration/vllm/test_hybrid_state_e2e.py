@@ -376,8 +376,9 @@ def test_state_moves_across_tp_sizes(cluster, p_tp, d_tp):
     and heads of each state page (conv x / B / C or q / k / v, SSM or recurrent heads)
     and its attention heads: tokens equal to the plain reference's for prompts of 2 to
     300 tokens, Decode supplied N-1 tokens, the bytes pulled are exactly what Decode's
-    ranks hold (attention pages and each rank's state bytes), no digest differs, and
-    both sides stated the state's geometry instead of refusing (``state_layout``)."""
+    ranks hold (attention pages and each rank's state bytes), every state run read was
+    checked against the digest its Prefill rank stated and none differs, and both
+    sides stated the state's geometry instead of refusing (``state_layout``)."""
     root, name, model = cluster["root"], cluster["name"], cluster["model"]
     extra = {"transport": "cma", "log_level": "INFO", "verify_kv": True,
              "deadlines": {"request_s": 60.0, "layer_ack_s": 20.0, "meta_ack_s": 10.0}}
@@ -410,6 +411,7 @@ def test_state_moves_across_tp_sizes(cluster, p_tp, d_tp):
         state_layers = sum(n for _, n in groups["state"])
         state_bytes = _state_bytes_at(cluster, d_tp)
         digest_before = metric(decode, "vllm:rd2h_kv_digest_mismatches_total")
+        verified_before = metric(decode, "vllm:rd2h_kv_blocks_verified_total")
         for n in (2, CHUNK + 1, block + 1, 300):
             prompt = _prompt(n, seed=700 + n)
             (ref,) = _reference(cluster, prompt)
@@ -424,6 +426,8 @@ def test_state_moves_across_tp_sizes(cluster, p_tp, d_tp):
             assert out["usage"]["prompt_tokens_details"]["cached_tokens"] == n - 1, out["usage"]
             assert pulled == expected, (name, p_tp, d_tp, n, pulled, expected)
         assert metric(decode, "vllm:rd2h_kv_digest_mismatches_total") == digest_before
+        # the state runs were checked (attention heads split across TP sizes are not)
+        assert metric(decode, "vllm:rd2h_kv_blocks_verified_total") > verified_before
         for side in (prefill, decode):
             text = side.log.read_text(errors="replace")
             assert "'state_layout'" in text and "'state_tp'" not in text, side.tail(40)
