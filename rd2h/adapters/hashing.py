@@ -1,4 +1,4 @@
-"""Block digests for ``verify_kv`` (``rd2h.domain.wire.digests``): XXH3-64 (the ``xxhash``
+"""Block digests for ``verify_kv`` (``rd2h.domain.planning.digests``): XXH3-64 (the ``xxhash``
 library) of bytes at addresses of this process, read in place (no copy)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import xxhash
 
-from rd2h.domain.wire.digests import DIGEST_MASK
+from rd2h.domain.planning.digests import DIGEST_MASK
 
 _hash = xxhash.xxh3_64_intdigest
 

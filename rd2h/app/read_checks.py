@@ -10,7 +10,7 @@ import numpy as np
 
 from rd2h.app.telemetry import DecodeStats
 from rd2h.domain.decode.decode_session import Read
-from rd2h.domain.wire.digests import BlockChecks
+from rd2h.domain.planning.digests import BlockChecks
 from rd2h.domain.wire.wire_values import clip, few
 from rd2h.ports import runtime as rt
 

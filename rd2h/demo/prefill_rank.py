@@ -25,9 +25,9 @@ from rd2h.demo.signals import Signals
 from rd2h.demo.synthetic import Allocation, block_pattern
 from rd2h.domain.errors import LayerSendError
 from rd2h.domain.planning.chunks import external_request_id
+from rd2h.domain.planning.digests import stated_digests
 from rd2h.domain.planning.layout import SourceLayout
 from rd2h.domain.planning.topology import compute_mapping, remote_port, tcp_endpoint
-from rd2h.domain.wire.digests import stated_digests
 from rd2h.domain.wire.protocol import ReadRequest
 from rd2h.ports.runtime import Digest
 

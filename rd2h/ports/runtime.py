@@ -20,7 +20,7 @@ class Digest(Protocol):
     def __call__(self, addrs: Sequence[int] | np.ndarray, sizes: Sequence[int] | np.ndarray
                  ) -> np.ndarray:
         """``verify_kv``: the digests (int64 array) of ``sizes[i]`` bytes at ``addrs[i]``
-        of this process (``rd2h.domain.wire.digests``)."""
+        of this process (``rd2h.domain.planning.digests``)."""
         ...
 
 

@@ -33,7 +33,7 @@ from fakes.rig import (
 
 from rd2h.adapters.hashing import digest_blocks
 from rd2h.domain.errors import LayerSendError
-from rd2h.domain.wire.digests import stated_digests
+from rd2h.domain.planning.digests import stated_digests
 from rd2h.domain.wire.protocol import ReadRequest
 
 pytestmark = pytest.mark.integration

@@ -89,6 +89,35 @@ def test_the_domain_is_in_rooms_by_concern() -> None:
         == DOMAIN_ROOMS
 
 
+# The domain's rooms in layers: a room imports only the rooms after it (errors are
+# everyone's). The wire is the bottom; planning reads the wire; each side's sessions
+# read both.
+DOMAIN_LAYERS = (("decode", "prefill"), ("planning",), ("wire",))
+
+
+def test_the_domains_rooms_import_only_downwards(graph: grimp.ImportGraph) -> None:
+    """No loop between rooms: a room imports no room beside or above it."""
+    below: dict[str, set[str]] = {}
+    for i, rooms in enumerate(DOMAIN_LAYERS):
+        lower = {r for layer in DOMAIN_LAYERS[i + 1:] for r in layer}
+        for room in rooms:
+            below[room] = lower
+    assert set(below) == DOMAIN_ROOMS
+    wrong = []
+    for module in sorted(graph.find_children("rd2h.domain")):
+        room = module.split(".")[2]
+        if room not in below:
+            continue
+        for sub in sorted(graph.find_descendants(module)) + [module]:
+            for imported in graph.find_modules_directly_imported_by(sub):
+                parts = imported.split(".")
+                if (imported.startswith("rd2h.domain.") and len(parts) > 2
+                        and parts[2] in DOMAIN_ROOMS and parts[2] != room
+                        and parts[2] not in below[room]):
+                    wrong.append((sub, imported))
+    assert wrong == [], wrong
+
+
 def _library_modules() -> list[Path]:
     """The library's own rooms: the domain, the app, the proxy, the entry point."""
     return [p for room in ("domain", "app", "proxy", "entry") for p in (ROOT / room).rglob("*.py")

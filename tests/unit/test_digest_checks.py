@@ -1,4 +1,4 @@
-"""``verify_kv``'s checks as the planner builds them (``rd2h.domain.wire.digests``): only the
+"""``verify_kv``'s checks as the planner builds them (``rd2h.domain.planning.digests``): only the
 blocks this rank read, at their destination addresses, each with the digest Prefill
 stated for that source block; digests that do not fit the blocks fail the layer."""
 
@@ -9,9 +9,9 @@ import dataclasses
 import pytest
 
 from rd2h.domain.errors import PlanningError
+from rd2h.domain.planning.digests import stated_digests
 from rd2h.domain.planning.layout import DestinationLayout, DestTensor, SourceLayout, TensorComponent
 from rd2h.domain.planning.planning import Destination, plan_reads
-from rd2h.domain.wire.digests import stated_digests
 from rd2h.domain.wire.protocol import ReadReadyBatch, ReadRequest
 
 SRC = SourceLayout("L", (TensorComponent(0x1000, 64, num_blocks=8),),

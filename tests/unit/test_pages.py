@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from rd2h.domain.errors import LayoutMismatch, ProtocolError
+from rd2h.domain.planning.digests import source_spans
 from rd2h.domain.planning.layout import (
     DestinationLayout,
     DestTensor,
@@ -18,7 +19,6 @@ from rd2h.domain.planning.layout import (
     validate_layout,
 )
 from rd2h.domain.planning.planning import Destination, plan_reads
-from rd2h.domain.wire.digests import source_spans
 from rd2h.domain.wire.protocol import ReadReadyBatch, ReadRequest, decode_layer_metadata
 
 LAYER = "model.layers.1.attn"

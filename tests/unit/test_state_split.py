@@ -266,7 +266,7 @@ def test_split_state_digests_check_every_run_and_catch_a_wrong_byte(p_tp, d_tp):
     its destination after the copy (``split_checks``): all equal, and one changed byte
     in Decode's copy is caught, naming the request and the block."""
     from rd2h.adapters.hashing import digest_blocks
-    from rd2h.domain.wire.digests import split_checks, stated_split_digests
+    from rd2h.domain.planning.digests import split_checks, stated_split_digests
     from rd2h.domain.wire.protocol import ReadRequest
 
     geo = _geometry("mamba2", MAMBA2_G1, SD)

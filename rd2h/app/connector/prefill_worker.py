@@ -26,12 +26,12 @@ from rd2h.app.connector.roles import ConnectorRole, TransferResults
 from rd2h.app.prefill import LayerTarget, PrefillSender
 from rd2h.domain.errors import CompletionError, LayoutMismatch
 from rd2h.domain.planning.chunks import layer_index
+from rd2h.domain.planning.digests import stated_digests, stated_split_digests
 from rd2h.domain.planning.layout import SourceLayout
 from rd2h.domain.planning.state_split import StateGeometry, state_slices
 from rd2h.domain.planning.topology import compute_mapping, remote_port, tcp_endpoint
 from rd2h.domain.prefill.prefill_book import Announced, RequestFailed, RequestWithheld
 from rd2h.domain.prefill.prefill_session import RequestNews
-from rd2h.domain.wire.digests import stated_digests, stated_split_digests
 from rd2h.domain.wire.protocol import ReadRequest
 from rd2h.ports.runtime import (
     NO_TIMELINE,

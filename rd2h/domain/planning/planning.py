@@ -28,6 +28,7 @@ import numpy as np
 
 from rd2h.domain.errors import PlanningError
 from rd2h.domain.planning.descriptors import DescriptorTemplate, Group, coalesce
+from rd2h.domain.planning.digests import BlockChecks, block_checks, split_checks
 from rd2h.domain.planning.kv_groups import NO_BLOCK
 from rd2h.domain.planning.layer_pair import LayerPair, block_limit
 from rd2h.domain.planning.layout import (
@@ -37,7 +38,6 @@ from rd2h.domain.planning.layout import (
     TensorComponent,
 )
 from rd2h.domain.planning.topology import owned_ranges
-from rd2h.domain.wire.digests import BlockChecks, block_checks, split_checks
 from rd2h.domain.wire.protocol import ReadReadyBatch, ReadRequest
 
 __all__ = ["BlockPlan", "Destination", "PlanMemo", "ReadPlan", "RequestOwnership", "coalesce",

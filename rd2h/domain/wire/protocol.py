@@ -93,7 +93,7 @@ class ReadRequest:
     main_start_block: int = 0
     indexer_start_block: int = 0
     # Extension (entry field 5, ``verify_kv``): per tensor, the digests of its blocks
-    # (``rd2h.domain.wire.digests``); None: not stated. Older peers ignore the field.
+    # (``rd2h.domain.planning.digests``); None: not stated. Older peers ignore the field.
     digests: tuple[tuple[int, ...], ...] | None = None
 
 
