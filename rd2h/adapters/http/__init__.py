@@ -1,2 +1,3 @@
-"""HTTP adapters (httpx, FastAPI, uvicorn): the metaserver client Decode uses and the
-``rd2h proxy`` rendezvous proxy a deployment puts in front of the engines."""
+"""HTTP adapters (httpx, uvicorn): the metaserver client Decode posts its contact to,
+the watch on the proxy's failed dispatches, and the uvicorn runner the proxy and the
+demo serve under. The proxy itself is ``rd2h.proxy``."""
