@@ -108,7 +108,7 @@ def test_the_domains_rooms_import_only_downwards(graph: grimp.ImportGraph) -> No
         room = module.split(".")[2]
         if room not in below:
             continue
-        for sub in sorted(graph.find_descendants(module)) + [module]:
+        for sub in [*sorted(graph.find_descendants(module)), module]:
             for imported in graph.find_modules_directly_imported_by(sub):
                 parts = imported.split(".")
                 if (imported.startswith("rd2h.domain.") and len(parts) > 2
