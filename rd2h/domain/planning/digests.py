@@ -102,6 +102,24 @@ def stated_split_digests(src: SourceLayout, req: ReadRequest,
     return (tuple(digest(addrs, np.tile(sizes, base.size)).tolist()) if addrs.size else (),)
 
 
+def _positions(layer: str, ids: Sequence[int], s_ids: np.ndarray, name: str,
+               ext_id: str) -> np.ndarray:
+    """Where each block read (``s_ids``) sits in the stated list ``ids``; the planner
+    reads listed ids only, so one that is not listed fails the layer."""
+    listed = np.asarray(ids, dtype=np.int64)
+    order = np.argsort(listed, kind="stable")
+    at = np.searchsorted(listed, s_ids, sorter=order)
+    pos = order[np.minimum(at, order.size - 1)]
+    if not np.array_equal(listed[pos], s_ids):
+        raise PlanningError(layer, f"a {name} block read is not in the request's block "
+                            "list", ext_id)
+    return pos
+
+
+def _cat(parts: list[np.ndarray]) -> np.ndarray:
+    return np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, np.int64)
+
+
 def split_checks(layer: str, reqs: Sequence[ReadRequest],
                  owned: Sequence[tuple[np.ndarray, np.ndarray]], runs: Sequence[MainSlice],
                  dst: DestTensor) -> BlockChecks | None:
@@ -129,13 +147,7 @@ def split_checks(layer: str, reqs: Sequence[ReadRequest],
         if not req.digests[0]:
             raise PlanningError(layer, "Prefill stated no KV digests for the state runs "
                                 "this rank reads from it", req.ext_req_id)
-        listed = np.asarray(ids, dtype=np.int64)
-        order = np.argsort(listed, kind="stable")
-        at = np.searchsorted(listed, s_ids, sorter=order)
-        pos = order[np.minimum(at, order.size - 1)]
-        if not np.array_equal(listed[pos], s_ids):
-            raise PlanningError(layer, "a state block read is not in the request's block "
-                                "list", req.ext_req_id)
+        pos = _positions(layer, ids, s_ids, "state", req.ext_req_id)
         grid = np.asarray(req.digests[0], dtype=np.int64).reshape(len(ids), n)[pos]
         addrs.append(((d_ids * dst.bytes_per_block + dst.base_addr)[:, None]
                       + d_offsets[None, :]).ravel())
@@ -146,10 +158,7 @@ def split_checks(layer: str, reqs: Sequence[ReadRequest],
     if not stated:
         return None
 
-    def cat(parts: list[np.ndarray]) -> np.ndarray:
-        return np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, np.int64)
-
-    return BlockChecks(cat(addrs), cat(sizes), cat(expected), cat(blocks), tuple(spans))
+    return BlockChecks(_cat(addrs), _cat(sizes), _cat(expected), _cat(blocks), tuple(spans))
 
 
 @dataclass(frozen=True)
@@ -227,13 +236,7 @@ def block_checks(
             if not digests:
                 raise PlanningError(layer, f"Prefill stated no KV digests for the {name} "
                                     f"blocks this rank reads from it", req.ext_req_id)
-            listed = np.asarray(ids[lo:hi], dtype=np.int64)
-            order = np.argsort(listed, kind="stable")
-            at = np.searchsorted(listed, s_ids, sorter=order)
-            pos = order[np.minimum(at, order.size - 1)]
-            if not np.array_equal(listed[pos], s_ids):  # the planner reads listed ids only
-                raise PlanningError(layer, f"a {name} block read is not in the request's "
-                                    f"block list", req.ext_req_id)
+            pos = _positions(layer, ids[lo:hi], s_ids, name, req.ext_req_id)
             s_t, d_t = srcs[t], dsts[t]
             addrs.append(d_ids * d_t.bytes_per_block + d_t.base_addr)
             sizes.append(np.full(s_ids.size, s_t.page, dtype=np.int64))
@@ -243,7 +246,4 @@ def block_checks(
     if not stated:
         return None
 
-    def cat(parts: list[np.ndarray]) -> np.ndarray:
-        return np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, np.int64)
-
-    return BlockChecks(cat(addrs), cat(sizes), cat(expected), cat(blocks), tuple(spans))
+    return BlockChecks(_cat(addrs), _cat(sizes), _cat(expected), _cat(blocks), tuple(spans))
